@@ -1,0 +1,32 @@
+# Every target creates .venv and installs what it needs, so each works on a fresh machine.
+# torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: demo test bench clean
+
+$(VENV)/.runtime: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,oracle]'
+	touch $(VENV)/.runtime $@
+
+demo: $(VENV)/.runtime
+	$(VENV)/bin/refimpl info tiny-qwen3
+	$(VENV)/bin/refimpl run tiny-qwen3 --input-ids 9707,11,1879,0
+
+test: $(VENV)/.dev
+	$(PY) -m pytest -n 2 -q
+
+bench: $(VENV)/.dev
+	$(PY) bench/forward.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

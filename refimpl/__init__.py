@@ -1,0 +1,10 @@
+"""refimpl: the pure-NumPy reference implementation of the Qwen3 family for NPU bring-up."""
+
+from . import errors
+from .models.config import ModelConfig, config_from_dict, load_config
+from .models.load import load
+from .models.model import Model
+from .trace import trace
+
+__version__ = "0.1.0"
+__all__ = ["load", "trace", "Model", "ModelConfig", "config_from_dict", "load_config", "errors", "__version__"]

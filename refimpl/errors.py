@@ -1,0 +1,25 @@
+"""Errors refimpl raises on bad input.
+
+Every message names what is wrong and where: the file, the tensor or field, the expected and the actual
+value. The CLI prints the message on one line and exits 2.
+"""
+
+
+class RefimplError(Exception):
+    """Base class: bad input that refimpl detected and explained."""
+
+
+class ConfigError(RefimplError):
+    """A config.json (or GGUF metadata) that is malformed, incomplete or unsupported."""
+
+
+class WeightsError(RefimplError):
+    """A checkpoint that is missing a tensor, or holds one of the wrong shape or dtype."""
+
+
+class FormatError(RefimplError):
+    """A file that is not what it claims to be: truncated, corrupt or of an unknown format."""
+
+
+class InputError(RefimplError):
+    """Bad arguments to a forward pass, a CLI command or a convention (ids, masks, shapes)."""

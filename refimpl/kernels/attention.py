@@ -1,0 +1,58 @@
+"""Scaled dot-product attention with Lq != Lk, GQA, and the masks device graphs use.
+
+Queries sit at absolute key indices offset .. offset+Lq-1 over keys 0 .. Lk-1 (offset = Lk - Lq for a cache
+continuation). Masks are additive: 0 where attention is allowed, finfo(dtype).min where it is not (as
+transformers' eager path builds them), optionally clamped from below to a floor as device graphs do.
+"""
+
+import numpy as np
+
+from .activation import compute_dtype, softmax
+
+
+def causal_mask(Lq: int, Lk: int, *, offset: int | None = None, sliding_window: int | None = None,
+                   key_valid: np.ndarray | None = None, dtype=np.float32) -> np.ndarray:
+    """Additive causal mask [B|1, 1, Lq, Lk].
+
+    query i (key index q = offset + i) may see key j iff  j <= q  and  j > q - sliding_window (if set)
+    and key_valid[b, j] (if given, [B, Lk] of 0/1: the padding mask).
+    """
+    offset = Lk - Lq if offset is None else offset
+    q_idx = offset + np.arange(Lq)[:, None]
+    kv_idx = np.arange(Lk)[None, :]
+    allowed = kv_idx <= q_idx
+    if sliding_window is not None:
+        allowed &= kv_idx > q_idx - sliding_window
+    allowed = allowed[None, None]  # [1, 1, Lq, Lk]
+    if key_valid is not None:
+        allowed = allowed & (np.asarray(key_valid) != 0)[:, None, None, :]
+    return np.where(allowed, dtype(0), np.finfo(dtype).min).astype(dtype)
+
+
+def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+         scale: float | None = None, mask_floor: float | None = None, return_weights: bool = False):
+    """o = softmax(q k^T * scale + M) v, with grouped-query attention.
+
+    q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mask [B|1, Hq|1, Lq, Lk] additive.
+    Query head h reads kv head h // (Hq/Hkv) (repeat_interleave), computed by grouping the query heads
+    instead of repeating K and V. scale defaults to D^-1/2 and multiplies the product after the matmul.
+    mask_floor clamps the mask from below (max(M, floor)), as graphs with a finite "-inf" do.
+    Softmax runs in at least float32; probabilities are cast back to q's dtype before the value product.
+    Returns o [B, Hq, Lq, Dv], or (o, scores, probs) with scores/probs [B, Hq, Lq, Lk] if return_weights.
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    n_rep = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qg = q.reshape(B, Hkv, n_rep, Lq, D)
+    scores = (qg @ k[:, :, None].swapaxes(-1, -2)) * q.dtype.type(scale)  # [B, Hkv, n_rep, Lq, Lk]
+    if mask is not None:
+        if mask_floor is not None:
+            mask = np.maximum(mask, mask.dtype.type(mask_floor))
+        heads = mask.shape[1]
+        scores = scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk)
+    probs = softmax(scores.astype(compute_dtype(scores), copy=False)).astype(q.dtype, copy=False)
+    o = (probs @ v[:, :, None]).reshape(B, Hq, Lq, v.shape[-1])
+    if return_weights:
+        return o, scores.reshape(B, Hq, Lq, Lk), probs.reshape(B, Hq, Lq, Lk)
+    return o

@@ -1,0 +1,41 @@
+"""Mixture-of-experts routing and mixing (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE).
+
+router:  p = softmax(float32(logits)) over all E; (w, idx) = top-k(p); w <- w / sum(w) if renormalised;
+         w cast back to the logits dtype.
+mix:     out = sum over the chosen experts, in ascending expert id, of w_e * expert_e(x), from zeros.
+shared:  out += sigmoid(x . w_sg) * shared_expert(x)
+"""
+
+import numpy as np
+
+from .activation import compute_dtype, sigmoid, softmax
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool):
+    """logits [N, E] -> probs [N, E] (float32+), weights [N, k] (logits dtype), experts [N, k] int64.
+
+    Experts are ordered by descending probability; exact ties go to the lower expert id.
+    """
+    probs = softmax(logits.astype(compute_dtype(logits), copy=False))
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, experts, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return probs, weights.astype(logits.dtype, copy=False), experts
+
+
+def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn) -> np.ndarray:
+    """x [N, H], experts/weights [N, k], expert_fn(e, x_e [n_e, H]) -> [n_e, H]  ->  out [N, H].
+
+    Each term is weighted after the expert's down projection and added in ascending expert id.
+    """
+    out = np.zeros_like(x)
+    for e in np.unique(experts):
+        token, slot = np.nonzero(experts == e)
+        out[token] += expert_fn(int(e), x[token]) * weights[token, slot, None]
+    return out
+
+
+def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray) -> np.ndarray:
+    """Per-token scalar gate sigmoid(x . w_sg).  x [N, H], gate_weight [1, H] -> [N, 1]."""
+    return sigmoid(x @ gate_weight.T)

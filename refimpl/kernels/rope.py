@@ -1,0 +1,153 @@
+"""Rotary position embedding: inverse frequencies for every rope type transformers supports for Qwen3,
+cos/sin tables, and the half-split (NeoX, `rotate_half`) rotation with partial rotary.
+
+Shapes: positions [B, T] (integers); inv_freq [rot/2]; tables [B, T, rot/2] (half width, as device graphs
+take them); x [B, T, H, D] with rot <= D. Frequencies are formed in the table dtype (float32 in the default
+mode, float64 in the oracle mode); `base ** exponent` is evaluated in float64 and rounded once.
+"""
+
+import math
+
+import numpy as np
+
+
+def _base_powers(base: float, dim: int, dtype) -> np.ndarray:
+    """base ** (2i / dim) for i < dim/2: the exponent is formed in `dtype` as transformers forms it."""
+    exponent = np.arange(0, dim, 2).astype(dtype) / dtype(dim)
+    return (np.float64(base) ** exponent.astype(np.float64)).astype(dtype)
+
+
+def default_inv_freq(base: float, dim: int, dtype=np.float32) -> np.ndarray:
+    """inv_freq[i] = 1 / base^(2i/dim); dim is the rotary width (not head_dim under partial rotary)."""
+    return dtype(1) / _base_powers(base, dim, dtype)
+
+
+def _yarn(p: dict, dim: int, max_pos: int, dtype):
+    base, factor = p["rope_theta"], p.get("factor")
+    original = p["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_pos / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations):  # the dimension whose wavelength makes `rotations` turns over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=dtype) - dtype(low)) / dtype(high - low), 0, 1)
+    pos_freqs = _base_powers(base, dim, dtype)
+    extrapolation, interpolation = dtype(1) / pos_freqs, dtype(1) / (dtype(factor) * pos_freqs)
+    keep = dtype(1) - ramp  # 1: keep the original frequency (high frequencies), 0: interpolate
+    return interpolation * (dtype(1) - keep) + extrapolation * keep, float(attention_factor)
+
+
+def _llama3(p: dict, dim: int, dtype):
+    inv_freq = default_inv_freq(p["rope_theta"], dim, dtype)
+    factor, low_ff, high_ff = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = dtype(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > old_len / low_ff, inv_freq / dtype(factor), inv_freq)
+    smooth = (dtype(old_len) / wavelen - dtype(low_ff)) / dtype(high_ff - low_ff)
+    smoothed = (dtype(1) - smooth) * scaled / dtype(factor) + smooth * scaled
+    medium = ~(wavelen < old_len / high_ff) & ~(wavelen > old_len / low_ff)
+    return np.where(medium, smoothed, scaled).astype(dtype), 1.0
+
+
+def _longrope(p: dict, dim: int, max_pos: int, seq_len, dtype):
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    long = seq_len is not None and seq_len > original
+    ext = np.asarray(p["long_factor"] if long else p["short_factor"], dtype=dtype)
+    return dtype(1) / (ext * _base_powers(p["rope_theta"], dim, dtype)), float(attention_factor)
+
+
+def _dynamic(p: dict, dim: int, max_pos: int, seq_len, dtype):
+    seq_len = max(seq_len or max_pos, max_pos)
+    factor = dtype(p["factor"])
+    growth = (factor * dtype(seq_len) / dtype(max_pos) - (factor - dtype(1))) ** dtype(dim / (dim - 2))
+    return default_inv_freq(dtype(p["rope_theta"]) * growth, dim, dtype), 1.0
+
+
+def inv_freq_and_scaling(rope: dict, dim: int, max_position_embeddings: int, seq_len: int | None = None,
+                         dtype=np.float32) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim/2] and the attention scaling that multiplies both cos and sin.
+
+    rope: transformers' standardised `rope_parameters` (rope_type, rope_theta, factor, ...).
+    seq_len: max(position) + 1 of the current call; only `dynamic` and `longrope` depend on it.
+    """
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return default_inv_freq(rope["rope_theta"], dim, dtype), 1.0
+    if kind == "linear":
+        return default_inv_freq(rope["rope_theta"], dim, dtype) / dtype(rope["factor"]), 1.0
+    if kind == "dynamic":
+        return _dynamic(rope, dim, max_position_embeddings, seq_len, dtype)
+    if kind == "yarn":
+        return _yarn(rope, dim, max_position_embeddings, dtype)
+    if kind == "llama3":
+        return _llama3(rope, dim, dtype)
+    if kind == "longrope":
+        return _longrope(rope, dim, max_position_embeddings, seq_len, dtype)
+    raise ValueError(f"unknown rope_type {kind!r}")
+
+
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, attention_scaling: float = 1.0):
+    """Half-width cos/sin tables.  positions [B, T] -> cos, sin [B, T, rot/2] in inv_freq's dtype.
+
+    freqs = p * inv_freq (in the table dtype); cos = cos(freqs) * scaling. transformers duplicates the table to
+    width rot (`cat(freqs, freqs)`); the half is all the information, and is what device graphs take.
+    cos/sin are evaluated in float64 and rounded once.
+    """
+    dtype = inv_freq.dtype.type
+    freqs = positions.astype(dtype)[..., None] * inv_freq  # [B, T, rot/2]
+    cos = np.cos(freqs.astype(np.float64)).astype(dtype) * dtype(attention_scaling)
+    sin = np.sin(freqs.astype(np.float64)).astype(dtype) * dtype(attention_scaling)
+    return cos, sin
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Half-split rotation of the first rot channels of every head; channels rot..D pass through.
+
+    x [B, T, H, D], cos/sin [B, T, rot/2] (broadcast over heads), h = rot/2:
+      y[:h]    = x[:h] * cos - x[h:rot] * sin
+      y[h:rot] = x[h:rot] * cos + x[:h] * sin      (= x*cos + rotate_half(x)*sin with duplicated tables)
+      y[rot:]  = x[rot:]
+    """
+    h = cos.shape[-1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2, rest = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype, copy=False)
+
+
+def mrope_interleaved_tables(positions_thw: np.ndarray, inv_freq: np.ndarray, mrope_section, attention_scaling=1.0):
+    """Qwen3.5's interleaved multimodal RoPE: frequency slot j takes its angle from axis H if j % 3 == 1 and
+    j < 3*section[1], from axis W if j % 3 == 2 and j < 3*section[2], else from axis T.
+
+    positions_thw [3, B, T] -> cos, sin [B, T, rot/2]. For text, all three rows hold the same positions, so
+    every slot reads the same angle and this is exactly `rope_tables(positions, ...)`.
+    """
+    j = np.arange(inv_freq.shape[0])
+    axis = np.zeros_like(j)
+    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    cos_sin = [rope_tables(positions_thw[a], inv_freq, attention_scaling) for a in range(3)]
+    cos = np.stack([cs[0] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
+    sin = np.stack([cs[1] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
+    return cos, sin

@@ -1,0 +1,235 @@
+"""ModelConfig: every field the forward pass reads, from an HF config.json (or GGUF metadata).
+
+Defaults are transformers 5.23's class defaults; structural fields (sizes, counts) are required, because a
+config.json that lacks them is broken and a silent default would build the wrong model.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..errors import ConfigError
+
+DENSE_TYPES = ("qwen3",)
+MOE_TYPES = ("qwen3_moe",)
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+SUPPORTED = DENSE_TYPES + MOE_TYPES + HYBRID_TYPES
+
+# transformers 5.23 class defaults of the fields that may be absent from a config.json
+_DEFAULTS = {
+    "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    "decoder_sparse_step": 1, "mlp_only_layers": None, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_next": 256, "qwen3_5_text": 256, "qwen3_5_moe_text": 256}
+_DEFAULT_NORM_TOPK = {"qwen3_moe": False, "qwen3_next": True, "qwen3_5_moe_text": True}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int | None
+    hidden_act: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: dict                      # standardised rope_parameters: rope_type, rope_theta, factor, ...
+    rotary_dim: int                 # rotated channels per head (rot)
+    layer_types: tuple              # per layer: full_attention | sliding_attention | linear_attention
+    sliding_window: int | None
+    # mixture of experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    # gated deltanet (hybrid models)
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    mrope_section: tuple | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    pad_token_id: int | None = None
+    source: str = ""
+    mtp_layers: int = 0             # multi-token-prediction blocks in the checkpoint (recognised, not run)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.model_type in HYBRID_TYPES
+
+    @property
+    def zero_centered_norms(self) -> bool:
+        """Qwen3-Next / Qwen3.5 scale their norms by (1 + w); Qwen3 / Qwen3-MoE by w."""
+        return self.is_hybrid
+
+    def is_moe_layer(self, i: int) -> bool:
+        if self.model_type == "qwen3_5_moe_text":
+            return True
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _standardize_rope(d: dict, hybrid: bool) -> dict:
+    """transformers 5.x `rope_parameters` from either that dict or the legacy rope_theta / rope_scaling."""
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    prf = d.get("partial_rotary_factor", 0.25 if hybrid else None)
+    if prf is not None:
+        rope.setdefault("partial_rotary_factor", prf)
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings",
+                        d.get("original_max_position_embeddings", d.get("max_position_embeddings", 32768)))
+    return rope
+
+
+def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
+    """Build and check a ModelConfig from a config.json dict (multimodal wrappers: their text_config)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    model_type = d.get("model_type")
+    if model_type in MULTIMODAL_WRAPPERS:
+        text = d.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object")
+        text = {**text, "model_type": text.get("model_type", MULTIMODAL_WRAPPERS[model_type])}
+        text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
+        d = text
+        model_type = d["model_type"]
+    if model_type not in SUPPORTED:
+        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
+    hybrid = model_type in HYBRID_TYPES
+
+    def get(key, required=False, default=None):
+        if key in d and d[key] is not None:
+            return d[key]
+        if required:
+            raise ConfigError(f"{source}: missing field {key!r} (needed for model_type {model_type!r})")
+        return _DEFAULTS.get(key, default)
+
+    def positive_int(key, value):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+        return value
+
+    req = {k: positive_int(k, get(k, required=True)) for k in _REQUIRED}
+    L, heads = req["num_hidden_layers"], req["num_attention_heads"]
+    kv_heads = positive_int("num_key_value_heads", get("num_key_value_heads", default=heads))
+    if heads % kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = d.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or req["hidden_size"] // heads
+    positive_int("head_dim", head_dim)
+
+    moe = model_type in MOE_TYPES or model_type in ("qwen3_next", "qwen3_5_moe_text")
+    num_experts = get("num_experts", required=moe) if moe else 0
+    if moe:
+        positive_int("num_experts", num_experts)
+    mlp_only = tuple(get("mlp_only_layers") or ())
+    sparse_step = get("decoder_sparse_step")
+    needs_dense = not moe or model_type != "qwen3_5_moe_text" and (
+        mlp_only or sparse_step != 1)
+    intermediate = get("intermediate_size", required=needs_dense)
+
+    rope = _standardize_rope(d, hybrid)
+    if hybrid:
+        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    else:
+        rotary_dim = head_dim  # Qwen3's rotary embedding always spans the full head
+    if rotary_dim % 2 or rotary_dim <= 0:
+        raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
+
+    sliding_window = get("sliding_window") if get("use_sliding_window") else None
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        if hybrid:
+            interval = positive_int("full_attention_interval", get("full_attention_interval"))
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
+        elif model_type == "qwen3":
+            window_layers = get("max_window_layers")
+            layer_types = ["sliding_attention" if sliding_window is not None and i >= window_layers
+                           else "full_attention" for i in range(L)]
+        else:  # qwen3_moe applies the window, when enabled, to every layer
+            layer_types = ["sliding_attention" if sliding_window is not None else "full_attention"] * L
+    if len(layer_types) != L:
+        raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers is {L}")
+    bad = sorted(set(layer_types) - _LAYER_TYPES)
+    if bad:
+        raise ConfigError(f"{source}: unknown layer type {bad[0]!r} in layer_types")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
+    if not hybrid and "linear_attention" in layer_types:
+        raise ConfigError(f"{source}: model_type {model_type!r} has no linear_attention layers")
+
+    extra = {}
+    if moe:
+        extra.update(
+            num_experts=num_experts,
+            num_experts_per_tok=positive_int("num_experts_per_tok", get("num_experts_per_tok", required=True)),
+            moe_intermediate_size=positive_int("moe_intermediate_size", get("moe_intermediate_size", required=True)),
+            norm_topk_prob=True if model_type == "qwen3_5_moe_text" else bool(
+                get("norm_topk_prob", default=_DEFAULT_NORM_TOPK[model_type])),
+            decoder_sparse_step=positive_int("decoder_sparse_step", sparse_step),
+            mlp_only_layers=mlp_only,
+        )
+        if extra["num_experts_per_tok"] > num_experts:
+            raise ConfigError(f"{source}: num_experts_per_tok {extra['num_experts_per_tok']} > num_experts {num_experts}")
+        if model_type != "qwen3_moe":
+            extra["shared_expert_intermediate_size"] = positive_int(
+                "shared_expert_intermediate_size", get("shared_expert_intermediate_size", required=True))
+    if hybrid:
+        lin = {k: positive_int(k, get(k)) for k in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                     "linear_value_head_dim", "linear_num_key_heads",
+                                                     "linear_num_value_heads")}
+        if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+            raise ConfigError(f"{source}: linear_num_value_heads {lin['linear_num_value_heads']} is not a multiple "
+                              f"of linear_num_key_heads {lin['linear_num_key_heads']}")
+        extra.update(lin)
+        if model_type != "qwen3_next":
+            extra["mrope_section"] = tuple(rope.get("mrope_section") or (11, 11, 10))
+        extra["mtp_layers"] = int(d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or 0)
+
+    return ModelConfig(
+        model_type=model_type, **req, num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate, hidden_act=get("hidden_act"),
+        max_position_embeddings=get("max_position_embeddings"), rms_norm_eps=float(get("rms_norm_eps")),
+        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
+        rope=rope, rotary_dim=rotary_dim, layer_types=tuple(layer_types), sliding_window=sliding_window,
+        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
+        source=source, **extra,
+    )
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read and check `config.json` (a file, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return config_from_dict(d, source=str(path))

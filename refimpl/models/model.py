@@ -1,0 +1,142 @@
+"""The model: a config, its weights, and the forward pass over a per-layer cache."""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import InputError
+from ..kernels.attention import causal_mask
+from ..kernels.linear import embedding, linear
+from ..kernels.rope import inv_freq_and_scaling, rope_tables
+from ..trace import tap
+from . import qwen3
+from .cache import Cache
+from .config import ModelConfig
+from .weights import Weights
+
+
+@dataclasses.dataclass
+class Context:
+    """What every layer of one forward call shares."""
+    cos: np.ndarray               # [B, T, rot/2]
+    sin: np.ndarray               # [B, T, rot/2]
+    masks: dict                   # layer type -> additive mask [B|1, 1, T, P+T] (attention) or None
+    cache: Cache | None
+    linear_mask: np.ndarray | None  # [B, T] 0/1 for linear-attention layers, None when nothing is padded
+
+
+def _architecture(cfg: ModelConfig):
+    """(expected tensors, mixer for layer i) of the architecture."""
+    if cfg.is_hybrid:
+        from . import hybrid
+        return hybrid.expected_tensors, hybrid.mixer
+    return qwen3.expected_tensors, lambda i: qwen3.self_attention_mixer
+
+
+class Model:
+    def __init__(self, config: ModelConfig, weights: Weights):
+        self.config = config
+        self.weights = weights
+        self.dtype = weights.dtype
+        expected, mixer = _architecture(config)
+        weights.check(expected(config))
+        self._mixers = [mixer(i) for i in range(config.num_hidden_layers)]
+
+    def new_cache(self, batch_size: int = 1) -> Cache:
+        return Cache(self.config.num_hidden_layers, batch_size)
+
+    def forward(self, input_ids, *, cache: Cache | None = None, attention_mask=None, position_ids=None,
+                logits_to_keep: int = 0) -> np.ndarray:
+        """input_ids int [B, T] (or [T]) -> logits [B, T, V] in the model dtype.
+
+        cache: continues its positions and is updated in place.
+        attention_mask: 0/1, [B, T] for the new tokens or [B, P+T] including the past; left padding allowed.
+        position_ids: [B, T]; by default cumsum(mask) - 1 over past and new tokens (pads clipped to 0), so a
+        padded row's valid outputs equal the same row run unpadded.
+        logits_to_keep: compute logits for the last N positions only (0 = all).
+        """
+        cfg, w = self.config, self.weights
+        ids = self._check_ids(input_ids)
+        B, T = ids.shape
+        if cache is not None and cache.batch_size != B:
+            raise InputError(f"cache holds batch size {cache.batch_size}, input_ids has {B} rows")
+        past = cache.mask if cache is not None else np.ones((B, 0), np.int64)
+        P = past.shape[1]
+        full_mask = self._full_mask(attention_mask, past, B, T)             # [B, P+T]
+        if position_ids is None:
+            positions = np.maximum(np.cumsum(full_mask, axis=1) - 1, 0)[:, P:]
+        else:
+            positions = np.broadcast_to(np.asarray(position_ids, dtype=np.int64), (B, T))
+        cos, sin = self._rope(positions, cache)
+        padded = not full_mask.all()
+        masks = {kind: causal_mask(T, P + T, offset=P, key_valid=full_mask if padded else None,
+                                      sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
+                                      dtype=self.dtype.type)
+                 for kind in set(cfg.layer_types) - {"linear_attention"}}
+        linear_mask = full_mask[:, P:] if padded and T > 1 else None
+        ctx = Context(cos, sin, masks, cache, linear_mask)
+
+        x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
+        tap("model.embed_tokens", None, x)
+        for i, mixer in enumerate(self._mixers):
+            x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
+        x = qwen3.norm(w, "model.norm", x, cfg)
+        tap("model.norm", None, x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+        logits = linear(x, lm_head)                                         # [B, T, V]
+        tap("lm_head", None, logits)
+        if cache is not None:
+            cache.mask = full_mask
+        return logits
+
+    __call__ = forward
+
+    def _check_ids(self, input_ids) -> np.ndarray:
+        ids = np.asarray(input_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"input_ids must be a non-empty integer array [B, T], got {ids.dtype} {list(ids.shape)}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            b, t = map(int, np.argwhere(bad)[0])
+            raise InputError(f"input_ids[{b}, {t}] = {int(ids[b, t])} is outside the vocabulary "
+                             f"[0, {self.config.vocab_size})")
+        return ids.astype(np.int64, copy=False)
+
+    @staticmethod
+    def _full_mask(attention_mask, past: np.ndarray, B: int, T: int) -> np.ndarray:
+        P = past.shape[1]
+        if attention_mask is None:
+            return np.concatenate([past, np.ones((B, T), np.int64)], axis=1)
+        m = np.asarray(attention_mask)
+        if m.ndim == 1:
+            m = m[None]
+        if m.shape == (B, P + T) and P:
+            if not np.array_equal(m[:, :P] != 0, past != 0):
+                raise InputError("attention_mask disagrees with the cache about which past positions are real")
+            return (m != 0).astype(np.int64)
+        if m.shape != (B, T):
+            raise InputError(f"attention_mask has shape {list(m.shape)}, expected [{B}, {T}] or [{B}, {P + T}]")
+        return np.concatenate([past, (m != 0).astype(np.int64)], axis=1)
+
+    def _rope(self, positions: np.ndarray, cache: Cache | None):
+        """cos/sin [B, T, rot/2] for these positions. Dynamic NTK RoPE recomputes its frequencies when the
+        sequence outgrows every length seen so far (kept in the cache), as transformers does."""
+        cfg = self.config
+        seq_len = int(positions.max()) + 1
+        rope_len = seq_len
+        if cfg.rope.get("rope_type") == "dynamic":
+            seen = (cache.rope_max_seq_len if cache is not None else None) or cfg.max_position_embeddings
+            if seq_len > seen:
+                seen = seq_len
+            elif seq_len < cfg.max_position_embeddings < seen:
+                seen = cfg.max_position_embeddings
+            if cache is not None:
+                cache.rope_max_seq_len = seen
+            rope_len = seen
+        inv_freq, scaling = inv_freq_and_scaling(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings,
+                                                 seq_len=rope_len, dtype=self.dtype.type)
+        return rope_tables(positions, inv_freq, scaling)

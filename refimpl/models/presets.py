@@ -1,0 +1,80 @@
+"""Built-in tiny models with seeded random weights: the embedded default and the test fixtures.
+
+They are shaped like the released models (the real vocabulary size, explicit head_dim != hidden/heads,
+GQA, tied embeddings where the small Qwen3 checkpoints tie them) but small. Every 1-D parameter is
+randomised: transformers initialises norms to exactly 0 or 1, which hides a wrong (1 + w) vs w.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .config import config_from_dict
+
+_QWEN3_COMMON = {
+    "vocab_size": 151936, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "bos_token_id": 151643, "eos_token_id": 151645, "attention_bias": False, "use_sliding_window": False,
+}
+PRESETS: dict[str, dict] = {
+    "tiny-qwen3": {**_QWEN3_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                   "intermediate_size": 192, "tie_word_embeddings": True},
+    "tiny-qwen3-moe": {**_QWEN3_COMMON, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                       "intermediate_size": 192, "moe_intermediate_size": 32, "num_experts": 8,
+                       "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "tie_word_embeddings": False},
+}
+PRESET_SEED = 20261122
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """One generator per tensor, so a tensor's values depend only on (seed, its name)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Seeded random weights for every tensor the config's forward reads.
+
+    matrices: N(0, 1/fan_in); embeddings N(0, 1); plain norm weights 1 + N(0, 0.1^2); zero-centred norm
+    weights N(0, 0.1^2); biases N(0, 0.1^2); per-model extras (A_log, dt_bias, ...) as their module says.
+    """
+    from .model import _architecture
+    expected, _ = _architecture(config)
+    out = {}
+    for name, shape in sorted(expected(config).items()):
+        r = _rng(seed, name)
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            a = r.standard_normal(shape, dtype=np.float32)
+        elif name.endswith(".A_log"):
+            a = np.log(r.uniform(1.0, 16.0, shape)).astype(np.float32)
+        elif name.endswith(".dt_bias") or name.endswith(".bias"):
+            a = 0.1 * r.standard_normal(shape, dtype=np.float32)
+        elif len(shape) == 1:
+            plain = not config.zero_centered_norms or ".linear_attn.norm" in name
+            a = (1.0 if plain else 0.0) + 0.1 * r.standard_normal(shape, dtype=np.float32)
+        else:
+            a = r.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
+        out[name] = a.astype(dtype)
+    return out
+
+
+def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED):
+    from .model import Model
+    from .weights import Weights
+    config = config_from_dict(PRESETS[name], source=f"preset:{name}")
+    return Model(config, Weights(random_weights(config, seed), dtype=dtype, source=f"preset:{name}"))
+
+
+def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED) -> Path:
+    """Write a preset as an HF checkpoint directory (config.json + model.safetensors)."""
+    from ..formats.safetensors import write_safetensors
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = config_from_dict(PRESETS[name], source=f"preset:{name}")
+    (directory / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
+    write_safetensors(directory / "model.safetensors", random_weights(config, seed))
+    return directory

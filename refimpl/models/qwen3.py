@@ -1,0 +1,169 @@
+"""Qwen3 dense and Qwen3-MoE decoder layers, and the blocks the hybrid models share with them.
+
+One pre-norm layer:  h = x + attention(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h)).
+Every function reads its weights by checkpoint name under `p` (e.g. "model.layers.3.self_attn") and taps
+its intermediates under the same path.
+"""
+
+import numpy as np
+
+from ..kernels.activation import ACTIVATIONS, sigmoid
+from ..kernels.attention import sdpa
+from ..kernels.linear import linear
+from ..kernels.moe import mix_experts, route, shared_expert_gate
+from ..kernels.norm import rms_norm
+from ..kernels.rope import apply_rope
+from ..trace import tap, tracing
+
+
+def norm(w, name: str, x: np.ndarray, cfg) -> np.ndarray:
+    """The model's RMSNorm: plain weight (Qwen3) or zero-centred (1 + w) (Qwen3-Next / 3.5)."""
+    return rms_norm(x, w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms)
+
+
+def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = False) -> np.ndarray:
+    """Self-attention.  x [B, T, H] -> [B, T, H].
+
+    q = q_norm(x Wq^T) and k = k_norm(x Wk^T) per head, then RoPE on the first rot channels; v = x Wv^T.
+    gated (Qwen3-Next / 3.5): q_proj rows are interleaved per head [q_h | gate_h], and the attention output
+    is multiplied by sigmoid(gate) before o_proj.
+    """
+    B, T, _ = x.shape
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))
+    k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))
+    v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
+    tap(p, "q_proj", q), tap(p, "k_proj", k), tap(p, "v_proj", v)
+    if gated:
+        q, gate = np.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)      # [B, T, Hq, D] each
+        gate = gate.reshape(B, T, Hq * D)
+        tap(p, "gate", gate)
+    q = norm(w, f"{p}.q_norm", q.reshape(B, T, Hq, D), cfg)             # [B, T, Hq, D]
+    k = norm(w, f"{p}.k_norm", k.reshape(B, T, Hkv, D), cfg)            # [B, T, Hkv, D]
+    tap(p, "q_norm", q), tap(p, "k_norm", k)
+    q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+    tap(p, "q_rope", q), tap(p, "k_rope", k)
+    q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+    if ctx.cache is not None:
+        k, v = ctx.cache.append_kv(layer, k, v)                          # [B, Hkv, P+T, D]
+    mask = ctx.masks[cfg.layer_types[layer]]
+    if tracing():
+        o, scores, probs = sdpa(q, k, v, mask, return_weights=True)
+        tap(p, "attn_scores", scores), tap(p, "attn_probs", probs)
+    else:
+        o = sdpa(q, k, v, mask)                                          # [B, Hq, T, D]
+    o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
+    tap(p, "attn_output", o)
+    if gated:
+        o = o * sigmoid(gate)
+        tap(p, "gated_output", o)
+    out = linear(o, w[f"{p}.o_proj.weight"], w.get(f"{p}.o_proj.bias"))
+    tap(p, "o_proj", out)
+    return out
+
+
+def mlp(w, p: str, x: np.ndarray, cfg) -> np.ndarray:
+    """SwiGLU:  down( act(gate(x)) * up(x) ).  x [..., H] -> [..., H]."""
+    act = ACTIVATIONS[cfg.hidden_act]
+    gate = linear(x, w[f"{p}.gate_proj.weight"])
+    up = linear(x, w[f"{p}.up_proj.weight"])
+    tap(p, "gate_proj", gate), tap(p, "up_proj", up)
+    hidden = act(gate) * up
+    tap(p, "hidden", hidden)
+    out = linear(hidden, w[f"{p}.down_proj.weight"])
+    tap(p, "down_proj", out)
+    return out
+
+
+def moe(w, p: str, x: np.ndarray, cfg) -> np.ndarray:
+    """Sparse MoE block: router softmax -> top-k -> (renormalise) -> experts summed in ascending id;
+    plus, where the checkpoint has one, the shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    B, T, H = x.shape
+    act = ACTIVATIONS[cfg.hidden_act]
+    xs = x.reshape(B * T, H)
+    logits = linear(xs, w[f"{p}.gate.weight"])                          # [N, E]
+    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    tap(p, "gate", logits.reshape(B, T, -1)), tap(p, "router_probs", probs.reshape(B, T, -1))
+    tap(p, "selected_experts", experts.reshape(B, T, -1)), tap(p, "routing_weights", weights.reshape(B, T, -1))
+
+    def expert(e: int, xe: np.ndarray) -> np.ndarray:
+        gate, up, down = w.expert(f"{p}.experts", e)
+        return linear(act(linear(xe, gate)) * linear(xe, up), down)
+
+    out = mix_experts(xs, experts, weights, expert)
+    tap(p, "experts", out.reshape(B, T, H))
+    if f"{p}.shared_expert_gate.weight" in w:
+        shared = mlp(w, f"{p}.shared_expert", xs, cfg)
+        gate = shared_expert_gate(xs, w[f"{p}.shared_expert_gate.weight"])
+        tap(p, "shared_expert_gate", gate.reshape(B, T, 1))
+        out = out + gate * shared
+    out = out.reshape(B, T, H)
+    tap(p, None, out)
+    return out
+
+
+def feed_forward(w, i: int, x: np.ndarray, cfg) -> np.ndarray:
+    p = f"model.layers.{i}.mlp"
+    return moe(w, p, x, cfg) if cfg.is_moe_layer(i) else mlp(w, p, x, cfg)
+
+
+def decoder_layer(w, i: int, x: np.ndarray, cfg, ctx, mixer) -> np.ndarray:
+    """Pre-norm residual layer around `mixer` (attention or, in hybrids, Gated DeltaNet) and the MLP."""
+    p = f"model.layers.{i}"
+    h = norm(w, f"{p}.input_layernorm", x, cfg)
+    tap(p, "input_layernorm", h)
+    h = x + mixer(w, i, h, cfg, ctx)
+    tap(p, "attn_residual", h)
+    m = norm(w, f"{p}.post_attention_layernorm", h, cfg)
+    tap(p, "post_attention_layernorm", m)
+    out = h + feed_forward(w, i, m, cfg)
+    tap(p, None, out)
+    return out
+
+
+def self_attention_mixer(w, i, x, cfg, ctx):
+    return attention(w, f"model.layers.{i}.self_attn", x, cfg, ctx, i)
+
+
+def attention_tensors(cfg, p: str, gated: bool = False) -> dict:
+    Hq, Hkv, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    t = {f"{p}.q_proj.weight": ((2 if gated else 1) * Hq * D, H), f"{p}.k_proj.weight": (Hkv * D, H),
+         f"{p}.v_proj.weight": (Hkv * D, H), f"{p}.o_proj.weight": (H, Hq * D),
+         f"{p}.q_norm.weight": (D,), f"{p}.k_norm.weight": (D,)}
+    if cfg.attention_bias:
+        t.update({f"{p}.q_proj.bias": (Hq * D,), f"{p}.k_proj.bias": (Hkv * D,), f"{p}.v_proj.bias": (Hkv * D,),
+                  f"{p}.o_proj.bias": (H,)})
+    return t
+
+
+def mlp_tensors(p: str, hidden: int, inner: int) -> dict:
+    return {f"{p}.gate_proj.weight": (inner, hidden), f"{p}.up_proj.weight": (inner, hidden),
+            f"{p}.down_proj.weight": (hidden, inner)}
+
+
+def feed_forward_tensors(cfg, i: int) -> dict:
+    p, H = f"model.layers.{i}.mlp", cfg.hidden_size
+    if not cfg.is_moe_layer(i):
+        return mlp_tensors(p, H, cfg.intermediate_size)
+    E, Ie = cfg.num_experts, cfg.moe_intermediate_size
+    t = {f"{p}.gate.weight": (E, H), f"{p}.experts.gate_up_proj": (E, 2 * Ie, H),
+         f"{p}.experts.down_proj": (E, H, Ie)}
+    if cfg.shared_expert_intermediate_size:
+        t.update(mlp_tensors(f"{p}.shared_expert", H, cfg.shared_expert_intermediate_size))
+        t[f"{p}.shared_expert_gate.weight"] = (1, H)
+    return t
+
+
+def expected_tensors(cfg) -> dict:
+    """Checkpoint name -> shape of every tensor a Qwen3 / Qwen3-MoE forward reads."""
+    H = cfg.hidden_size
+    t = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = (H,)
+        t[f"{p}.post_attention_layernorm.weight"] = (H,)
+        t.update(attention_tensors(cfg, f"{p}.self_attn"))
+        t.update(feed_forward_tensors(cfg, i))
+    return t

@@ -1,0 +1,104 @@
+"""Weights: HF checkpoint name -> array in the compute dtype, loaded lazily.
+
+Stored arrays (memory maps, or in-memory arrays for presets) are converted to the compute dtype on first use
+and kept; a float32 checkpoint in float32 mode is used in place, with no copy at all.
+Names are the checkpoint's own; the multimodal prefix `model.language_model.` is mapped to `model.`, and
+`mtp.*` (multi-token prediction) and `model.visual.*` tensors are set aside, not loaded.
+"""
+
+import hashlib
+import re
+
+import numpy as np
+
+from ..errors import WeightsError
+
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+_SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+
+
+class Weights:
+    def __init__(self, stored: dict[str, np.ndarray], dtype="float32", source: str = "<memory>"):
+        self.dtype = np.dtype(dtype)
+        self.source = source
+        self.stored: dict[str, np.ndarray] = {}
+        self.set_aside: list[str] = []
+        for name, array in stored.items():
+            if _SET_ASIDE.match(name):
+                self.set_aside.append(name)
+                continue
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            self.stored[name] = array
+        self._converted: dict[str, np.ndarray] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        out = self._converted.get(name)
+        if out is None:
+            try:
+                raw = self.stored[name]
+            except KeyError:
+                raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
+            out = raw if raw.dtype == self.dtype else np.asarray(raw).astype(self.dtype)
+            self._converted[name] = out
+        return out
+
+    def get(self, name: str):
+        return self[name] if name in self.stored else None
+
+    def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
+        from per-expert tensors or the fused gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie]."""
+        if f"{prefix}.{e}.gate_proj.weight" in self.stored:
+            return tuple(self[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+        gate_up = self[f"{prefix}.gate_up_proj"][e]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half], gate_up[half:], self[f"{prefix}.down_proj"][e]
+
+    def check(self, expected: dict[str, tuple]) -> None:
+        """Every expected tensor present, floating point, of the expected shape; fused experts may be stored
+        per expert instead. Reads headers only."""
+        for name, shape in expected.items():
+            if name not in self.stored and self._check_per_expert(name, shape):
+                continue
+            if name not in self.stored:
+                raise WeightsError(f"{self.source}: missing tensor {name!r} (expected shape {list(shape)})")
+            self._check_one(name, shape)
+
+    def _check_one(self, name, shape):
+        a = self.stored[name]
+        if a.dtype.name not in FLOAT_DTYPES:
+            raise WeightsError(f"{self.source}: tensor {name!r} has dtype {a.dtype.name}, expected a float type "
+                               f"(F32, F16, BF16)")
+        if tuple(a.shape) != tuple(shape):
+            raise WeightsError(f"{self.source}: tensor {name!r} has shape {list(a.shape)}, expected {list(shape)}")
+
+    def _check_per_expert(self, name, shape) -> bool:
+        m = re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)$", name)
+        if not m or f"{m.group(1)}.0.gate_proj.weight" not in self.stored:
+            return False
+        E = shape[0]
+        parts = {"gate_up_proj": (("gate", (shape[1] // 2, shape[2])), ("up", (shape[1] // 2, shape[2]))),
+                 "down_proj": (("down", tuple(shape[1:])),)}[m.group(2)]
+        for e in range(E):
+            for proj, s in parts:
+                sub = f"{m.group(1)}.{e}.{proj}_proj.weight"
+                if sub not in self.stored:
+                    raise WeightsError(f"{self.source}: missing tensor {sub!r} (expected shape {list(s)})")
+                self._check_one(sub, s)
+        return True
+
+    def sha256(self) -> str:
+        """Digest of every stored tensor (name, dtype, shape, bytes), in name order."""
+        h = hashlib.sha256()
+        for name in sorted(self.stored):
+            a = np.ascontiguousarray(self.stored[name])
+            h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+            h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+        return h.hexdigest()
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.stored.values())
