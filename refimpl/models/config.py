@@ -143,6 +143,8 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
     positive_int("head_dim", head_dim)
 
     moe = model_type in MOE_TYPES or model_type in ("qwen3_next", "qwen3_5_moe_text")
+    if "num_experts" not in d and "num_local_experts" in d:  # transformers 5 saves the alias
+        d = {**d, "num_experts": d["num_local_experts"]}
     num_experts = get("num_experts", required=moe) if moe else 0
     if moe:
         positive_int("num_experts", num_experts)
