@@ -69,12 +69,33 @@ def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED):
     return Model(config, Weights(random_weights(config, seed), dtype=dtype, source=f"preset:{name}"))
 
 
+def checkpoint_layout(config, arrays: dict) -> dict:
+    """The tensors as released checkpoints store them: Qwen3-MoE and Qwen3-Next keep one tensor per expert
+    (`experts.{e}.gate_proj.weight`, ...); Qwen3.5-MoE keeps the fused `gate_up_proj` / `down_proj`."""
+    if config.model_type not in ("qwen3_moe", "qwen3_next"):
+        return dict(arrays)
+    out = {}
+    for name, a in arrays.items():
+        if name.endswith(".experts.gate_up_proj"):
+            p, half = name[:-len(".gate_up_proj")], a.shape[1] // 2
+            for e in range(a.shape[0]):
+                out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = a[e, :half], a[e, half:]
+        elif name.endswith(".experts.down_proj"):
+            p = name[:-len(".down_proj")]
+            for e in range(a.shape[0]):
+                out[f"{p}.{e}.down_proj.weight"] = a[e]
+        else:
+            out[name] = a
+    return out
+
+
 def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED) -> Path:
-    """Write a preset as an HF checkpoint directory (config.json + model.safetensors)."""
+    """Write a preset as an HF checkpoint directory (config.json + model.safetensors) in the layout the
+    released checkpoints of its architecture use."""
     from ..formats.safetensors import write_safetensors
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
     (directory / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
-    write_safetensors(directory / "model.safetensors", random_weights(config, seed))
+    write_safetensors(directory / "model.safetensors", checkpoint_layout(config, random_weights(config, seed)))
     return directory
