@@ -131,7 +131,7 @@ def attention_tensors(cfg, p: str, gated: bool = False) -> dict:
          f"{p}.v_proj.weight": (Hkv * D, H), f"{p}.o_proj.weight": (H, Hq * D),
          f"{p}.q_norm.weight": (D,), f"{p}.k_norm.weight": (D,)}
     if cfg.attention_bias:
-        t.update({f"{p}.q_proj.bias": (Hq * D,), f"{p}.k_proj.bias": (Hkv * D,), f"{p}.v_proj.bias": (Hkv * D,),
+        t.update({f"{p}.q_proj.bias": ((2 if gated else 1) * Hq * D,), f"{p}.k_proj.bias": (Hkv * D,), f"{p}.v_proj.bias": (Hkv * D,),
                   f"{p}.o_proj.bias": (H,)})
     return t
 
