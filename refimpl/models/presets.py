@@ -27,6 +27,32 @@ PRESETS: dict[str, dict] = {
                        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1,
                        "mlp_only_layers": [], "tie_word_embeddings": False},
 }
+_HYBRID_COMMON = {
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "hidden_act": "silu", "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "attention_bias": False,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "full_attention_interval": 4,
+}
+_QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+PRESETS.update({
+    "tiny-qwen3-next": {**_HYBRID_COMMON, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+                        "vocab_size": 151936, "intermediate_size": 192, "moe_intermediate_size": 32,
+                        "shared_expert_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "partial_rotary_factor": 0.25, "rope_parameters": {"rope_type": "default",
+                                                                           "rope_theta": 10000000.0},
+                        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    "tiny-qwen3.5": {**_HYBRID_COMMON, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+                     "vocab_size": 248320, "intermediate_size": 192, "rope_parameters": _QWEN35_ROPE,
+                     "tie_word_embeddings": True, "eos_token_id": 248044},
+    "tiny-qwen3.5-moe": {**_HYBRID_COMMON, "model_type": "qwen3_5_moe_text",
+                         "architectures": ["Qwen3_5MoeForCausalLM"], "vocab_size": 248320,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 8,
+                         "num_experts_per_tok": 2, "rope_parameters": _QWEN35_ROPE,
+                         "tie_word_embeddings": False, "eos_token_id": 248044},
+})
+DEFAULT_PRESET = "tiny-qwen3.5"
 PRESET_SEED = 20261122
 
 

@@ -1,0 +1,197 @@
+"""The gated delta rule (the Gated DeltaNet core): recurrent, chunked (UT / WY transform) and single-step forms.
+
+Normative maths: spec/gated_deltanet.md §1.3 (recurrence), §3.2 (chunked form), §4 (decode). Symbols:
+
+    B batch, T tokens, Hk key heads, Hv value heads (r = Hv / Hk), Dk key dim, Dv value dim, C chunk size
+    q, k [B, T, Hk, Dk]   v [B, T, Hv, Dv]   g, beta [B, T, Hv]   S [B, Hv, Dk, Dv] (keys on rows, "b,hv,dk,dv")
+
+One step, in this order (decay first, error against the decayed state, read after the write):
+
+    S   <- exp(g_t) S
+    u_t  = beta_t (v_t - S^T k_t)
+    S   <- S + k_t u_t^T
+    o_t  = S^T q_t                    (q_t l2-normalised, then scaled by Dk^-1/2)
+
+Casts (transformers 5.23.0): value head h reads key head h // r (repeat_interleave); q, k, v, g, beta and S0 are
+cast to the compute dtype (float32, or float64 when an input is float64: the oracle mode); l2norm and the scale are
+applied in that dtype; o is cast back to q's dtype; the state stays in the compute dtype. Inside, arrays are
+head-major, [B, Hv, T, D], as in transformers.
+"""
+
+import math
+
+import numpy as np
+
+from refimpl.errors import InputError
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """l2norm(x) = x * 1/sqrt(sum_i x_i^2 + eps) over the last axis.  [..., D] -> [..., D], in x's dtype.
+
+    eps is added to the SUM of squares inside the root (transformers' l2norm, fla's l2norm to rounding); it is
+    not rms_norm_eps, and this is not F.normalize's x / max(||x||, eps). A zero vector maps to 0.
+    """
+    return x * (1 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    """Check shapes, cast, go head-major, l2-normalise q and k, GVA-repeat them.
+
+    Returns q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T] and S0 [B, Hv, Dk, Dv] (a fresh array),
+    all in the compute dtype.
+    """
+    if q.ndim != 4 or q.shape != k.shape or v.ndim != 4 or v.shape[:2] != k.shape[:2]:
+        raise InputError(f"gated delta rule: q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]; got q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    if Hv % Hk:
+        raise InputError(f"gated delta rule: value heads Hv={Hv} must be a multiple of key heads Hk={Hk}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, Hv):
+            raise InputError(f"gated delta rule: {name} must be [B, T, Hv] = {(B, T, Hv)}; got {x.shape}")
+    if initial_state is not None and initial_state.shape != (B, Hv, Dk, Dv):
+        raise InputError(f"gated delta rule: initial_state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}; "
+                         f"got {initial_state.shape}")
+    dt = np.result_type(np.float32, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+
+    q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=dt) for x in (q, k, v))  # [B, H, T, D]
+    g, beta = (np.ascontiguousarray(x.transpose(0, 2, 1), dtype=dt) for x in (g, beta))  # [B, Hv, T]
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    r = Hv // Hk  # GVA: value head h reads key head h // r (repeat_interleave; the l2norm commutes with it)
+    q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # [B, Hv, T, Dk]
+    S = np.zeros((B, Hv, Dk, Dv), dt) if initial_state is None else initial_state.astype(dt, copy=True)
+    return q, k, v, g, beta, S
+
+
+def _vecmat(x: np.ndarray, S: np.ndarray) -> np.ndarray:
+    """S^T x for a stack of vectors.  x [..., Dk], S [..., Dk, Dv] -> [..., Dv]"""
+    return (x[..., None, :] @ S)[..., 0, :]
+
+
+def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm=True, scale=None):
+    """The gated delta rule one token at a time (spec §1.3): the normative reference.
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
+    Returns o [B, T, Hv, Dv] in q's dtype and the final state [B, Hv, Dk, Dv] in the compute dtype.
+
+    scale=None divides q by sqrt(Dk), as transformers' torch_recurrent_gated_delta_rule does (its chunked form
+    multiplies by Dk^-1/2 instead; the two differ by an ulp). A given scale multiplies q.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    B, Hv, T, Dk = k.shape
+    q = q / math.sqrt(Dk) if scale is None else q * float(scale)
+    o = np.empty_like(v)  # [B, Hv, T, Dv]
+    for t in range(T):
+        S *= np.exp(g[:, :, t, None, None])  # S <- exp(g_t) S
+        u = beta[:, :, t, None] * (v[:, :, t] - _vecmat(k[:, :, t], S))  # u = beta_t (v_t - S^T k_t)
+        S += k[:, :, t, :, None] * u[:, :, None, :]  # S <- S + k_t u_t^T
+        o[:, :, t] = _vecmat(q[:, :, t], S)  # o_t = S^T q_t
+    return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
+
+
+def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None):
+    """One decode step (spec §4): the recurrent form with T = 1, from a cached state.
+
+    q, k [B, 1, Hk, Dk]; v [B, 1, Hv, Dv]; g, beta [B, 1, Hv]; state [B, Hv, Dk, Dv] (None means zeros).
+    Returns o [B, 1, Hv, Dv] in q's dtype and the new state [B, Hv, Dk, Dv]; the input state is not modified.
+    This is exactly what transformers runs for a cached single-token call (torch_recurrent_gated_delta_rule).
+    """
+    if q.ndim != 4 or q.shape[1] != 1:
+        raise InputError(f"gated_delta_step: expected one token, q [B, 1, Hk, Dk]; got q {q.shape}")
+    return gated_delta_recurrent(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+
+
+def _unit_lower_inverse(L: np.ndarray) -> np.ndarray:
+    """(I + L)^-1 for a strictly lower-triangular L, by forward substitution (spec §3.3).  [..., C, C] -> same.
+
+    Row by row, in increasing order, with M = -L:  M[i, :i] <- M[i, :i] + M[i, :i] @ M[:i, :i]  (rows < i are
+    final), which is T[i, j] = -L[i, j] - sum_{j<m<i} L[i, m] T[m, j]. Then T = M + I.
+    transformers solves with solve_triangular instead (same maths, other rounding); numpy has no triangular solver,
+    and this loop over rows, vectorised over [B, H, N], was 5x faster than np.linalg.solve's pivoted LU here.
+    """
+    C = L.shape[-1]
+    M = -L
+    for i in range(1, C):
+        M[..., i, :i] += (M[..., i, None, :i] @ M[..., :i, :i])[..., 0, :]
+    return M + np.eye(C, dtype=L.dtype)
+
+
+def _to_chunks(x: np.ndarray, C: int) -> np.ndarray:
+    """Split the time axis into chunks, zero-padding it to a multiple of C.  [B, H, T, ...] -> [B, H, N, C, ...]"""
+    B, H, T = x.shape[:3]
+    p = (C - T % C) % C
+    if p:
+        x = np.concatenate([x, np.zeros((B, H, p, *x.shape[3:]), x.dtype)], axis=2)
+    return x.reshape(B, H, (T + p) // C, C, *x.shape[3:])
+
+
+def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, use_qk_l2norm=True, scale=None):
+    """The gated delta rule in chunks of C tokens (UT / WY transform, spec §3.2 = transformers 5.23.0's
+    torch_chunk_gated_delta_rule). Same maths as gated_delta_recurrent, different rounding.
+
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
+    Returns o [B, T, Hv, Dv] in q's dtype and the final state [B, Hv, Dk, Dv] in the compute dtype.
+
+    Per chunk, with G = cumsum(g) restarting at each chunk and Gamma[r, i] = exp(G_r - G_i) for i <= r, else 0:
+        A_ut = strict_lower((beta K) K^T * Gamma)        A_qk = (Q K^T) * Gamma   (diagonal included)
+        T_ut = (I + A_ut)^-1                             U~ = T_ut (beta V),   W = T_ut (beta exp(G) K)
+    then sequentially over chunks, from S = S0:
+        U = U~ - W S        O = exp(G) Q S + A_qk U        S <- exp(G_C) S + (exp(G_C - G) K)^T U
+    T is zero-padded to a multiple of C; padded rows have k = v = beta = g = 0 and are inert. scale=None
+    multiplies q by Dk^-1/2 (transformers' chunked form). g = -inf is rejected: the chunked form turns it into
+    NaN (spec §7.5); clamp it first, or use the recurrent form.
+    """
+    if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
+        raise InputError(f"gated_delta_chunked: chunk_size must be a positive int; got {chunk_size!r}")
+    if np.isneginf(g).any():
+        raise InputError("gated_delta_chunked: g contains -inf, which makes every chunked output NaN "
+                         "(gated_deltanet.md §7.5); clamp g to a finite floor or use gated_delta_recurrent")
+    out_dtype = q.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    B, Hv, T, Dk = k.shape
+    Dv, C = v.shape[-1], chunk_size
+    q = q * Dk**-0.5 if scale is None else q * float(scale)
+
+    q, k, v, g, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))  # [B, Hv, N, C, .], zero-padded
+    N = g.shape[2]
+
+    G = np.cumsum(g, axis=-1)  # [B, Hv, N, C]  within-chunk cumulative log decay
+    causal = np.tril(np.ones((C, C), dtype=bool))  # i <= r
+    Gamma = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))  # [B, Hv, N, C, C]; -inf first
+    kT = k.swapaxes(-1, -2)  # [B, Hv, N, Dk, C]
+    A_ut = np.tril(((beta[..., None] * k) @ kT) * Gamma, -1)  # [B, Hv, N, C, C]  strict lower
+    A_qk = (q @ kT) * Gamma  # [B, Hv, N, C, C]
+
+    T_ut = _unit_lower_inverse(A_ut)  # [B, Hv, N, C, C]
+    U_tilde = T_ut @ (beta[..., None] * v)  # [B, Hv, N, C, Dv]
+    W = T_ut @ ((beta * np.exp(G))[..., None] * k)  # [B, Hv, N, C, Dk]
+
+    q_dec = np.exp(G)[..., None] * q  # [B, Hv, N, C, Dk]
+    k_decT = (np.exp(G[..., -1:] - G)[..., None] * k).swapaxes(-1, -2)  # [B, Hv, N, Dk, C]
+    lam = np.exp(G[..., -1])[..., None, None]  # [B, Hv, N, 1, 1]
+
+    o = np.empty((B, Hv, N, C, Dv), S.dtype)
+    for n in range(N):
+        U = U_tilde[:, :, n] - W[:, :, n] @ S  # [B, Hv, C, Dv]  values written
+        o[:, :, n] = q_dec[:, :, n] @ S + A_qk[:, :, n] @ U  # [B, Hv, C, Dv]
+        S *= lam[:, :, n]  # S <- exp(G_C) S       (in place: S is our own copy)
+        S += k_decT[:, :, n] @ U  # S <- S + (exp(G_C - G) K)^T U
+    o = o.reshape(B, Hv, N * C, Dv)[:, :, :T]  # drop the padding
+    return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
+
+
+def gated_delta_rule(q, k, v, g, beta, initial_state=None, *, mode="chunked", chunk_size=64, use_qk_l2norm=True,
+                     scale=None):
+    """Dispatch to gated_delta_chunked (mode="chunked") or gated_delta_recurrent (mode="recurrent").
+
+    transformers uses the recurrent form for a cached single-token call and the chunked form (C = 64) otherwise.
+    """
+    if mode == "chunked":
+        return gated_delta_chunked(q, k, v, g, beta, initial_state, chunk_size=chunk_size,
+                                   use_qk_l2norm=use_qk_l2norm, scale=scale)
+    if mode == "recurrent":
+        return gated_delta_recurrent(q, k, v, g, beta, initial_state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    raise InputError(f"gated_delta_rule: mode must be 'chunked' or 'recurrent'; got {mode!r}")

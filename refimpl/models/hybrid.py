@@ -1,0 +1,158 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE) layers: Gated DeltaNet linear attention and gated full attention.
+
+Layer i mixes tokens with `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention) by layer_types[i];
+norms are zero-centred (1 + w); the MLP is dense or sparse with a shared expert (models.md §6).
+
+Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
+  mixed_qkv, z, b, a = projections of x                   (Next: fused, grouped per key head; 3.5: split)
+  q, k, v = split( silu(causal_conv1d(mixed_qkv)) )       conv state: the last Kc raw inputs
+  q, k    = l2norm(q), l2norm(k)
+  beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
+  o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
+  out     = out_proj( rms_norm_gated(o, z) )
+"""
+
+import numpy as np
+
+from ..kernels.activation import sigmoid, softplus
+from ..kernels.conv import causal_conv1d
+from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
+from ..kernels.linear import linear
+from ..kernels.norm import rms_norm_gated
+from ..trace import tap
+from . import qwen3
+from .cache import LinearAttentionState
+
+
+def gated_attention_mixer(w, i, x, cfg, ctx):
+    return qwen3.attention(w, f"model.layers.{i}.self_attn", x, cfg, ctx, i, gated=True)
+
+
+def linear_attention_mixer(w, i, x, cfg, ctx):
+    return gated_deltanet(w, f"model.layers.{i}.linear_attn", i, x, cfg, ctx)
+
+
+def mixer(i: int):
+    """The token mixer of layer i, chosen by the config at call time."""
+    def run(w, layer, x, cfg, ctx):
+        kind = cfg.layer_types[layer]
+        return (linear_attention_mixer if kind == "linear_attention" else gated_attention_mixer)(w, layer, x, cfg, ctx)
+    return run
+
+
+def projections(w, p: str, x: np.ndarray, cfg):
+    """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
+    b and a [B, T, Hv], from Qwen3.5's split projections or Qwen3-Next's fused ones."""
+    B, T, _ = x.shape
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    r = Hv // Hk
+    if f"{p}.in_proj_qkvz.weight" in w:
+        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
+        qkvz = linear(x, w[f"{p}.in_proj_qkvz.weight"]).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
+        ba = linear(x, w[f"{p}.in_proj_ba.weight"]).reshape(B, T, Hk, 2 * r)
+        tap(p, "in_proj_qkvz", qkvz.reshape(B, T, -1)), tap(p, "in_proj_ba", ba.reshape(B, T, -1))
+        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+        mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
+        b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
+        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+    mixed_qkv = linear(x, w[f"{p}.in_proj_qkv.weight"])
+    z = linear(x, w[f"{p}.in_proj_z.weight"])
+    b, a = linear(x, w[f"{p}.in_proj_b.weight"]), linear(x, w[f"{p}.in_proj_a.weight"])
+    tap(p, "in_proj_qkv", mixed_qkv), tap(p, "in_proj_z", z), tap(p, "in_proj_b", b), tap(p, "in_proj_a", a)
+    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+
+
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
+    """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], taps, new state)."""
+    B, T, _ = x.shape
+    Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim = Hk * Dk
+    mixed_qkv, z, b, a = projections(w, p, x, cfg)
+    conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
+                                         None if state is None else state.conv)      # [B, conv_dim, T]
+    conv_out = conv_out.transpose(0, 2, 1)                                             # [B, T, conv_dim]
+    q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    q = l2_normalize(q.reshape(B, T, Hk, Dk))                                          # [B, T, Hk, Dk]
+    k = l2_normalize(k.reshape(B, T, Hk, Dk))
+    v = v.reshape(B, T, -1, Dv)                                                        # [B, T, Hv, Dv]
+    beta = sigmoid(b)                                                                  # [B, T, Hv]
+    g = -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"])                     # [B, T, Hv], < 0
+    if state is not None and T == 1:
+        core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
+    else:
+        core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
+                                      use_qk_l2norm=False)                             # [B, T, Hv, Dv]
+    normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps)          # [B, T, Hv, Dv]
+    out = linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])
+    taps = {"mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
+            "core": core, "norm": normed, "out_proj": out}
+    return out, taps, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
+
+
+def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray:
+    """Gated DeltaNet over x [B, T, H]. With padding, each row runs on its real tokens only, so a pad step is
+    the identity on the conv and the recurrent state wherever it sits (transformers zeroes pad inputs, which
+    is the same for left padding of a fresh sequence); pad rows of the outputs are zeros (don't-care)."""
+    cache = ctx.cache
+    state = cache.layers[layer] if cache is not None else None
+    if ctx.linear_mask is None:
+        out, taps, new_state = _gdn(w, p, x, cfg, state)
+    else:
+        B, T, _ = x.shape
+        out, taps, rows = np.zeros_like(x), {}, []
+        for row in range(B):
+            real = np.flatnonzero(ctx.linear_mask[row])
+            row_state = None if state is None else LinearAttentionState(state.conv[row:row + 1],
+                                                                       state.recurrent[row:row + 1])
+            if len(real) == 0:
+                rows.append(row_state)
+                continue
+            o, t, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state)
+            out[row, real] = o[0]
+            for name, value in t.items():
+                taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
+            rows.append(s)
+        if any(s is None for s in rows):  # a fresh row that was all padding: zero state
+            ref = next(s for s in rows if s is not None)
+            rows = [s or LinearAttentionState(np.zeros_like(ref.conv), np.zeros_like(ref.recurrent)) for s in rows]
+        new_state = LinearAttentionState(np.concatenate([s.conv for s in rows]),
+                                         np.concatenate([s.recurrent for s in rows]))
+    for name, value in taps.items():
+        tap(p, name, value)
+    tap(p, "conv_state", new_state.conv), tap(p, "recurrent_state", new_state.recurrent)
+    if cache is not None:
+        cache.layers[layer] = new_state
+    return out
+
+
+def linear_attention_tensors(cfg, p: str) -> dict:
+    H, Hk, Hv, Dk, Dv, Kc = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                             cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
+    key_dim, value_dim = Hk * Dk, Hv * Dv
+    t = {f"{p}.conv1d.weight": (2 * key_dim + value_dim, 1, Kc), f"{p}.dt_bias": (Hv,), f"{p}.A_log": (Hv,),
+         f"{p}.norm.weight": (Dv,), f"{p}.out_proj.weight": (H, value_dim)}
+    if cfg.model_type == "qwen3_next":
+        t.update({f"{p}.in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, H), f"{p}.in_proj_ba.weight": (2 * Hv, H)})
+    else:
+        t.update({f"{p}.in_proj_qkv.weight": (2 * key_dim + value_dim, H), f"{p}.in_proj_z.weight": (value_dim, H),
+                  f"{p}.in_proj_b.weight": (Hv, H), f"{p}.in_proj_a.weight": (Hv, H)})
+    return t
+
+
+def expected_tensors(cfg) -> dict:
+    """Checkpoint name -> shape of every tensor a Qwen3-Next / Qwen3.5 forward reads."""
+    H = cfg.hidden_size
+    t = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = (cfg.vocab_size, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = (H,)
+        t[f"{p}.post_attention_layernorm.weight"] = (H,)
+        if kind == "linear_attention":
+            t.update(linear_attention_tensors(cfg, f"{p}.linear_attn"))
+        else:
+            t.update(qwen3.attention_tensors(cfg, f"{p}.self_attn", gated=True))
+        t.update(qwen3.feed_forward_tensors(cfg, i))
+    return t
