@@ -19,8 +19,8 @@ $(VENV)/.dev: pyproject.toml
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime
-	$(VENV)/bin/refimpl info tiny-qwen3
-	$(VENV)/bin/refimpl run tiny-qwen3 --input-ids 9707,11,1879,0
+	$(VENV)/bin/refimpl info tiny-qwen3.5
+	$(VENV)/bin/refimpl run tiny-qwen3.5 --input-ids 9707,11,1879,0
 
 test: $(VENV)/.dev
 	$(PY) -m pytest -n 2 -q
