@@ -59,9 +59,11 @@ def _llama3(p: dict, dim: int, dtype):
     inv_freq = default_inv_freq(p["rope_theta"], dim, dtype)
     factor, low_ff, high_ff = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
-    wavelen = dtype(2 * math.pi) / inv_freq
+    # transformers writes `2*pi / inv_freq` and `old_len / wavelen`; torch evaluates `scalar / t` as
+    # `t.reciprocal() * scalar` (two roundings), and the smoothing amplifies the difference, so do the same.
+    wavelen = (dtype(1) / inv_freq) * dtype(2 * math.pi)
     scaled = np.where(wavelen > old_len / low_ff, inv_freq / dtype(factor), inv_freq)
-    smooth = (dtype(old_len) / wavelen - dtype(low_ff)) / dtype(high_ff - low_ff)
+    smooth = ((dtype(1) / wavelen) * dtype(old_len) - dtype(low_ff)) / dtype(high_ff - low_ff)
     smoothed = (dtype(1) - smooth) * scaled / dtype(factor) + smooth * scaled
     medium = ~(wavelen < old_len / high_ff) & ~(wavelen > old_len / low_ff)
     return np.where(medium, smoothed, scaled).astype(dtype), 1.0
@@ -79,9 +81,13 @@ def _longrope(p: dict, dim: int, max_pos: int, seq_len, dtype):
 
 
 def _dynamic(p: dict, dim: int, max_pos: int, seq_len, dtype):
-    seq_len = max(seq_len or max_pos, max_pos)
+    if seq_len is None or seq_len <= max_pos:  # transformers keeps (or restores) its init-time default frequencies
+        return default_inv_freq(p["rope_theta"], dim, dtype), 1.0
+    # As the model's update forms it from the tensor seq_len: factor*s/max_pos in the table dtype, minus
+    # (factor - 1) rounded once from float64, raised to dim/(dim-2) in float64 and rounded once.
     factor = dtype(p["factor"])
-    growth = (factor * dtype(seq_len) / dtype(max_pos) - (factor - dtype(1))) ** dtype(dim / (dim - 2))
+    x = factor * dtype(seq_len) / dtype(max_pos) - dtype(p["factor"] - 1)
+    growth = dtype(np.float64(x) ** (dim / (dim - 2)))
     return default_inv_freq(dtype(p["rope_theta"]) * growth, dim, dtype), 1.0
 
 
@@ -90,7 +96,8 @@ def inv_freq_and_scaling(rope: dict, dim: int, max_position_embeddings: int, seq
     """Inverse frequencies [dim/2] and the attention scaling that multiplies both cos and sin.
 
     rope: transformers' standardised `rope_parameters` (rope_type, rope_theta, factor, ...).
-    seq_len: max(position) + 1 of the current call; only `dynamic` and `longrope` depend on it.
+    seq_len: max(position) + 1 of the current call; only `dynamic` and `longrope` depend on it. (transformers'
+    dynamic module is stateful: pass the largest length it holds, as models/model.py does.)
     """
     kind = rope.get("rope_type", "default")
     if kind == "default":
