@@ -103,3 +103,19 @@ def float64_twin(model):
     model64 = getattr(module, type(model).__name__)(model.config)
     model64.load_state_dict(model.state_dict())
     return model64.double().eval()
+
+
+def checkpoint_builder(tmp_path_factory, logit_scale: float = 1.0):
+    """get(model_type, name, cfg) -> (transformers model, its float64 twin, save_pretrained directory),
+    built once per case, seeded by the case's name."""
+    built = {}
+
+    def get(model_type, name, cfg):
+        key = f"{model_type}-{name}"
+        if key not in built:
+            hf = build_hf({"model_type": model_type, **cfg}, seed=case_seed(key), logit_scale=logit_scale)
+            directory = tmp_path_factory.mktemp(key)
+            hf.save_pretrained(directory)
+            built[key] = (hf, float64_twin(hf), directory)
+        return built[key]
+    return get

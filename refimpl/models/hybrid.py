@@ -140,19 +140,12 @@ def linear_attention_tensors(cfg, p: str) -> dict:
     return t
 
 
+def mixer_tensors(cfg, i: int) -> dict:
+    if cfg.layer_types[i] == "linear_attention":
+        return linear_attention_tensors(cfg, f"model.layers.{i}.linear_attn")
+    return qwen3.attention_tensors(cfg, f"model.layers.{i}.self_attn", gated=True)
+
+
 def expected_tensors(cfg) -> dict:
     """Checkpoint name -> shape of every tensor a Qwen3-Next / Qwen3.5 forward reads."""
-    H = cfg.hidden_size
-    t = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = (cfg.vocab_size, H)
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}"
-        t[f"{p}.input_layernorm.weight"] = (H,)
-        t[f"{p}.post_attention_layernorm.weight"] = (H,)
-        if kind == "linear_attention":
-            t.update(linear_attention_tensors(cfg, f"{p}.linear_attn"))
-        else:
-            t.update(qwen3.attention_tensors(cfg, f"{p}.self_attn", gated=True))
-        t.update(qwen3.feed_forward_tensors(cfg, i))
-    return t
+    return qwen3.expected_tensors(cfg, mixer_tensors)

@@ -154,8 +154,13 @@ def feed_forward_tensors(cfg, i: int) -> dict:
     return t
 
 
-def expected_tensors(cfg) -> dict:
-    """Checkpoint name -> shape of every tensor a Qwen3 / Qwen3-MoE forward reads."""
+def self_attention_tensors(cfg, i: int) -> dict:
+    return attention_tensors(cfg, f"model.layers.{i}.self_attn")
+
+
+def expected_tensors(cfg, mixer_tensors=self_attention_tensors) -> dict:
+    """Checkpoint name -> shape of every tensor the forward reads; mixer_tensors(cfg, i) gives layer i's
+    token-mixer tensors (self-attention here; hybrid.py passes its own)."""
     H = cfg.hidden_size
     t = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
@@ -164,6 +169,6 @@ def expected_tensors(cfg) -> dict:
         p = f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = (H,)
         t[f"{p}.post_attention_layernorm.weight"] = (H,)
-        t.update(attention_tensors(cfg, f"{p}.self_attn"))
+        t.update(mixer_tensors(cfg, i))
         t.update(feed_forward_tensors(cfg, i))
     return t

@@ -20,7 +20,7 @@ import pytest
 
 import refimpl
 
-from oracle import build_hf, case_seed, float64_twin, hf_logits, left_padded
+from oracle import checkpoint_builder, hf_logits, left_padded
 
 pytestmark = pytest.mark.oracle
 
@@ -92,17 +92,7 @@ CASES.append(("qwen3_next", "mlp-only-no-norm-topk", {**make_config("qwen3_next"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    built = {}
-
-    def get(model_type, name, cfg):
-        key = (model_type, name)
-        if key not in built:
-            hf = build_hf({"model_type": model_type, **cfg}, seed=case_seed(f"{model_type}-{name}"), logit_scale=0.1)
-            d = tmp_path_factory.mktemp(f"{model_type}-{name}")
-            hf.save_pretrained(d)
-            built[key] = (hf, float64_twin(hf), d)
-        return built[key]
-    return get
+    return checkpoint_builder(tmp_path_factory, logit_scale=0.1)
 
 
 def _err(a, b):

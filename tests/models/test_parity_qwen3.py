@@ -13,7 +13,7 @@ import pytest
 
 import refimpl
 
-from oracle import build_hf, case_seed, float64_twin, hf_logits, left_padded
+from oracle import checkpoint_builder, hf_logits, left_padded
 
 pytestmark = pytest.mark.oracle
 
@@ -87,18 +87,7 @@ CASES = [("qwen3", name, {**BASE, **c}) for name, c in DENSE.items()] + \
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Each case's HF model and its save_pretrained directory, built once per module."""
-    built = {}
-
-    def get(model_type, name, cfg):
-        key = (model_type, name)
-        if key not in built:
-            hf = build_hf({"model_type": model_type, **cfg}, seed=case_seed(f"{model_type}-{name}"))
-            d = tmp_path_factory.mktemp(f"{model_type}-{name}")
-            hf.save_pretrained(d)
-            built[key] = (hf, float64_twin(hf), d)
-        return built[key]
-    return get
+    return checkpoint_builder(tmp_path_factory)
 
 
 def _max_err(a, b, valid=None):
