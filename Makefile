@@ -22,8 +22,10 @@ demo: $(VENV)/.runtime
 	$(VENV)/bin/refimpl info tiny-qwen3.5
 	$(VENV)/bin/refimpl run tiny-qwen3.5 --input-ids 9707,11,1879,0
 
+# two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
+# slow everything down many times over)
 test: $(VENV)/.dev
-	$(PY) -m pytest -n 2 -q
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -q
 
 bench: $(VENV)/.dev
 	$(PY) bench/forward.py
