@@ -128,6 +128,28 @@ def _to_chunks(x: np.ndarray, C: int) -> np.ndarray:
     return x.reshape(B, H, (T + p) // C, C, *x.shape[3:])
 
 
+_CHUNKS_PER_BLOCK = 16  # chunks set up together: large enough for batched GEMMs, small enough to stay in cache
+
+
+def _chunk_setup(q, k, v, g, beta):
+    """Everything per chunk that does not depend on the state.  [B, Hv, n, C, .] ->
+    U~ [.., C, Dv], W [.., C, Dk], exp(G) Q [.., C, Dk], A_qk [.., C, C], (exp(G_C - G) K)^T [.., Dk, C], exp(G_C)."""
+    C = g.shape[-1]
+    G = np.cumsum(g, axis=-1)  # [B, Hv, n, C]  within-chunk cumulative log decay
+    causal = np.tril(np.ones((C, C), dtype=bool))  # i <= r
+    Gamma = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))  # [B, Hv, n, C, C]; -inf first
+    kT = k.swapaxes(-1, -2)  # [B, Hv, n, Dk, C]
+    A_ut = np.tril(((beta[..., None] * k) @ kT) * Gamma, -1)  # [B, Hv, n, C, C]  strict lower
+    A_qk = (q @ kT) * Gamma  # [B, Hv, n, C, C]
+    T_ut = _unit_lower_inverse(A_ut)  # [B, Hv, n, C, C]
+    U_tilde = T_ut @ (beta[..., None] * v)  # [B, Hv, n, C, Dv]
+    W = T_ut @ ((beta * np.exp(G))[..., None] * k)  # [B, Hv, n, C, Dk]
+    q_dec = np.exp(G)[..., None] * q  # [B, Hv, n, C, Dk]
+    k_decT = (np.exp(G[..., -1:] - G)[..., None] * k).swapaxes(-1, -2)  # [B, Hv, n, Dk, C]
+    lam = np.exp(G[..., -1])[..., None, None]  # [B, Hv, n, 1, 1]
+    return U_tilde, W, q_dec, A_qk, k_decT, lam
+
+
 def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, use_qk_l2norm=True, scale=None):
     """The gated delta rule in chunks of C tokens (UT / WY transform, spec §3.2 = transformers 5.23.0's
     torch_chunk_gated_delta_rule). Same maths as gated_delta_recurrent, different rounding.
@@ -157,28 +179,16 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, 
 
     q, k, v, g, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))  # [B, Hv, N, C, .], zero-padded
     N = g.shape[2]
-
-    G = np.cumsum(g, axis=-1)  # [B, Hv, N, C]  within-chunk cumulative log decay
-    causal = np.tril(np.ones((C, C), dtype=bool))  # i <= r
-    Gamma = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))  # [B, Hv, N, C, C]; -inf first
-    kT = k.swapaxes(-1, -2)  # [B, Hv, N, Dk, C]
-    A_ut = np.tril(((beta[..., None] * k) @ kT) * Gamma, -1)  # [B, Hv, N, C, C]  strict lower
-    A_qk = (q @ kT) * Gamma  # [B, Hv, N, C, C]
-
-    T_ut = _unit_lower_inverse(A_ut)  # [B, Hv, N, C, C]
-    U_tilde = T_ut @ (beta[..., None] * v)  # [B, Hv, N, C, Dv]
-    W = T_ut @ ((beta * np.exp(G))[..., None] * k)  # [B, Hv, N, C, Dk]
-
-    q_dec = np.exp(G)[..., None] * q  # [B, Hv, N, C, Dk]
-    k_decT = (np.exp(G[..., -1:] - G)[..., None] * k).swapaxes(-1, -2)  # [B, Hv, N, Dk, C]
-    lam = np.exp(G[..., -1])[..., None, None]  # [B, Hv, N, 1, 1]
-
     o = np.empty((B, Hv, N, C, Dv), S.dtype)
-    for n in range(N):
-        U = U_tilde[:, :, n] - W[:, :, n] @ S  # [B, Hv, C, Dv]  values written
-        o[:, :, n] = q_dec[:, :, n] @ S + A_qk[:, :, n] @ U  # [B, Hv, C, Dv]
-        S *= lam[:, :, n]  # S <- exp(G_C) S       (in place: S is our own copy)
-        S += k_decT[:, :, n] @ U  # S <- S + (exp(G_C - G) K)^T U
+    for start in range(0, N, _CHUNKS_PER_BLOCK):  # set up a block of chunks at once, then run them in order
+        block = slice(start, start + _CHUNKS_PER_BLOCK)
+        U_tilde, W, q_dec, A_qk, k_decT, lam = _chunk_setup(q[:, :, block], k[:, :, block], v[:, :, block],
+                                                            g[:, :, block], beta[:, :, block])
+        for j in range(U_tilde.shape[2]):
+            U = U_tilde[:, :, j] - W[:, :, j] @ S  # [B, Hv, C, Dv]  values written
+            o[:, :, start + j] = q_dec[:, :, j] @ S + A_qk[:, :, j] @ U  # [B, Hv, C, Dv]
+            S *= lam[:, :, j]  # S <- exp(G_C) S       (in place: S is our own copy)
+            S += k_decT[:, :, j] @ U  # S <- S + (exp(G_C - G) K)^T U
     o = o.reshape(B, Hv, N * C, Dv)[:, :, :T]  # drop the padding
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 

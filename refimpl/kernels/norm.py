@@ -12,7 +12,7 @@ from .activation import compute_dtype, silu
 def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
     """nu(x) over the last axis, in at least float32.  [..., n] -> [..., n]"""
     x = x.astype(compute_dtype(x), copy=False)
-    variance = np.mean(x * x, axis=-1, keepdims=True)
+    variance = np.sum(x * x, axis=-1, keepdims=True) / x.shape[-1]  # = mean; np.mean's wrapper costs 2x
     return x * (1 / np.sqrt(variance + eps))  # torch's rsqrt on CPU is 1/sqrt
 
 

@@ -14,8 +14,19 @@ import numpy as np
 
 @dataclasses.dataclass
 class KVCache:
-    keys: np.ndarray      # [B, Hkv, P, D]
-    values: np.ndarray    # [B, Hkv, P, D]
+    """Keys/values [B, Hkv, P, D] in buffers with room to grow along P: an append writes only the new
+    positions instead of copying the whole past (which costs O(P) per decode step)."""
+    key_buffer: np.ndarray     # [B, Hkv, capacity, D]
+    value_buffer: np.ndarray   # [B, Hkv, capacity, D]
+    length: int                # P
+
+    @property
+    def keys(self) -> np.ndarray:      # [B, Hkv, P, D], a view
+        return self.key_buffer[:, :, :self.length]
+
+    @property
+    def values(self) -> np.ndarray:    # [B, Hkv, P, D], a view
+        return self.value_buffer[:, :, :self.length]
 
 
 @dataclasses.dataclass
@@ -36,10 +47,18 @@ class Cache:
         return self.mask.shape[1]
 
     def append_kv(self, layer: int, keys: np.ndarray, values: np.ndarray):
-        """Append new keys/values [B, Hkv, T, D]; return the full [B, Hkv, P+T, D] pair."""
-        old = self.layers[layer]
-        if old is not None:
-            keys = np.concatenate([old.keys, keys], axis=2)
-            values = np.concatenate([old.values, values], axis=2)
-        self.layers[layer] = KVCache(keys, values)
-        return keys, values
+        """Append new keys/values [B, Hkv, T, D]; return the full [B, Hkv, P+T, D] pair (views of the cache).
+        Capacity doubles when full, so each position is copied O(1) times overall."""
+        kv = self.layers[layer]
+        P, T = (kv.length if kv is not None else 0), keys.shape[2]
+        if kv is None or P + T > kv.key_buffer.shape[2]:
+            capacity = max(2 * (P + T), 256)
+            grown = KVCache(np.empty((*keys.shape[:2], capacity, keys.shape[3]), keys.dtype),
+                            np.empty((*values.shape[:2], capacity, values.shape[3]), values.dtype), P)
+            if kv is not None:
+                grown.key_buffer[:, :, :P], grown.value_buffer[:, :, :P] = kv.keys, kv.values
+            kv = self.layers[layer] = grown
+        kv.key_buffer[:, :, P:P + T] = keys
+        kv.value_buffer[:, :, P:P + T] = values
+        kv.length = P + T
+        return kv.keys, kv.values

@@ -83,8 +83,9 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
             plain = not config.zero_centered_norms or ".linear_attn.norm" in name
             a = (1.0 if plain else 0.0) + 0.1 * r.standard_normal(shape, dtype=np.float32)
         else:
-            a = r.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
-        out[name] = a.astype(dtype)
+            a = r.standard_normal(shape, dtype=np.float32)
+            a /= np.float32(np.sqrt(shape[-1]))
+        out[name] = a.astype(dtype, copy=False)
     return out
 
 
