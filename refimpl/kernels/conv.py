@@ -17,14 +17,8 @@ continuation and a single-token decode (T = 1: the state is a shift register).
 
 import numpy as np
 
-from refimpl.errors import InputError
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    """silu(x) = x * sigmoid(x), with exp only of non-positive numbers.
-    TODO: use refimpl.kernels.activation.silu (kept local while that module was being written)."""
-    e = np.exp(-np.abs(x))
-    return x * np.where(x >= 0, 1 / (1 + e), e / (1 + e))
+from ..errors import InputError
+from .activation import silu
 
 
 def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None):
@@ -64,7 +58,7 @@ def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None):
     for j in range(1, Kc):
         y += w[:, j, None] * X[:, :, j:j + T]  # y[t] += w[j] * x[t - (Kc-1) + j]
     if activation is not None:
-        y = _silu(y)
+        y = silu(y)
 
     if history.shape[2] < state_len:  # a longer state than the history: left-pad with zeros
         history = np.concatenate([np.zeros((B, C, state_len - history.shape[2]), x.dtype), history], axis=2)
