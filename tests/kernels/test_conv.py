@@ -114,15 +114,6 @@ def test_bad_input_raises_input_error():
 # ---------------------------------------------------------------- parity with transformers (float32)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
-
-    return torch, m
-
-
 @pytest.mark.oracle
 @pytest.mark.parametrize("Kc", [2, 3, 4])
 def test_parity_with_transformers(hf, Kc):

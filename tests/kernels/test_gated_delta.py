@@ -363,15 +363,6 @@ def test_bad_shapes_raise_input_error():
 # ---------------------------------------------------------------- parity with transformers (float32)
 
 
-@pytest.fixture(scope="module")
-def hf():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from transformers.models.qwen3_next import modeling_qwen3_next as m
-
-    return torch, m
-
-
 @pytest.mark.oracle
 @pytest.mark.parametrize("T, C, with_state", [(1, 64, True), (70, 64, True), (130, 64, False), (50, 16, True)])
 def test_parity_with_transformers(hf, T, C, with_state):
