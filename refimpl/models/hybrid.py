@@ -32,12 +32,9 @@ def linear_attention_mixer(w, i, x, cfg, ctx):
     return gated_deltanet(w, f"model.layers.{i}.linear_attn", i, x, cfg, ctx)
 
 
-def mixer(i: int):
-    """The token mixer of layer i, chosen by the config at call time."""
-    def run(w, layer, x, cfg, ctx):
-        kind = cfg.layer_types[layer]
-        return (linear_attention_mixer if kind == "linear_attention" else gated_attention_mixer)(w, layer, x, cfg, ctx)
-    return run
+def mixer(cfg, i: int):
+    """Layer i's token mixer: Gated DeltaNet or gated attention, by layer_types[i]."""
+    return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
 def projections(w, p: str, x: np.ndarray, cfg):

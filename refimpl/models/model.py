@@ -26,11 +26,11 @@ class Context:
 
 
 def _architecture(cfg: ModelConfig):
-    """(expected tensors, mixer for layer i) of the architecture."""
+    """(expected_tensors(cfg), mixer(cfg, i)) of the architecture."""
     if cfg.is_hybrid:
         from . import hybrid
         return hybrid.expected_tensors, hybrid.mixer
-    return qwen3.expected_tensors, lambda i: qwen3.self_attention_mixer
+    return qwen3.expected_tensors, lambda cfg, i: qwen3.self_attention_mixer
 
 
 class Model:
@@ -40,7 +40,7 @@ class Model:
         self.dtype = weights.dtype
         expected, mixer = _architecture(config)
         weights.check(expected(config))
-        self._mixers = [mixer(i) for i in range(config.num_hidden_layers)]
+        self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         return Cache(self.config.num_hidden_layers, batch_size)
