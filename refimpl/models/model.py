@@ -23,6 +23,8 @@ class Context:
     masks: dict                   # layer type -> additive mask [B|1, 1, T, P+T] (attention) or None
     cache: Cache | None
     linear_mask: np.ndarray | None  # [B, T] 0/1 for linear-attention layers, None when nothing is padded
+    mask_floor: float | None = None  # device graphs clamp the additive mask from below (-50, -100, -1000)
+    k_prescale: bool = False         # scores as q . (k / sqrt(D)) instead of (q . k) / sqrt(D), as some graphs do
 
 
 def _architecture(cfg: ModelConfig):
@@ -74,8 +76,17 @@ class Model:
                                       dtype=self.dtype.type)
                  for kind in set(cfg.layer_types) - {"linear_attention"}}
         linear_mask = full_mask[:, P:] if padded and T > 1 else None
-        ctx = Context(cos, sin, masks, cache, linear_mask)
+        logits = self.run(ids, Context(cos, sin, masks, cache, linear_mask), logits_to_keep)
+        if cache is not None:
+            cache.mask = full_mask
+        return logits
 
+    __call__ = forward
+
+    def run(self, ids: np.ndarray, ctx: Context, logits_to_keep: int = 0) -> np.ndarray:
+        """The layers over checked ids [B, T] with a prepared context (positions' cos/sin, masks, cache):
+        what `forward` runs, and what a device convention runs on the inputs its graph receives."""
+        cfg, w = self.config, self.weights
         x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
         tap("model.embed_tokens", None, x)
         for i, mixer in enumerate(self._mixers):
@@ -87,11 +98,7 @@ class Model:
         lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         logits = linear(x, lm_head)                                         # [B, T, V]
         tap("lm_head", None, logits)
-        if cache is not None:
-            cache.mask = full_mask
         return logits
-
-    __call__ = forward
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)

@@ -47,11 +47,14 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     if ctx.cache is not None:
         k, v = ctx.cache.append_kv(layer, k, v)                          # [B, Hkv, P+T, D]
     mask = ctx.masks[cfg.layer_types[layer]]
+    scale = None
+    if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
+        k, scale = k * k.dtype.type(D ** -0.5), 1.0
     if tracing():
-        o, scores, probs = sdpa(q, k, v, mask, return_weights=True)
+        o, scores, probs = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, return_weights=True)
         tap(p, "attn_scores", scores), tap(p, "attn_probs", probs)
     else:
-        o = sdpa(q, k, v, mask)                                          # [B, Hq, T, D]
+        o = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor)  # [B, Hq, T, D]
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
     tap(p, "attn_output", o)
     if gated:

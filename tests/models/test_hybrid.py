@@ -7,23 +7,12 @@ import numpy as np
 import pytest
 
 import refimpl
+from helpers import scaled
 from refimpl.errors import ConfigError, WeightsError
 from refimpl.formats.safetensors import read_safetensors, write_safetensors
-from refimpl.models.config import config_from_dict
-from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights, save_preset
-from refimpl.models.weights import Weights
+from refimpl.models.presets import save_preset
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
-
-
-def scaled(name: str, dtype="float32"):
-    """A preset with its output projection scaled so logits are of size ~2 rather than ~40."""
-    cfg = config_from_dict(PRESETS[name])
-    arrays = random_weights(cfg, seed=11)
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    arrays[head] = arrays[head] * np.float32(0.05)
-    return Model(cfg, Weights(arrays, dtype=dtype))
 
 
 def _states(cache):

@@ -1,0 +1,205 @@
+"""Qualcomm Genie / AI Hub static graphs (device_conventions.md §1-2).
+
+A graph takes AR token slots over a context of CL slots. The host splits the prompt into chunks of AR tokens
+(the last chunk left-padded with `pad_id`), then decodes one token per call of the token graph (AR = decode_ar).
+Per call, with W = CL - AR cached slots and `cur` valid cached tokens:
+
+  input_ids           [1, AR] int32            left-padded chunk
+  attention_mask      [1, 1, AR, CL] float32   0 where allowed, else finfo.min clamped to mask_floor; key slots
+                                               are [W - cur empty | cur cached | AR chunk]; causal over slots
+  position_ids_cos/sin [1, 1, AR, rot/2]       half-width tables at clip(cumsum(mask) - 1, 0, CL - 1)
+  past_key_{i}_in     [Hkv, 1, D, W] (transposed; or [Hkv, 1, W, D])   left-padded shift window, oldest first
+  past_value_{i}_in   [Hkv, 1, W, D]
+  conv_state_{i}_in   [1, conv_dim, S]  the last S raw conv inputs (S = Kc - 1 as device exports keep it)
+  recurrent_state_{i}_in [1, Hv, Dk, Dv]
+outputs: logits [1, AR, V]; past_key_{i}_out [Hkv, 1, D, AR] / past_value_{i}_out [Hkv, 1, AR, D] (the new
+entries; or the updated window with kv_output="window"); conv_state_{i}_out, recurrent_state_{i}_out (full).
+
+Pads in Gated DeltaNet layers: the graph treats a chunk slot as padding when its own mask entry (the diagonal
+of the chunk block) is masked, and pad steps leave the conv and recurrent state untouched (refimpl's choice,
+recorded in the manifest; a device must neutralise them too, e.g. as QEfficient does with g = beta = 0).
+Pad query rows and empty cache slots are don't-care: `valid` marks what may be scored.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import InputError
+from ..models.cache import Cache, KVCache, LinearAttentionState
+from ..models.model import Context
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    ar: int = 32                    # token slots of the prompt graph
+    cl: int = 128                   # context length
+    decode_ar: int = 1              # token slots of the token graph
+    pad_id: int | None = None       # default: the model's eos token
+    mask_floor: float = -1000.0     # -1000 (fp16 activations), -100, -50 (quantised) are in use
+    key_transposed: bool = True     # past_key as [Hkv, 1, D, W] (True) or [Hkv, 1, W, D]
+    kv_output: str = "new"          # "new": only the AR new entries; "window": the updated W-slot window
+    k_prescale: bool = False        # scores as q . (k / sqrt(D))
+    conv_state_len: int | None = None  # conv state columns; default Kc - 1
+
+    def check(self, model) -> None:
+        for name in ("ar", "cl", "decode_ar"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InputError(f"genie: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.ar >= self.cl or self.decode_ar >= self.cl:
+            raise InputError(f"genie: AR ({self.ar}, token graph {self.decode_ar}) must be smaller than CL ({self.cl})")
+        if self.kv_output not in ("new", "window"):
+            raise InputError(f"genie: kv_output must be 'new' or 'window', got {self.kv_output!r}")
+        if self.pad_id is not None and not 0 <= self.pad_id < model.config.vocab_size:
+            raise InputError(f"genie: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
+        if not self.mask_floor < 0:
+            raise InputError(f"genie: mask_floor must be negative, got {self.mask_floor}")
+        if "sliding_attention" in model.config.layer_types:
+            raise InputError("genie: sliding-window layers need a second mask input, which this convention lacks")
+        Kc = model.config.linear_conv_kernel_dim
+        if self.conv_state_len is not None and model.config.is_hybrid and self.conv_state_len < Kc - 1:
+            raise InputError(f"genie: conv_state_len must be >= Kc - 1 = {Kc - 1}, got {self.conv_state_len}")
+
+
+@dataclasses.dataclass
+class Call:
+    """One graph call: exactly the device's inputs and outputs, with axes and valid regions (boxes)."""
+    graph: str                   # "prompt" or "token"
+    tokens: list                 # the real token ids of this call
+    inputs: dict
+    outputs: dict
+    axes: dict
+    valid: dict                  # name -> list of boxes ([start, stop) per axis); absent = all valid
+
+
+def _window(entries: np.ndarray, W: int) -> np.ndarray:
+    """Cached entries [Hkv, cur, D] -> the left-padded window [Hkv, W, D] (empty slots are zeros)."""
+    Hkv, cur, D = entries.shape
+    return np.concatenate([np.zeros((Hkv, W - cur, D), entries.dtype), entries], axis=1)
+
+
+def graph(model, inputs: dict, opts: Options) -> dict:
+    """Run the static graph on its inputs, as the device does: returns its outputs."""
+    cfg = model.config
+    ids = inputs["input_ids"].astype(np.int64)
+    AR, CL = ids.shape[1], inputs["attention_mask"].shape[-1]
+    W = CL - AR
+    cache = Cache(cfg.num_hidden_layers, 1)
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            cache.layers[i] = LinearAttentionState(inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"])
+        else:
+            k = inputs[f"past_key_{i}_in"][:, 0]                              # [Hkv, D, W] or [Hkv, W, D]
+            k = k.swapaxes(1, 2) if opts.key_transposed else k
+            cache.layers[i] = KVCache(k[None].copy(), inputs[f"past_value_{i}_in"][:, 0][None].copy(), W)
+    mask = inputs["attention_mask"]                                           # [1, 1, AR, CL]
+    real = np.diagonal(mask[0, 0, :, W:]) == 0                                # a slot attends to itself iff real
+    ctx = Context(inputs["position_ids_cos"][0], inputs["position_ids_sin"][0],
+                  {"full_attention": mask}, cache, None if real.all() else real[None].astype(np.int64),
+                  k_prescale=opts.k_prescale)
+    outputs = {"logits": model.run(ids, ctx)}
+    for i, kind in enumerate(cfg.layer_types):
+        state = cache.layers[i]
+        if kind == "linear_attention":
+            outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"] = state.conv, state.recurrent
+            continue
+        keys, values = state.keys[0], state.values[0]                         # [Hkv, W + AR, D]
+        keys, values = (keys[:, W:], values[:, W:]) if opts.kv_output == "new" else (keys[:, -W:], values[:, -W:])
+        outputs[f"past_key_{i}_out"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
+        outputs[f"past_value_{i}_out"] = values[:, None]
+    return outputs
+
+
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
+    """The host loop: prompt chunks through the prompt graph, then `decode_steps` greedy tokens through the
+    token graph. Returns every call's inputs and outputs."""
+    opts.check(model)
+    cfg, dtype = model.config, model.dtype.type
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    if not prompt:
+        raise InputError("genie: empty prompt")
+    pad_id = opts.pad_id if opts.pad_id is not None else _eos(cfg)
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    attn = [i for i, k in enumerate(cfg.layer_types) if k != "linear_attention"]
+    kv = {i: (np.zeros((Hkv, 0, D), dtype), np.zeros((Hkv, 0, D), dtype)) for i in attn}   # real tokens only
+    states = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            S = opts.conv_state_len or cfg.linear_conv_kernel_dim - 1
+            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+                cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            states[i] = (np.zeros((1, conv_dim, S), dtype), np.zeros((1, cfg.linear_num_value_heads,
+                         cfg.linear_key_head_dim, cfg.linear_value_head_dim), dtype))
+    chunks = [("prompt", opts.ar, prompt[s:s + opts.ar]) for s in range(0, len(prompt), opts.ar)]
+    calls, cur = [], 0
+    for step in range(len(chunks) + decode_steps):
+        if step < len(chunks):
+            name, AR, tokens = chunks[step]
+        else:
+            name, AR, tokens = "token", opts.decode_ar, [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]
+        W, n = opts.cl - AR, len(tokens)
+        if cur > W:
+            raise InputError(f"genie: context length CL={opts.cl} is too small: call {step} ({name} graph, AR={AR}) "
+                             f"needs {cur} cached tokens but its window holds CL - AR = {W}")
+        p = AR - n
+        mask1d = np.concatenate([np.zeros(W - cur), np.ones(cur), np.zeros(p), np.ones(n)])      # [CL]
+        allowed = (mask1d[None, :] == 1) & (np.arange(opts.cl)[None, :] <= W + np.arange(AR)[:, None])
+        mask = np.maximum(np.where(allowed, 0, np.finfo(np.float32).min), opts.mask_floor).astype(dtype)
+        positions = np.clip(np.cumsum(mask1d) - 1, 0, opts.cl - 1)[-AR:].astype(np.int64)
+        cos, sin = model._rope(positions[None], None)                                             # [1, AR, rot/2]
+        inputs = {"input_ids": np.array([[pad_id] * p + tokens], np.int32),
+                  "attention_mask": mask[None, None], "position_ids_cos": cos[None], "position_ids_sin": sin[None]}
+        for i in attn:
+            keys, values = _window(kv[i][0], W), _window(kv[i][1], W)
+            inputs[f"past_key_{i}_in"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
+            inputs[f"past_value_{i}_in"] = values[:, None]
+        for i, (conv, rec) in states.items():
+            inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"] = conv, rec
+        outputs = graph(model, inputs, opts)
+        for i in attn:  # the host appends the new real entries to its cache
+            keys = outputs[f"past_key_{i}_out"][:, 0]
+            keys = keys.swapaxes(1, 2) if opts.key_transposed else keys
+            new = slice(-n, None)
+            kv[i] = (np.concatenate([kv[i][0], keys[:, new]], 1),
+                     np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, new]], 1))
+        for i in states:
+            states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
+        calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), _valid(outputs, p, AR, W, cur, n, opts)))
+        cur += n
+    return calls
+
+
+def _eos(cfg) -> int:
+    eos = cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    if eos is None:
+        raise InputError("genie: the model config has no eos_token_id; give pad_id")
+    return int(eos)
+
+
+def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
+    axes = {"input_ids": "b,t", "attention_mask": "b,1,t,ctx", "position_ids_cos": "b,1,t,rot_half",
+            "position_ids_sin": "b,1,t,rot_half", "logits": "b,t,vocab"}
+    for name in (*inputs, *outputs):
+        if name.startswith("past_key_"):
+            axes[name] = "kvh,b,d,t" if opts.key_transposed else "kvh,b,t,d"
+        elif name.startswith("past_value_"):
+            axes[name] = "kvh,b,t,d"
+        elif name.startswith("conv_state_"):
+            axes[name] = "b,conv_dim,t"
+        elif name.startswith("recurrent_state_"):
+            axes[name] = "b,hv,dk,dv"
+    return axes
+
+
+def _valid(outputs: dict, p: int, AR: int, W: int, cur: int, n: int, opts: Options) -> dict:
+    """Don't-care regions: pad query rows of the logits and of the new KV entries, empty window slots."""
+    valid = {"logits": [[[0, 1], [p, AR], [0, outputs["logits"].shape[-1]]]]}
+    for name, a in outputs.items():
+        if name.startswith(("past_key_", "past_value_")):
+            t_axis = 3 if name.startswith("past_key_") and opts.key_transposed else 2
+            lo = p if opts.kv_output == "new" else max(W - (cur + n), 0)
+            box = [[0, s] for s in a.shape]
+            box[t_axis] = [lo, a.shape[t_axis]]
+            valid[name] = [box]
+    return valid
