@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refimpl
-from refimpl.conventions import genie
+from refimpl.conventions import genie, qeff
 from refimpl.errors import InputError
 from helpers import scaled
 
@@ -21,22 +21,28 @@ def model(name, dtype="float64"):
     return _models[name, dtype]
 
 
-def check_against_dynamic(m, prompt, calls, tol):
+def valid_logits(call):
+    """The logits rows the call's valid region marks (the real tokens)."""
+    (b0, b1), (t0, t1), _ = call.valid["logits"][0]
+    return call.outputs["logits"][0, t0:t1]
+
+
+def check_against_dynamic(m, prompt, calls, tol, conv="conv_state_{}_out", rec="recurrent_state_{}_out"):
+    """Static calls == the dynamic forward: prompt logits, each decode step's logits, final GDN states."""
     cache = m.new_cache()
     full = m.forward(np.array([prompt]), cache=cache)
-    prompt_calls = [c for c in calls if c.graph == "prompt"]
-    static = np.concatenate([c.outputs["logits"][0, c.inputs["input_ids"].shape[1] - len(c.tokens):]
-                             for c in prompt_calls])
+    n_prompt = len([c for c in calls if c.graph in ("prompt", "prefill")])
+    static = np.concatenate([valid_logits(c) for c in calls[:n_prompt]])
     np.testing.assert_allclose(static, full[0], atol=tol, rtol=0)
-    for c in calls[len(prompt_calls):]:
+    for c in calls[n_prompt:]:
         step = m.forward(np.array([c.tokens]), cache=cache)
-        np.testing.assert_allclose(c.outputs["logits"][0, -1], step[0, -1], atol=tol, rtol=0)
+        np.testing.assert_allclose(valid_logits(c)[-1], step[0, -1], atol=tol, rtol=0)
     last = calls[-1]
     for i, kind in enumerate(m.config.layer_types):
         if kind == "linear_attention":
-            S = last.outputs[f"conv_state_{i}_out"].shape[-1]
-            np.testing.assert_allclose(last.outputs[f"conv_state_{i}_out"], cache.layers[i].conv[:, :, -S:], atol=tol)
-            np.testing.assert_allclose(last.outputs[f"recurrent_state_{i}_out"], cache.layers[i].recurrent, atol=tol)
+            S = last.outputs[conv.format(i)].shape[-1]
+            np.testing.assert_allclose(last.outputs[conv.format(i)], cache.layers[i].conv[:, :, -S:], atol=tol)
+            np.testing.assert_allclose(last.outputs[rec.format(i)], cache.layers[i].recurrent, atol=tol)
     return cache
 
 
@@ -66,6 +72,37 @@ def test_static_equals_dynamic(name, data):
                 k = k.swapaxes(1, 2) if opts.key_transposed else k
                 keys.append(k[:, -len(c.tokens):])
             np.testing.assert_allclose(np.concatenate(keys, 1), cache.layers[i].keys[0], atol=1e-10)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_qeff_static_equals_dynamic(name, data):
+    seq_len = data.draw(st.integers(1, 9), label="seq_len")
+    prompt_len = data.draw(st.integers(1, 20), label="prompt_len")
+    decode = data.draw(st.integers(0, 3), label="decode_steps")
+    ctx_len = data.draw(st.integers(max(prompt_len + decode, seq_len), prompt_len + decode + seq_len + 5))
+    m = model(name)
+    prompt = list(np.random.default_rng(prompt_len).integers(0, m.config.vocab_size, size=prompt_len))
+    calls = qeff.run(m, prompt, qeff.Options(seq_len=seq_len, ctx_len=ctx_len), decode_steps=decode)
+    cache = check_against_dynamic(m, prompt, calls, 1e-10, "conv_state.{}_RetainedState",
+                                  "recurrent_state.{}_RetainedState")
+    for i, kind in enumerate(m.config.layer_types):  # the scattered full-context KV holds the dynamic cache
+        if kind != "linear_attention":
+            P = cache.seq_length
+            np.testing.assert_allclose(calls[-1].outputs[f"past_key.{i}_RetainedState"][:, :, :P],
+                                       cache.layers[i].keys, atol=1e-10)
+            assert not calls[-1].outputs[f"past_key.{i}_RetainedState"][:, :, P:].any()  # pad writes dropped
+
+
+def test_qeff_inputs():
+    calls = qeff.run(model("tiny-qwen3"), [5, 6, 7, 8, 9], qeff.Options(seq_len=4, ctx_len=8), decode_steps=1)
+    assert calls[1].inputs["input_ids"].tolist() == [[9, 151645, 151645, 151645]]
+    assert calls[1].inputs["position_ids"].tolist() == [[4, -1, -1, -1]]
+    assert calls[2].inputs["position_ids"].tolist() == [[5]]
+    assert calls[0].inputs["past_key.0"].shape == (1, 2, 8, 32) and calls[2].graph == "decode"
+    with pytest.raises(InputError, match="ctx_len 8 is too small"):
+        qeff.run(model("tiny-qwen3"), list(range(1, 9)), qeff.Options(seq_len=4, ctx_len=8), decode_steps=1)
 
 
 @pytest.mark.parametrize("name", PRESETS)

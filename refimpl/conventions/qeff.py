@@ -1,0 +1,150 @@
+"""QEfficient (Cloud AI 100) static graphs (device_conventions.md §3).
+
+Calls of `seq_len` slots over a full-context KV of `ctx_len` positions; the prompt is split into chunks of
+seq_len, the last chunk RIGHT-padded with `pad_id` and `position_ids = -1` on pads; decode calls have one slot
+at position max + 1. Per call:
+
+  input_ids            [1, S] int64;   position_ids [1, S] int64 (-1 on pads)
+  past_key.{i}         [1, Hkv, ctx_len, D]  (not transposed; slot = position)   past_value.{i} likewise
+  conv_state.{i}       [1, conv_dim, Kc - 1];  recurrent_state.{i} [1, Hv, Dk, Dv]   (linear-attention layers)
+outputs: logits [1, S, V]; past_key.{i}_RetainedState / past_value.{i}_RetainedState [1, Hkv, ctx_len, D] (the
+new entries scattered at their positions, pad writes dropped); conv_state.{i}_RetainedState,
+recurrent_state.{i}_RetainedState.
+
+Inside the graph a query at position p sees the slots j <= p. QEfficient masks with -inf, which makes a pad
+row NaN; refimpl uses finfo.min (pad rows are don't-care either way). Pad steps leave the GDN conv and recurrent
+states untouched, as QEfficient's port does (g = beta = 0, q = k = v = 0, position-ordered conv window).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import InputError
+from ..models.cache import Cache, LinearAttentionState
+from ..models.model import Context
+from .genie import Call
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    seq_len: int = 32
+    ctx_len: int = 128
+    pad_id: int | None = None       # default: the model's pad token, else eos
+
+    def check(self, model) -> None:
+        for name in ("seq_len", "ctx_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InputError(f"qeff: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.seq_len > self.ctx_len:
+            raise InputError(f"qeff: seq_len ({self.seq_len}) must not exceed ctx_len ({self.ctx_len})")
+        if self.pad_id is not None and not 0 <= self.pad_id < model.config.vocab_size:
+            raise InputError(f"qeff: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
+        if "sliding_attention" in model.config.layer_types:
+            raise InputError("qeff: sliding-window layers are not supported by this convention")
+
+
+class ScatterCache(Cache):
+    """KV slots indexed by position: new entries are written at their position ids (CtxScatter), pads dropped."""
+
+    def __init__(self, num_layers: int, kv: dict, positions: np.ndarray):
+        super().__init__(num_layers, 1)
+        self.kv, self.positions = kv, positions
+
+    def append_kv(self, layer, keys, values):   # keys [1, Hkv, S, D] -> the full [1, Hkv, ctx_len, D] slots
+        k, v = self.kv[layer]
+        k, v = k.copy(), v.copy()
+        real = self.positions >= 0
+        k[:, :, self.positions[real]] = keys[:, :, real]
+        v[:, :, self.positions[real]] = values[:, :, real]
+        self.kv[layer] = (k, v)
+        return k, v
+
+
+def graph(model, inputs: dict) -> dict:
+    cfg = model.config
+    ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"][0].astype(np.int64)
+    attn = [i for i, kind in enumerate(cfg.layer_types) if kind != "linear_attention"]
+    cache = ScatterCache(cfg.num_hidden_layers, {i: (inputs[f"past_key.{i}"], inputs[f"past_value.{i}"])
+                                                 for i in attn}, positions)
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            cache.layers[i] = LinearAttentionState(inputs[f"conv_state.{i}"], inputs[f"recurrent_state.{i}"])
+    ctx_len = inputs[f"past_key.{attn[0]}"].shape[2] if attn else 1
+    allowed = (np.arange(ctx_len)[None, :] <= positions[:, None]) & (positions[:, None] >= 0)  # [S, ctx_len]
+    dtype = model.dtype.type
+    mask = np.where(allowed, dtype(0), np.finfo(dtype).min)[None, None]
+    real = positions >= 0
+    cos, sin = model._rope(np.maximum(positions, 0)[None], None)
+    ctx = Context(cos, sin, {"full_attention": mask}, cache, None if real.all() else real[None].astype(np.int64))
+    outputs = {"logits": model.run(ids, ctx)}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            outputs[f"conv_state.{i}_RetainedState"] = cache.layers[i].conv
+            outputs[f"recurrent_state.{i}_RetainedState"] = cache.layers[i].recurrent
+        else:
+            outputs[f"past_key.{i}_RetainedState"], outputs[f"past_value.{i}_RetainedState"] = cache.kv[i]
+    return outputs
+
+
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
+    opts.check(model)
+    cfg, dtype = model.config, model.dtype.type
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    if not prompt:
+        raise InputError("qeff: empty prompt")
+    if len(prompt) + decode_steps > opts.ctx_len:
+        raise InputError(f"qeff: ctx_len {opts.ctx_len} is too small for {len(prompt)} prompt tokens + "
+                         f"{decode_steps} decode steps")
+    pad_id = opts.pad_id if opts.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
+                                                          else _first(cfg.eos_token_id))
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    state = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+                cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            state[f"conv_state.{i}"] = np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+            state[f"recurrent_state.{i}"] = np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                                      cfg.linear_value_head_dim), dtype)
+        else:
+            state[f"past_key.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
+            state[f"past_value.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
+    chunks = [("prefill", prompt[s:s + opts.seq_len]) for s in range(0, len(prompt), opts.seq_len)]
+    calls, next_pos = [], 0
+    for step in range(len(chunks) + decode_steps):
+        if step < len(chunks):
+            graph_name, tokens = chunks[step]
+            S = opts.seq_len
+        else:
+            graph_name, tokens, S = "decode", [int(np.argmax(calls[-1].outputs["logits"][0, len(calls[-1].tokens) - 1]))], 1
+        n = len(tokens)
+        positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(S - n, np.int64)])
+        inputs = {"input_ids": np.array([tokens + [pad_id] * (S - n)], np.int64),
+                  "position_ids": positions[None].astype(np.int64), **state}
+        outputs = graph(model, inputs)
+        state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
+        valid = {"logits": [[[0, 1], [0, n], [0, cfg.vocab_size]]]}
+        for name, a in outputs.items():
+            if name.startswith("past_"):
+                valid[name] = [[[0, 1], [0, Hkv], [0, next_pos + n], [0, D]]]
+        axes = {name: _axes(name) for name in (*inputs, *outputs)}
+        calls.append(Call(graph_name, tokens, inputs, outputs, axes, valid))
+        next_pos += n
+    return calls
+
+
+def _first(x):
+    return int(x[0] if isinstance(x, list) else x)
+
+
+def _axes(name: str) -> str:
+    if name in ("input_ids", "position_ids"):
+        return "b,t"
+    if name == "logits":
+        return "b,t,vocab"
+    if name.startswith("past_"):
+        return "b,kvh,ctx,d"
+    if name.startswith("conv_state"):
+        return "b,conv_dim,t"
+    return "b,hv,dk,dv"
