@@ -21,6 +21,9 @@ $(VENV)/.dev: pyproject.toml
 demo: $(VENV)/.runtime
 	$(VENV)/bin/refimpl info tiny-qwen3.5
 	$(VENV)/bin/refimpl run tiny-qwen3.5 --input-ids 9707,11,1879,0
+	$(VENV)/bin/refimpl golden --input-ids 9707,11,1879,0,315,3460,13 --convention genie --ar 4 --cl 32 \
+		--mask-floor -100 --decode-steps 4 --out out/demo-bundle --overwrite
+	@echo "bundle: out/demo-bundle (manifest.json, input_list.txt, steps/*/{inputs,outputs,taps}/*.raw)"
 
 # two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
 # slow everything down many times over)

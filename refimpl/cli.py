@@ -1,4 +1,4 @@
-"""refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`.
+"""refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .errors import RefimplError
+from .errors import InputError, RefimplError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +66,42 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_golden(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+
+    from . import load
+    from .golden import write_golden
+    from .models.presets import DEFAULT_PRESET
+    if args.prompt is not None:
+        raise InputError("--prompt needs a tokenizer, which refimpl does not have yet; give --input-ids")
+    if args.input_ids is None:
+        raise InputError("give the prompt as --input-ids 1,2,3")
+    source = args.model or DEFAULT_PRESET
+    params = {}
+    if args.convention == "genie":
+        params = {"ar": args.ar, "cl": args.cl, "decode_ar": args.decode_ar, "pad_id": args.pad_id,
+                  "mask_floor": args.mask_floor, "key_transposed": args.key_layout == "transposed",
+                  "kv_output": args.kv_output, "k_prescale": args.k_prescale}
+    elif args.convention == "qeff":
+        params = {"seq_len": args.ar, "ctx_len": args.cl, "pad_id": args.pad_id}
+    if args.pad_id is not None and args.pad_id < 0:
+        raise InputError(f"--pad-id must be a token id >= 0, got {args.pad_id}")
+    model = load(source, dtype=args.dtype)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, transient=True, disable=args.quiet) as bar:
+        task = bar.add_task(f"{args.convention} golden: computing {source}", total=None)
+
+        def progress(k, total):
+            bar.update(task, description="writing steps", completed=k + 1, total=total)
+        path = write_golden(args.out, model, args.input_ids[0], source=source, convention=args.convention,
+                            params=params, decode_steps=args.decode_steps, taps=args.taps,
+                            exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
+                            overwrite=args.overwrite, progress=progress)
+    print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
+          f"{args.decode_steps} decode steps)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="refimpl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -80,6 +116,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top", type=int, default=5)
     run.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     run.set_defaults(func=cmd_run)
+
+    g = sub.add_parser("golden", help="write a golden bundle: every graph call's inputs, outputs and taps")
+    g.add_argument("--model", help="preset name, HF checkpoint directory or .gguf file (default: the built-in "
+                                   "hybrid preset tiny-qwen3.5)")
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
+    g.add_argument("--ar", type=int, default=32, help="genie: token slots per call (AR); qeff: seq_len")
+    g.add_argument("--cl", type=int, default=128, help="genie: context length (CL); qeff: ctx_len")
+    g.add_argument("--decode-ar", type=int, default=1, help="genie: token slots of the token graph")
+    g.add_argument("--mask-floor", type=float, default=-1000.0, help="genie: lower clamp of the additive mask")
+    g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
+    g.add_argument("--key-layout", default="transposed", choices=["transposed", "plain"],
+                   help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
+    g.add_argument("--kv-output", default="new", choices=["new", "window"],
+                   help="genie: past_key/value outputs hold the AR new entries or the updated window")
+    g.add_argument("--k-prescale", action="store_true", help="genie: scores as q . (k / sqrt(D))")
+    g.add_argument("--decode-steps", type=int, default=0, help="greedy tokens after the prompt")
+    g.add_argument("--taps", default=".", help="regex of the trace taps to record per step (default: all of "
+                                               "them; e.g. 'layers\\.0\\.'); see docs/taps.md")
+    g.add_argument("--no-taps", dest="taps", action="store_const", const=None, help="record no taps")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
+    g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
+    g.add_argument("--out", required=True, help="bundle directory to create")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_golden)
     return parser
 
 

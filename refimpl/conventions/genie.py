@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import InputError
 from ..models.cache import Cache, KVCache, LinearAttentionState
 from ..models.model import Context
+from ..trace import trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Call:
     outputs: dict
     axes: dict
     valid: dict                  # name -> list of boxes ([start, stop) per axis); absent = all valid
+    taps: dict = dataclasses.field(default_factory=dict)   # traced intermediates of this call, by tap name
 
 
 def _window(entries: np.ndarray, W: int) -> np.ndarray:
@@ -110,9 +112,9 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     return outputs
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
     """The host loop: prompt chunks through the prompt graph, then `decode_steps` greedy tokens through the
-    token graph. Returns every call's inputs and outputs."""
+    token graph. Returns every call's inputs and outputs (and the taps matching the regex `taps`)."""
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
     prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
@@ -155,7 +157,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
             inputs[f"past_value_{i}_in"] = values[:, None]
         for i, (conv, rec) in states.items():
             inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"] = conv, rec
-        outputs = graph(model, inputs, opts)
+        with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
+            outputs = graph(model, inputs, opts)
         for i in attn:  # the host appends the new real entries to its cache
             keys = outputs[f"past_key_{i}_out"][:, 0]
             keys = keys.swapaxes(1, 2) if opts.key_transposed else keys
@@ -164,7 +167,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
                      np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, new]], 1))
         for i in states:
             states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
-        calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), _valid(outputs, p, AR, W, cur, n, opts)))
+        calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts),
+                          _valid(outputs, p, AR, W, cur, n, opts), {t: tr[t] for t in tr.names()}))
         cur += n
     return calls
 

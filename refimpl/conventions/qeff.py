@@ -23,6 +23,7 @@ import numpy as np
 from ..errors import InputError
 from ..models.cache import Cache, LinearAttentionState
 from ..models.model import Context
+from ..trace import trace
 from .genie import Call
 
 
@@ -87,7 +88,7 @@ def graph(model, inputs: dict) -> dict:
     return outputs
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
     prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
@@ -122,14 +123,15 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0) -> list[Call]:
         positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(S - n, np.int64)])
         inputs = {"input_ids": np.array([tokens + [pad_id] * (S - n)], np.int64),
                   "position_ids": positions[None].astype(np.int64), **state}
-        outputs = graph(model, inputs)
+        with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
+            outputs = graph(model, inputs)
         state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
         valid = {"logits": [[[0, 1], [0, n], [0, cfg.vocab_size]]]}
         for name, a in outputs.items():
             if name.startswith("past_"):
                 valid[name] = [[[0, 1], [0, Hkv], [0, next_pos + n], [0, D]]]
         axes = {name: _axes(name) for name in (*inputs, *outputs)}
-        calls.append(Call(graph_name, tokens, inputs, outputs, axes, valid))
+        calls.append(Call(graph_name, tokens, inputs, outputs, axes, valid, {t: tr[t] for t in tr.names()}))
         next_pos += n
     return calls
 

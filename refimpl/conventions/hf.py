@@ -1,0 +1,58 @@
+"""The dynamic convention: transformers' own calls — the whole prompt in one forward, then one token per call,
+with the cache passed in and out (ONNX-export names). Shapes vary per step; nothing is padded.
+
+  input_ids [1, T] int64, position_ids [1, T] int64
+  past_key_values.{i}.key / .value [1, Hkv, P, D]      (attention layers, from step 1 on)
+  past_conv_state.{i} [1, conv_dim, Kc], past_recurrent_state.{i} [1, Hv, Dk, Dv]   (linear attention, step 1 on)
+outputs: logits [1, T, V]; present.{i}.key / .value [1, Hkv, P + T, D]; present_conv_state.{i},
+present_recurrent_state.{i}.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import InputError
+from ..trace import trace
+from .genie import Call
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    def check(self, model) -> None:
+        pass
+
+
+def _state(cache, cfg, prefix: str) -> dict:
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        if layer is None:
+            continue
+        if cfg.layer_types[i] == "linear_attention":
+            out[f"{prefix}_conv_state.{i}"], out[f"{prefix}_recurrent_state.{i}"] = layer.conv, layer.recurrent
+        else:
+            name = "past_key_values" if prefix == "past" else "present"
+            out[f"{name}.{i}.key"], out[f"{name}.{i}.value"] = layer.keys.copy(), layer.values.copy()
+    return out
+
+
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
+    cfg = model.config
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    if not prompt:
+        raise InputError("hf: empty prompt")
+    cache, calls = model.new_cache(), []
+    for step in range(1 + decode_steps):
+        tokens = prompt if step == 0 else [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]
+        P = cache.seq_length
+        inputs = {"input_ids": np.array([tokens], np.int64),
+                  "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None], **_state(cache, cfg, "past")}
+        with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
+            logits = model.forward(inputs["input_ids"], cache=cache, position_ids=inputs["position_ids"])
+        outputs = {"logits": logits, **_state(cache, cfg, "present")}
+        axes = {n: ("b,kvh,t,d" if ".key" in n or ".value" in n else "b,conv_dim,t" if "conv" in n
+                    else "b,hv,dk,dv" if "recurrent" in n else "b,t,vocab" if n == "logits" else "b,t")
+                for n in (*inputs, *outputs)}
+        calls.append(Call("prefill" if step == 0 else "decode", tokens, inputs, outputs, axes, {},
+                          {n: tr[n] for n in tr.names()}))
+    return calls

@@ -1,0 +1,71 @@
+"""Golden bundles: a model, a prompt and a device convention -> every graph call's inputs, outputs and taps,
+written as a bundle (refimpl/bundle.py, docs/bundle.md).
+
+Numerics: goldens are computed with BLAS pinned to one thread. OpenBLAS splits multi-row products differently
+for different thread counts, which changes float32 (and float64) bits; one thread makes a bundle bit-identical
+across runs and across the caller's OPENBLAS_NUM_THREADS.
+"""
+
+import dataclasses
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from . import __version__
+from .bundle import Tensor, write_bundle
+from .conventions import genie, hf, qeff
+from .errors import InputError
+
+CONVENTIONS = {"hf": hf, "genie": genie, "qeff": qeff}
+SCHEMA_VERSION = 1
+
+
+def run_convention(model, prompt_ids, convention: str = "hf", params: dict | None = None, decode_steps: int = 0,
+                   taps: str | None = None):
+    """The convention's graph calls and its checked options (BLAS on one thread). params: Options fields."""
+    if convention not in CONVENTIONS:
+        raise InputError(f"unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+    module = CONVENTIONS[convention]
+    fields = {f.name for f in dataclasses.fields(module.Options)}
+    unknown = sorted(set(params or {}) - fields)
+    if unknown:
+        raise InputError(f"convention {convention!r} has no option {unknown[0]!r} "
+                         f"(options: {', '.join(sorted(fields)) or 'none'})")
+    if not isinstance(decode_steps, int) or decode_steps < 0:
+        raise InputError(f"decode steps must be a non-negative integer, got {decode_steps!r}")
+    opts = module.Options(**(params or {}))
+    with threadpool_limits(limits=1, user_api="blas"):
+        return module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps), opts
+
+
+def bundle_steps(result: list) -> list[list[Tensor]]:
+    steps = []
+    for c in result:
+        tensors = [Tensor(n, "input", a, c.axes.get(n), c.valid.get(n)) for n, a in c.inputs.items()]
+        tensors += [Tensor(n, "output", a, c.axes.get(n), c.valid.get(n)) for n, a in c.outputs.items()]
+        tensors += [Tensor(n, "tap", a) for n, a in c.taps.items()]
+        steps.append(tensors)
+    return steps
+
+
+def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "hf", params: dict | None = None,
+                 decode_steps: int = 0, taps: str | None = None, exports=(), aimet: bool = False,
+                 overwrite: bool = False, progress=None):
+    """Compute and write one golden bundle; returns its path."""
+    result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps)
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    n_prompt = sum(c.graph in ("prompt", "prefill") for c in result)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "refimpl_version": __version__,
+        "model": {"source": source, "config": model.config.to_dict(), "weights_sha256": model.weights.sha256()},
+        "convention": {"name": convention, "params": dataclasses.asdict(opts),
+                       "gdn_padding": "pad steps leave the conv and recurrent state untouched"},
+        "precision": {"dtype": model.dtype.name, "blas_threads": 1},
+        "prompt_ids": prompt,
+        "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
+        "steps": [{"index": k, "graph": c.graph, "tokens": c.tokens} for k, c in enumerate(result)],
+        "taps": taps,
+    }
+    return write_bundle(out_dir, manifest, bundle_steps(result), exports=exports, aimet=aimet,
+                        overwrite=overwrite, progress=progress)

@@ -1,0 +1,97 @@
+"""Golden bundles end to end: replaying a bundle's inputs through the graph gives its outputs, bundles are
+bit-identical across runs and BLAS thread counts, the committed anchors regenerate bit for bit, and bad
+arguments exit 2 with one line."""
+
+import filecmp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refimpl
+from refimpl.bundle import read_bundle
+from refimpl.conventions import genie, qeff
+from refimpl.golden import write_golden
+from refimpl.models.presets import PRESETS
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "golden"))
+import make_anchors  # noqa: E402
+
+
+def _same_tree(a: Path, b: Path):
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    mismatch = [str(f) for f in files_a if not filecmp.cmp(a / f, b / f, shallow=False)]
+    assert not mismatch, f"files differ: {mismatch[:5]}"
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_anchor_regenerates_bit_identically(name, tmp_path):
+    _same_tree(ROOT / "golden" / name, make_anchors.write_anchor(name, tmp_path / name))
+
+
+@pytest.mark.parametrize("convention,params,module", [
+    ("genie", {"ar": 3, "cl": 12, "key_transposed": False, "kv_output": "window"}, genie),
+    ("qeff", {"seq_len": 3, "ctx_len": 12}, qeff)])
+def test_replaying_bundle_inputs_reproduces_its_outputs(convention, params, module, tmp_path):
+    """What a device does with a bundle: feed each step's inputs, compare the outputs."""
+    model = refimpl.load("tiny-qwen3.5-moe")
+    path = write_golden(tmp_path / "b", model, [1, 2, 3, 4, 5], source="tiny-qwen3.5-moe", convention=convention,
+                        params=params, decode_steps=2)
+    b = read_bundle(path)
+    opts = module.Options(**params)
+    for k, step in enumerate(b.manifest["steps"]):
+        inputs = {n: b.tensor(k, "input", n) for n in step["inputs"]}
+        outputs = module.graph(model, inputs, opts) if module is genie else module.graph(model, inputs)
+        for n in step["outputs"]:
+            np.testing.assert_array_equal(outputs[n], b.tensor(k, "output", n), err_msg=f"step {k} {n}")
+    assert b.manifest["generated_ids"] and len(b.manifest["steps"]) == 2 + 2
+
+
+def test_hf_convention_is_the_dynamic_forward(tmp_path):
+    model = refimpl.load("tiny-qwen3")
+    path = write_golden(tmp_path / "b", model, [7, 8, 9], source="tiny-qwen3", decode_steps=1, taps=r"^lm_head$")
+    b = read_bundle(path)
+    np.testing.assert_array_equal(b.tensor(0, "output", "logits"), model.forward(np.array([[7, 8, 9]])))
+    np.testing.assert_array_equal(b.tensor(0, "tap", "lm_head"), b.tensor(0, "output", "logits"))
+    assert b.tensor(1, "input", "past_key_values.0.key").shape == (1, 2, 3, 32)
+    assert b.tensor(1, "output", "present.0.key").shape == (1, 2, 4, 32)
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "refimpl.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_bundles_identical_across_runs_and_blas_threads(tmp_path):
+    args = ["golden", "--input-ids", "9707,11,1879,0,315", "--convention", "genie", "--ar", "2", "--cl", "10",
+            "--decode-steps", "1", "--taps", r"layers\.[03]\.", "-q"]
+    for tag, threads in (("a", "1"), ("b", "2"), ("c", "1")):
+        proc = _cli(*args, "--out", str(tmp_path / tag), env={"OPENBLAS_NUM_THREADS": threads})
+        assert proc.returncode == 0, proc.stderr
+    _same_tree(tmp_path / "a", tmp_path / "b")
+    _same_tree(tmp_path / "a", tmp_path / "c")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--convention", "genie", "--ar", "4", "--cl", "8"], "too small"),
+    (["--convention", "genie", "--ar", "16", "--cl", "8"], "smaller than CL"),
+    (["--convention", "genie", "--pad-id", "-3"], "pad-id must be"),
+    (["--convention", "tflite"], "invalid choice"),
+    (["--kv-output", "all"], "invalid choice"),
+    (["--decode-steps", "x"], "invalid int"),
+])
+def test_cli_bad_arguments_exit_2(args, message, tmp_path):
+    proc = _cli("golden", "--input-ids", "1,2,3,4,5,6,7,8,9,10", *args, "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_cli_prompt_text_needs_a_tokenizer(tmp_path):
+    proc = _cli("golden", "--prompt", "hello", "--out", str(tmp_path / "b"))
+    assert proc.returncode == 2 and "tokenizer" in proc.stderr
