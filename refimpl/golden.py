@@ -43,7 +43,7 @@ def bundle_steps(result: list) -> list[list[Tensor]]:
     for c in result:
         tensors = [Tensor(n, "input", a, c.axes.get(n), c.valid.get(n)) for n, a in c.inputs.items()]
         tensors += [Tensor(n, "output", a, c.axes.get(n), c.valid.get(n)) for n, a in c.outputs.items()]
-        tensors += [Tensor(n, "tap", a) for n, a in c.taps.items()]
+        tensors += [Tensor(n, "tap", a, None, c.valid.get(n)) for n, a in c.taps.items()]
         steps.append(tensors)
     return steps
 

@@ -167,8 +167,9 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
                      np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, new]], 1))
         for i in states:
             states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
-        calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts),
-                          _valid(outputs, p, AR, W, cur, n, opts), {t: tr[t] for t in tr.names()}))
+        taps_ = {t: tr[t] for t in tr.names()}
+        valid = {**_valid(outputs, p, AR, W, cur, n, opts), **tap_valid(taps_, AR, p, AR)}
+        calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), valid, taps_))
         cur += n
     return calls
 
@@ -194,6 +195,21 @@ def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
         elif name.startswith("recurrent_state_"):
             axes[name] = "b,hv,dk,dv"
     return axes
+
+
+def tap_valid(taps: dict, T: int, lo: int, hi: int) -> dict:
+    """Valid regions of a call's taps: only the query rows lo..hi of the T slots are real tokens. Token axes:
+    axis 2 of attention scores/probabilities [B, H, T, S], axis 1 of every other [B, T, ...] tap; states and
+    other taps are all valid. Pad rows of a linear-attention tap hold zeros (don't-care as well)."""
+    valid = {}
+    for name, a in taps.items():
+        axis = 2 if name.endswith(("attn_scores", "attn_probs")) else 1
+        if name.endswith(("conv_state", "recurrent_state")) or a.ndim <= axis or a.shape[axis] != T or (lo, hi) == (0, T):
+            continue
+        box = [[0, s] for s in a.shape]
+        box[axis] = [lo, hi]
+        valid[name] = [box]
+    return valid
 
 
 def _valid(outputs: dict, p: int, AR: int, W: int, cur: int, n: int, opts: Options) -> dict:

@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..models.cache import Cache, LinearAttentionState
 from ..models.model import Context
 from ..trace import trace
-from .genie import Call
+from .genie import Call, tap_valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             if name.startswith("past_"):
                 valid[name] = [[[0, 1], [0, Hkv], [0, next_pos + n], [0, D]]]
         axes = {name: _axes(name) for name in (*inputs, *outputs)}
-        calls.append(Call(graph_name, tokens, inputs, outputs, axes, valid, {t: tr[t] for t in tr.names()}))
+        taps = {t: tr[t] for t in tr.names()}
+        calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(taps, S, 0, n)}, taps))
         next_pos += n
     return calls
 

@@ -111,9 +111,12 @@ def test_static_equals_dynamic_float32(name):
     GEMM shapes and chunkings than one dynamic forward."""
     m = scaled(name)
     prompt = list(np.random.default_rng(5).integers(0, m.config.vocab_size, size=13))
-    calls = genie.run(m, prompt, genie.Options(ar=4, cl=24, mask_floor=-100.0), decode_steps=2)
     scale = float(np.abs(m.forward(np.array([prompt]))).max())
+    calls = genie.run(m, prompt, genie.Options(ar=4, cl=24, mask_floor=-100.0), decode_steps=2)
     check_against_dynamic(m, prompt, calls, tol=1e-5 * scale)
+    calls = qeff.run(m, prompt, qeff.Options(seq_len=4, ctx_len=24), decode_steps=2)
+    check_against_dynamic(m, prompt, calls, 1e-5 * scale, "conv_state.{}_RetainedState",
+                          "recurrent_state.{}_RetainedState")
 
 
 def test_shapes_names_and_valid_regions():
@@ -135,6 +138,17 @@ def test_shapes_names_and_valid_regions():
     assert calls[1].inputs["attention_mask"].min() == -1000.0
     np.testing.assert_array_equal(calls[1].inputs["attention_mask"][0, 0, 3], [-1000.0] * 8 + [0.0] * 4 + [-1000.0] * 3 + [0.0])
     assert calls[1].axes["past_key_3_in"] == "kvh,b,d,t" and calls[1].axes["recurrent_state_0_out"] == "b,hv,dk,dv"
+
+
+def test_tap_valid_regions_mark_pad_rows():
+    m = model("tiny-qwen3.5")
+    calls = genie.run(m, [5, 6, 7, 8, 9], genie.Options(ar=4, cl=16), taps=".")
+    padded = calls[1]  # [pad, pad, pad, 9]
+    assert padded.valid["model.layers.0.linear_attn.core"] == [[[0, 1], [3, 4], [0, 4], [0, 16]]]
+    assert padded.valid["model.layers.3.self_attn.attn_probs"] == [[[0, 1], [0, 4], [3, 4], [0, 16]]]
+    assert "model.layers.0.linear_attn.recurrent_state" not in padded.valid   # states: all valid
+    assert not any(k.startswith("model.") for k in calls[0].valid)           # a full chunk: all valid
+    assert not padded.taps["model.layers.0.linear_attn.core"][0, :3].any()   # pad rows of GDN taps are zeros
 
 
 @pytest.mark.parametrize("opts,message", [
