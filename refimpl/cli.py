@@ -23,7 +23,19 @@ def _ids(text: str) -> np.ndarray:
         raise argparse.ArgumentTypeError(f"--input-ids must be comma-separated integers, got {text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("--input-ids is empty")
+    if any(not 0 <= t < 2**31 for t in ids):
+        raise argparse.ArgumentTypeError(f"--input-ids must be token ids in [0, 2^31), got {text!r}")
     return np.array([ids], dtype=np.int64)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def cmd_info(args) -> int:
@@ -113,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="one forward pass; print the top next tokens")
     run.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
     run.add_argument("--input-ids", type=_ids, required=True, help="comma-separated token ids, e.g. 1,2,3")
-    run.add_argument("--top", type=int, default=5)
+    run.add_argument("--top", type=_positive, default=5)
     run.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     run.set_defaults(func=cmd_run)
 

@@ -25,6 +25,8 @@ def test_run_prints_top_tokens(capsys):
     (["run", "tiny-qwen3", "--input-ids", "1,999999999"], "outside the vocabulary"),
     (["run", "nowhere/model", "--input-ids", "1"], "not a preset"),
     (["info"], "required"),
+    (["run", "tiny-qwen3", "--input-ids", "99999999999999999999"], "token ids in"),
+    (["run", "tiny-qwen3", "--input-ids", "1", "--top", "0"], "positive integer"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message):

@@ -14,7 +14,8 @@ from .activation import compute_dtype, sigmoid, softmax
 def route(logits: np.ndarray, top_k: int, renormalize: bool):
     """logits [N, E] -> probs [N, E] (float32+), weights [N, k] (logits dtype), experts [N, k] int64.
 
-    Experts are ordered by descending probability; exact ties go to the lower expert id.
+    Experts are ordered by descending probability; exact ties go to the lower expert id (torch.topk on CPU
+    breaks exact ties differently; the `selected_experts` tap records the choice).
     """
     probs = softmax(logits.astype(compute_dtype(logits), copy=False))
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]

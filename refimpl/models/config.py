@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..kernels.activation import ACTIVATIONS
 
 DENSE_TYPES = ("qwen3",)
 MOE_TYPES = ("qwen3_moe",)
@@ -89,19 +90,37 @@ class ModelConfig:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def _standardize_rope(d: dict, hybrid: bool) -> dict:
-    """transformers 5.x `rope_parameters` from either that dict or the legacy rope_theta / rope_scaling."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+_ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ("short_factor", "long_factor")}
+
+
+def _standardize_rope(d: dict, hybrid: bool, source: str) -> dict:
+    """transformers 5.x `rope_parameters`, as its config standardisation builds them: a `rope_scaling` dict wins
+    over `rope_parameters` (the Qwen YaRN recipe adds one to a v5 config), rope_theta from that dict, else the
+    top-level field, else 10000; a top-level original_max_position_embeddings overrides the dict's."""
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = d.get("rope_theta", 10000.0)
     prf = d.get("partial_rotary_factor", 0.25 if hybrid else None)
     if prf is not None:
         rope.setdefault("partial_rotary_factor", prf)
-    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
-        rope.setdefault("original_max_position_embeddings",
-                        d.get("original_max_position_embeddings", d.get("max_position_embeddings", 32768)))
+    kind = rope["rope_type"]
+    if kind in ("llama3", "yarn", "longrope"):
+        if d.get("original_max_position_embeddings") is not None:
+            rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        else:
+            rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 32768))
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(f"{source}: unknown rope_type {kind!r}; supported: {', '.join(_ROPE_KEYS)}")
+    theta = rope["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
+        raise ConfigError(f"{source}: rope_theta must be a finite number > 1, got {theta!r}")
+    for key in _ROPE_KEYS[kind]:
+        if rope.get(key) is None:
+            raise ConfigError(f"{source}: rope_type {kind!r} needs {key!r} in rope_parameters")
     return rope
 
 
@@ -115,7 +134,8 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(text, dict):
             raise ConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object")
         text = {**text, "model_type": text.get("model_type", MULTIMODAL_WRAPPERS[model_type])}
-        text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
+        # the wrapper (the checkpoint's declared architecture) ties by its own flag, not text_config's
+        text["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
         d = text
         model_type = d["model_type"]
     if model_type not in SUPPORTED:
@@ -154,7 +174,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         mlp_only or sparse_step != 1)
     intermediate = get("intermediate_size", required=needs_dense)
 
-    rope = _standardize_rope(d, hybrid)
+    rope = _standardize_rope(d, hybrid, source)
     if hybrid:
         rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     else:
@@ -162,8 +182,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
     if rotary_dim % 2 or rotary_dim <= 0:
         raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
 
-    sliding_window = get("sliding_window") if get("use_sliding_window") else None
-    layer_types = d.get("layer_types")
+    # null stays null: transformers then has no window at all
+    sliding_window = d.get("sliding_window", _DEFAULTS["sliding_window"]) if get("use_sliding_window") else None
+    # transformers' Qwen3-MoE has no layer_types: the window, when set, applies to every layer
+    layer_types = None if model_type == "qwen3_moe" else d.get("layer_types")
+    if layer_types is not None:  # transformers' legacy names
+        layer_types = [{"attention": "full_attention", "mamba": "linear_attention"}.get(t, t) for t in layer_types]
     if layer_types is None:
         if hybrid:
             interval = positive_int("full_attention_interval", get("full_attention_interval"))
@@ -183,6 +207,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
     if not hybrid and "linear_attention" in layer_types:
         raise ConfigError(f"{source}: model_type {model_type!r} has no linear_attention layers")
+
+    if get("hidden_act") not in ACTIVATIONS:
+        raise ConfigError(f"{source}: unsupported hidden_act {get('hidden_act')!r}; supported: {', '.join(ACTIVATIONS)}")
+    eps = get("rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+        raise ConfigError(f"{source}: rms_norm_eps must be a small non-negative number, got {eps!r}")
 
     extra = {}
     if moe:
@@ -232,6 +262,8 @@ def load_config(path: str | Path) -> ModelConfig:
         d = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     return config_from_dict(d, source=str(path))

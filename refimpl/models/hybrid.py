@@ -39,7 +39,8 @@ def mixer(cfg, i: int):
 
 def projections(w, p: str, x: np.ndarray, cfg):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
-    b and a [B, T, Hv], from Qwen3.5's split projections or Qwen3-Next's fused ones."""
+    b and a [B, T, Hv], and the raw projection outputs by tap name; from Qwen3.5's split projections or
+    Qwen3-Next's fused ones."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
@@ -48,16 +49,16 @@ def projections(w, p: str, x: np.ndarray, cfg):
         # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
         qkvz = linear(x, w[f"{p}.in_proj_qkvz.weight"]).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
         ba = linear(x, w[f"{p}.in_proj_ba.weight"]).reshape(B, T, Hk, 2 * r)
-        tap(p, "in_proj_qkvz", qkvz.reshape(B, T, -1)), tap(p, "in_proj_ba", ba.reshape(B, T, -1))
+        raw = {"in_proj_qkvz": qkvz.reshape(B, T, -1), "in_proj_ba": ba.reshape(B, T, -1)}
         q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
         b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
-        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
     mixed_qkv = linear(x, w[f"{p}.in_proj_qkv.weight"])
     z = linear(x, w[f"{p}.in_proj_z.weight"])
     b, a = linear(x, w[f"{p}.in_proj_b.weight"]), linear(x, w[f"{p}.in_proj_a.weight"])
-    tap(p, "in_proj_qkv", mixed_qkv), tap(p, "in_proj_z", z), tap(p, "in_proj_b", b), tap(p, "in_proj_a", a)
-    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+    raw = {"in_proj_qkv": mixed_qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a}
+    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
 
 
 def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
@@ -65,7 +66,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
-    mixed_qkv, z, b, a = projections(w, p, x, cfg)
+    mixed_qkv, z, b, a, raw = projections(w, p, x, cfg)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
                                          None if state is None else state.conv)      # [B, conv_dim, T]
     conv_out = conv_out.transpose(0, 2, 1)                                             # [B, T, conv_dim]
@@ -82,7 +83,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
     normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps)          # [B, T, Hv, Dv]
     out = linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])
-    taps = {"mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
+    taps = {**raw, "mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
             "core": core, "norm": normed, "out_proj": out}
     return out, taps, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
@@ -110,9 +111,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
             for name, value in t.items():
                 taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
             rows.append(s)
-        if any(s is None for s in rows):  # a fresh row that was all padding: zero state
-            ref = next(s for s in rows if s is not None)
-            rows = [s or LinearAttentionState(np.zeros_like(ref.conv), np.zeros_like(ref.recurrent)) for s in rows]
+        rows = [s or zero_state(cfg, x.dtype) for s in rows]  # a fresh row that was all padding: zero state
         new_state = LinearAttentionState(np.concatenate([s.conv for s in rows]),
                                          np.concatenate([s.recurrent for s in rows]))
     for name, value in taps.items():
@@ -121,6 +120,15 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     if cache is not None:
         cache.layers[layer] = new_state
     return out
+
+
+def zero_state(cfg, dtype) -> LinearAttentionState:
+    """The state before any token: conv [1, conv_dim, Kc] and recurrent [1, Hv, Dk, Dv] zeros."""
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    return LinearAttentionState(np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim), dtype),
+                                np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim), np.result_type(np.float32, dtype)))
 
 
 def linear_attention_tensors(cfg, p: str) -> dict:

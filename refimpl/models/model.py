@@ -45,6 +45,8 @@ class Model:
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
 
     def new_cache(self, batch_size: int = 1) -> Cache:
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
         return Cache(self.config.num_hidden_layers, batch_size)
 
     def forward(self, input_ids, *, cache: Cache | None = None, attention_mask=None, position_ids=None,
@@ -55,6 +57,12 @@ class Model:
         attention_mask: 0/1, [B, T] for the new tokens or [B, P+T] including the past; left padding allowed.
         position_ids: [B, T]; by default cumsum(mask) - 1 over past and new tokens (pads clipped to 0), so a
         padded row's valid outputs equal the same row run unpadded.
+        Linear-attention layers run each padded row on its real tokens only: pads are identities on the conv
+        and recurrent state wherever they sit (device semantics). transformers instead zeroes pad inputs, which
+        is the same for left padding of a fresh sequence but, for pads after real tokens (right padding, a
+        left-padded continuation chunk), still decays the state and shifts zeros into the conv window.
+        Dynamic-NTK RoPE: the longest sequence seen is kept in the cache (transformers keeps it in its rotary
+        module across calls); a call without a cache starts from the checkpoint's frequencies.
         logits_to_keep: compute logits for the last N positions only (0 = all).
         """
         cfg, w = self.config, self.weights
@@ -68,7 +76,14 @@ class Model:
         if position_ids is None:
             positions = np.maximum(np.cumsum(full_mask, axis=1) - 1, 0)[:, P:]
         else:
-            positions = np.broadcast_to(np.asarray(position_ids, dtype=np.int64), (B, T))
+            positions = np.asarray(position_ids)
+            if positions.ndim == 1:
+                positions = positions[None]
+            if not np.issubdtype(positions.dtype, np.integer) or positions.shape not in ((B, T), (1, T)) \
+                    or (positions < 0).any():
+                raise InputError(f"position_ids must be non-negative integers of shape [{B}, {T}] (or [1, {T}]), "
+                                 f"got {positions.dtype} {list(positions.shape)}")
+            positions = np.broadcast_to(positions.astype(np.int64), (B, T))
         cos, sin = self._rope(positions, cache)
         padded = not full_mask.all()
         masks = {kind: causal_mask(T, P + T, offset=P, key_valid=full_mask if padded else None,
@@ -104,7 +119,7 @@ class Model:
         ids = np.asarray(input_ids)
         if ids.ndim == 1:
             ids = ids[None]
-        if ids.ndim != 2 or ids.shape[1] == 0 or not np.issubdtype(ids.dtype, np.integer):
+        if ids.ndim != 2 or 0 in ids.shape or not np.issubdtype(ids.dtype, np.integer):
             raise InputError(f"input_ids must be a non-empty integer array [B, T], got {ids.dtype} {list(ids.shape)}")
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
@@ -126,7 +141,8 @@ class Model:
                 raise InputError("attention_mask disagrees with the cache about which past positions are real")
             return (m != 0).astype(np.int64)
         if m.shape != (B, T):
-            raise InputError(f"attention_mask has shape {list(m.shape)}, expected [{B}, {T}] or [{B}, {P + T}]")
+            expected = f"[{B}, {T}]" + (f" or [{B}, {P + T}]" if P else "")
+            raise InputError(f"attention_mask has shape {list(m.shape)}, expected {expected}")
         return np.concatenate([past, (m != 0).astype(np.int64)], axis=1)
 
     def _rope(self, positions: np.ndarray, cache: Cache | None):

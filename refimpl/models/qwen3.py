@@ -30,9 +30,10 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     """
     B, T, _ = x.shape
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = linear(x, w[f"{p}.q_proj.weight"], w.get(f"{p}.q_proj.bias"))
-    k = linear(x, w[f"{p}.k_proj.weight"], w.get(f"{p}.k_proj.bias"))
-    v = linear(x, w[f"{p}.v_proj.weight"], w.get(f"{p}.v_proj.bias"))
+    bias = (lambda name: w[f"{p}.{name}.bias"]) if cfg.attention_bias else (lambda name: None)
+    q = linear(x, w[f"{p}.q_proj.weight"], bias("q_proj"))
+    k = linear(x, w[f"{p}.k_proj.weight"], bias("k_proj"))
+    v = linear(x, w[f"{p}.v_proj.weight"], bias("v_proj"))
     tap(p, "q_proj", q), tap(p, "k_proj", k), tap(p, "v_proj", v)
     if gated:
         q, gate = np.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)      # [B, T, Hq, D] each
@@ -60,7 +61,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     if gated:
         o = o * sigmoid(gate)
         tap(p, "gated_output", o)
-    out = linear(o, w[f"{p}.o_proj.weight"], w.get(f"{p}.o_proj.bias"))
+    out = linear(o, w[f"{p}.o_proj.weight"], bias("o_proj"))
     tap(p, "o_proj", out)
     return out
 
@@ -95,8 +96,8 @@ def moe(w, p: str, x: np.ndarray, cfg) -> np.ndarray:
 
     out = mix_experts(xs, experts, weights, expert)
     tap(p, "experts", out.reshape(B, T, H))
-    if f"{p}.shared_expert_gate.weight" in w:
-        shared = mlp(w, f"{p}.shared_expert", xs, cfg)
+    if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
+        shared = mlp(w, f"{p}.shared_expert", x, cfg).reshape(B * T, H)
         gate = shared_expert_gate(xs, w[f"{p}.shared_expert_gate.weight"])
         tap(p, "shared_expert_gate", gate.reshape(B, T, 1))
         out = out + gate * shared

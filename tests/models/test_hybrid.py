@@ -186,3 +186,25 @@ def test_value_heads_not_a_multiple_of_key_heads(tmp_path):
     bad = _broken(tmp_path, "tiny-qwen3.5", config_edit=lambda c: c.update(linear_num_value_heads=3))
     with pytest.raises(ConfigError, match="linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"):
         refimpl.load(bad)
+
+
+def test_all_rows_padding_on_the_first_call_and_padded_taps():
+    model = refimpl.load("tiny-qwen3.5", dtype="float64")
+    cache = model.new_cache(batch_size=2)
+    ids = np.array([[0, 0, 0], [0, 0, 0]])
+    model.forward(ids, attention_mask=np.zeros((2, 3), np.int64), cache=cache)
+    assert not cache.layers[0].recurrent.any() and not cache.layers[0].conv.any()
+    ids = np.array([[0, 0, 5, 6], [7, 8, 9, 10]])
+    with refimpl.trace(r"layers\.0\.linear_attn\.in_proj_qkv$") as tr:
+        model.forward(ids, attention_mask=np.array([[0, 0, 1, 1], [1, 1, 1, 1]]))
+    qkv = tr["model.layers.0.linear_attn.in_proj_qkv"]
+    assert qkv.shape[:2] == (2, 4) and not qkv[0, :2].any() and qkv[1].all()
+
+
+def test_bad_position_ids():
+    model = refimpl.load("tiny-qwen3")
+    for bad in (np.arange(4)[None], np.array([[0.5, 1.5, 2.5]]), np.array([[-1, 0, 1]])):
+        with pytest.raises(refimpl.errors.InputError, match="position_ids must be"):
+            model.forward(np.array([[1, 2, 3]]), position_ids=bad)
+    with pytest.raises(refimpl.errors.InputError, match="batch_size"):
+        model.new_cache(batch_size=0)

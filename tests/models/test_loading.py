@@ -177,3 +177,69 @@ def test_truncated_names_the_tensor(dense_dir, tmp_path):
 def test_unknown_source():
     with pytest.raises(refimpl.errors.InputError, match="not a preset"):
         refimpl.load("no-such-model")
+
+
+# ---- config edge cases, as transformers reads them (found by review; each was a silent mismatch) ----
+
+from refimpl.models.config import config_from_dict  # noqa: E402
+
+_Q3 = {"model_type": "qwen3", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+       "intermediate_size": 4}
+
+
+def test_rope_scaling_wins_over_rope_parameters():
+    cfg = config_from_dict({**_Q3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                            "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["rope_theta"] == 10000.0
+
+
+def test_top_level_original_max_position_embeddings_wins():
+    cfg = config_from_dict({**_Q3, "original_max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 1024}})
+    assert cfg.rope["original_max_position_embeddings"] == 64
+
+
+def test_sliding_window_null_means_no_window():
+    cfg = config_from_dict({**_Q3, "use_sliding_window": True, "sliding_window": None, "max_window_layers": 0})
+    assert cfg.sliding_window is None and set(cfg.layer_types) == {"full_attention"}
+
+
+def test_qwen3_moe_ignores_layer_types():
+    cfg = config_from_dict({**_Q3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 4, "use_sliding_window": True, "sliding_window": 8,
+                            "layer_types": ["full_attention", "full_attention"]})
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention")
+
+
+def test_legacy_layer_type_names():
+    cfg = config_from_dict({**_Q3, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+                            "moe_intermediate_size": 4, "shared_expert_intermediate_size": 4,
+                            "layer_types": ["mamba", "attention"]})
+    assert cfg.layer_types == ("linear_attention", "full_attention")
+
+
+def test_multimodal_wrapper_ties_by_its_own_flag():
+    text = {**_Q3, "model_type": "qwen3_5_text", "tie_word_embeddings": True}
+    assert not config_from_dict({"model_type": "qwen3_5", "text_config": text}).tie_word_embeddings
+    assert config_from_dict({"model_type": "qwen3_5", "tie_word_embeddings": True,
+                             "text_config": {**text, "tie_word_embeddings": False}}).tie_word_embeddings
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": None}, "rope_theta": None}, "rope_theta must be"),
+    ({"rope_parameters": {"rope_type": "ntk-by-parts"}}, "unknown rope_type"),
+    ({"rope_parameters": {"rope_type": "linear"}}, "needs 'factor'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "needs 'low_freq_factor'"),
+    ({"hidden_act": "swiglu-ish"}, "unsupported hidden_act"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps must be"),
+])
+def test_bad_config_values_fail_at_load(edit, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({**_Q3, **edit})
+
+
+def test_attention_bias_false_ignores_stored_biases(dense_dir, tmp_path):
+    """transformers builds no bias parameters when attention_bias is false; stray bias tensors are dropped."""
+    extra = _copy(dense_dir, tmp_path / "extra", edit=lambda a: a.update(
+        {"model.layers.0.self_attn.q_proj.bias": np.ones(128, np.float32)}))
+    np.testing.assert_array_equal(refimpl.load(extra).forward(IDS), refimpl.load(dense_dir).forward(IDS))
