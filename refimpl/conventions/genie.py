@@ -168,7 +168,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         for i in states:
             states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
         taps_ = {t: tr[t] for t in tr.names()}
-        valid = {**_valid(outputs, p, AR, W, cur, n, opts), **tap_valid(taps_, AR, p, AR)}
+        valid = {**_valid(outputs, p, AR, W, cur, n, opts), **_window_valid(inputs, W, cur, opts),
+                 **tap_valid(taps_, AR, p, AR)}
         calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), valid, taps_))
         cur += n
     return calls
@@ -209,6 +210,18 @@ def tap_valid(taps: dict, T: int, lo: int, hi: int) -> dict:
         box = [[0, s] for s in a.shape]
         box[axis] = [lo, hi]
         valid[name] = [box]
+    return valid
+
+
+def _window_valid(inputs: dict, W: int, cur: int, opts: Options) -> dict:
+    """Empty slots of the input KV windows (the first W - cur) are don't-care."""
+    valid = {}
+    for name, a in inputs.items():
+        if name.startswith(("past_key_", "past_value_")):
+            t_axis = 3 if name.startswith("past_key_") and opts.key_transposed else 2
+            box = [[0, s] for s in a.shape]
+            box[t_axis] = [W - cur, W]
+            valid[name] = [box]
     return valid
 
 

@@ -127,9 +127,12 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             outputs = graph(model, inputs)
         state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
         valid = {"logits": [[[0, 1], [0, n], [0, cfg.vocab_size]]]}
-        for name, a in outputs.items():
+        for name, a in outputs.items():   # KV slots not yet written are don't-care
             if name.startswith("past_"):
                 valid[name] = [[[0, 1], [0, Hkv], [0, next_pos + n], [0, D]]]
+        for name, a in inputs.items():
+            if name.startswith("past_"):
+                valid[name] = [[[0, 1], [0, Hkv], [0, next_pos], [0, D]]]
         axes = {name: _axes(name) for name in (*inputs, *outputs)}
         taps = {t: tr[t] for t in tr.names()}
         calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(taps, S, 0, n)}, taps))
