@@ -128,9 +128,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             S = opts.conv_state_len or cfg.linear_conv_kernel_dim - 1
-            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-                cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            states[i] = (np.zeros((1, conv_dim, S), dtype), np.zeros((1, cfg.linear_num_value_heads,
+            states[i] = (np.zeros((1, cfg.conv_dim, S), dtype), np.zeros((1, cfg.linear_num_value_heads,
                          cfg.linear_key_head_dim, cfg.linear_value_head_dim), dtype))
     chunks = [("prompt", opts.ar, prompt[s:s + opts.ar]) for s in range(0, len(prompt), opts.ar)]
     calls, cur = [], 0

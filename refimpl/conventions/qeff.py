@@ -103,9 +103,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     state = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-                cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            state[f"conv_state.{i}"] = np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+            state[f"conv_state.{i}"] = np.zeros((1, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
             state[f"recurrent_state.{i}"] = np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                                       cfg.linear_value_head_dim), dtype)
         else:

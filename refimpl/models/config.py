@@ -76,6 +76,12 @@ class ModelConfig:
         return self.model_type in HYBRID_TYPES
 
     @property
+    def conv_dim(self) -> int:
+        """Channels of the Gated DeltaNet conv: [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def zero_centered_norms(self) -> bool:
         """Qwen3-Next / Qwen3.5 scale their norms by (1 + w); Qwen3 / Qwen3-MoE by w."""
         return self.is_hybrid

@@ -124,9 +124,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
 
 def zero_state(cfg, dtype) -> LinearAttentionState:
     """The state before any token: conv [1, conv_dim, Kc] and recurrent [1, Hv, Dk, Dv] zeros."""
-    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-        cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    return LinearAttentionState(np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim), dtype),
+    return LinearAttentionState(np.zeros((1, cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype),
                                 np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim), np.result_type(np.float32, dtype)))
 
