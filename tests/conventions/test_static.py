@@ -10,15 +10,25 @@ import refimpl
 from refimpl.conventions import genie, qeff
 from refimpl.errors import InputError
 from helpers import scaled
+from refimpl.models.hybrid import zero_state
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 _models = {}
 
 
 def model(name, dtype="float64"):
+    """float64: the preset (checks hold to 1e-10); float32: the preset with logits of size ~2 (helpers.scaled),
+    checked to 1e-5 of the largest logit."""
     if (name, dtype) not in _models:
-        _models[name, dtype] = refimpl.load(name, dtype=dtype)
+        _models[name, dtype] = refimpl.load(name, dtype=dtype) if dtype == "float64" else scaled(name)
     return _models[name, dtype]
+
+
+def close(actual, expected, what=""):
+    """float64: 1e-10 absolute; float32: 1e-5 of the expected tensor's largest magnitude."""
+    expected = np.asarray(expected)
+    tol = 1e-10 if expected.dtype == np.float64 else 1e-5 * float(np.abs(expected).max())
+    np.testing.assert_allclose(actual, expected, atol=tol, rtol=0, err_msg=what)
 
 
 def valid_logits(call):
@@ -27,42 +37,58 @@ def valid_logits(call):
     return call.outputs["logits"][0, t0:t1]
 
 
-def check_against_dynamic(m, prompt, calls, tol, conv="conv_state_{}_out", rec="recurrent_state_{}_out"):
-    """Static calls == the dynamic forward: prompt logits, each decode step's logits, final GDN states."""
+def check_against_dynamic(m, prompt, calls, conv="conv_state_{}_out", rec="recurrent_state_{}_out"):
+    """Static calls == the dynamic forward: prompt logits, each decode step's logits, final GDN states.
+
+    float64: against one forward of the whole prompt, then single-token steps (1e-10).
+    float32: against the dynamic forward fed the same real-token chunks with a cache, so both run the same GDN
+    algorithm per call (a one-token call runs the recurrent form, a longer one the chunked form; in float32 the
+    two differ by rounding that these tiny hybrids amplify to ~2e-5 of the logit scale over many steps). The
+    static plumbing — windows, masks, positions, layouts, states — is still checked independently.
+    """
     cache = m.new_cache()
-    full = m.forward(np.array([prompt]), cache=cache)
     n_prompt = len([c for c in calls if c.graph in ("prompt", "prefill")])
-    static = np.concatenate([valid_logits(c) for c in calls[:n_prompt]])
-    np.testing.assert_allclose(static, full[0], atol=tol, rtol=0)
+    if m.dtype == np.float64:
+        full = m.forward(np.array([prompt]), cache=cache)
+        close(np.concatenate([valid_logits(c) for c in calls[:n_prompt]]), full[0], "prompt logits")
+    else:  # zero states up front: a static graph always receives a state, so a first 1-token call is recurrent too
+        for i, kind in enumerate(m.config.layer_types):
+            if kind == "linear_attention":
+                cache.layers[i] = zero_state(m.config, m.dtype)
+        for c in calls[:n_prompt]:
+            close(valid_logits(c), m.forward(np.array([c.tokens]), cache=cache)[0], "prompt logits")
     for c in calls[n_prompt:]:
         step = m.forward(np.array([c.tokens]), cache=cache)
-        np.testing.assert_allclose(valid_logits(c)[-1], step[0, -1], atol=tol, rtol=0)
+        close(valid_logits(c)[-1], step[0, -1], "decode logits")
     last = calls[-1]
     for i, kind in enumerate(m.config.layer_types):
         if kind == "linear_attention":
             S = last.outputs[conv.format(i)].shape[-1]
-            np.testing.assert_allclose(last.outputs[conv.format(i)], cache.layers[i].conv[:, :, -S:], atol=tol)
-            np.testing.assert_allclose(last.outputs[rec.format(i)], cache.layers[i].recurrent, atol=tol)
+            close(last.outputs[conv.format(i)], cache.layers[i].conv[:, :, -S:], f"conv state {i}")
+            close(last.outputs[rec.format(i)], cache.layers[i].recurrent, f"recurrent state {i}")
     return cache
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", PRESETS)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_static_equals_dynamic(name, data):
+def test_static_equals_dynamic(name, dtype, data):
     ar = data.draw(st.integers(1, 9), label="ar")
     prompt_len = data.draw(st.integers(1, 20), label="prompt_len")
     decode = data.draw(st.integers(0, 3), label="decode_steps")
-    cl = data.draw(st.integers(ar + prompt_len + decode, ar + prompt_len + decode + 8), label="cl")
-    opts = genie.Options(ar=ar, cl=cl, decode_ar=data.draw(st.sampled_from([1, 2]), label="decode_ar"),
+    decode_ar = data.draw(st.sampled_from([1, 2]), label="decode_ar")
+    low = max(ar, decode_ar) + prompt_len + decode  # every call's window holds all earlier tokens
+    cl = data.draw(st.integers(low, low + 8), label="cl")
+    opts = genie.Options(ar=ar, cl=cl, decode_ar=decode_ar,
                          mask_floor=data.draw(st.sampled_from([-50.0, -100.0, -1000.0]), label="floor"),
                          key_transposed=data.draw(st.booleans(), label="key_transposed"),
                          kv_output=data.draw(st.sampled_from(["new", "window"]), label="kv_output"),
                          k_prescale=data.draw(st.booleans(), label="k_prescale"))
-    m = model(name)
+    m = model(name, dtype)
     prompt = list(np.random.default_rng(prompt_len).integers(0, m.config.vocab_size, size=prompt_len))
     calls = genie.run(m, prompt, opts, decode_steps=decode)
-    cache = check_against_dynamic(m, prompt, calls, tol=1e-10)
+    cache = check_against_dynamic(m, prompt, calls)
     # the KV the device returned, gathered over calls, is the dynamic cache
     for i, kind in enumerate(m.config.layer_types):
         if kind != "linear_attention":
@@ -71,27 +97,26 @@ def test_static_equals_dynamic(name, data):
                 k = c.outputs[f"past_key_{i}_out"][:, 0]
                 k = k.swapaxes(1, 2) if opts.key_transposed else k
                 keys.append(k[:, -len(c.tokens):])
-            np.testing.assert_allclose(np.concatenate(keys, 1), cache.layers[i].keys[0], atol=1e-10)
+            close(np.concatenate(keys, 1), cache.layers[i].keys[0], f"keys {i}")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("name", PRESETS)
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_qeff_static_equals_dynamic(name, data):
+def test_qeff_static_equals_dynamic(name, dtype, data):
     seq_len = data.draw(st.integers(1, 9), label="seq_len")
     prompt_len = data.draw(st.integers(1, 20), label="prompt_len")
     decode = data.draw(st.integers(0, 3), label="decode_steps")
     ctx_len = data.draw(st.integers(max(prompt_len + decode, seq_len), prompt_len + decode + seq_len + 5))
-    m = model(name)
+    m = model(name, dtype)
     prompt = list(np.random.default_rng(prompt_len).integers(0, m.config.vocab_size, size=prompt_len))
     calls = qeff.run(m, prompt, qeff.Options(seq_len=seq_len, ctx_len=ctx_len), decode_steps=decode)
-    cache = check_against_dynamic(m, prompt, calls, 1e-10, "conv_state.{}_RetainedState",
-                                  "recurrent_state.{}_RetainedState")
+    cache = check_against_dynamic(m, prompt, calls, "conv_state.{}_RetainedState", "recurrent_state.{}_RetainedState")
     for i, kind in enumerate(m.config.layer_types):  # the scattered full-context KV holds the dynamic cache
         if kind != "linear_attention":
             P = cache.seq_length
-            np.testing.assert_allclose(calls[-1].outputs[f"past_key.{i}_RetainedState"][:, :, :P],
-                                       cache.layers[i].keys, atol=1e-10)
+            close(calls[-1].outputs[f"past_key.{i}_RetainedState"][:, :, :P], cache.layers[i].keys, f"keys {i}")
             assert not calls[-1].outputs[f"past_key.{i}_RetainedState"][:, :, P:].any()  # pad writes dropped
 
 
@@ -111,12 +136,9 @@ def test_static_equals_dynamic_float32(name):
     GEMM shapes and chunkings than one dynamic forward."""
     m = scaled(name)
     prompt = list(np.random.default_rng(5).integers(0, m.config.vocab_size, size=13))
-    scale = float(np.abs(m.forward(np.array([prompt]))).max())
-    calls = genie.run(m, prompt, genie.Options(ar=4, cl=24, mask_floor=-100.0), decode_steps=2)
-    check_against_dynamic(m, prompt, calls, tol=1e-5 * scale)
-    calls = qeff.run(m, prompt, qeff.Options(seq_len=4, ctx_len=24), decode_steps=2)
-    check_against_dynamic(m, prompt, calls, 1e-5 * scale, "conv_state.{}_RetainedState",
-                          "recurrent_state.{}_RetainedState")
+    check_against_dynamic(m, prompt, genie.run(m, prompt, genie.Options(ar=4, cl=24, mask_floor=-100.0), decode_steps=2))
+    check_against_dynamic(m, prompt, qeff.run(m, prompt, qeff.Options(seq_len=4, ctx_len=24), decode_steps=2),
+                          "conv_state.{}_RetainedState", "recurrent_state.{}_RetainedState")
 
 
 def test_shapes_names_and_valid_regions():
