@@ -19,8 +19,7 @@ from .genie import Call
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    def check(self, model) -> None:
-        pass
+    """The dynamic convention has no options."""
 
 
 def _state(cache, cfg, prefix: str) -> dict:

@@ -46,9 +46,6 @@ class Weights:
             self._converted[name] = out
         return out
 
-    def get(self, name: str):
-        return self[name] if name in self.stored else None
-
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
         from per-expert tensors or the fused gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie]."""
