@@ -89,15 +89,20 @@ def cmd_golden(args) -> int:
     if args.input_ids is None:
         raise InputError("give the prompt as --input-ids 1,2,3")
     source = args.model or DEFAULT_PRESET
-    params = {}
-    if args.convention == "genie":
-        params = {"ar": args.ar, "cl": args.cl, "decode_ar": args.decode_ar, "pad_id": args.pad_id,
-                  "mask_floor": args.mask_floor, "key_transposed": args.key_layout == "transposed",
-                  "kv_output": args.kv_output, "k_prescale": args.k_prescale}
-    elif args.convention == "qeff":
-        params = {"seq_len": args.ar, "ctx_len": args.cl, "pad_id": args.pad_id}
     if args.pad_id is not None and args.pad_id < 0:
         raise InputError(f"--pad-id must be a token id >= 0, got {args.pad_id}")
+    # flag -> option of each convention; a flag the chosen convention does not use is an error, not ignored
+    flags = {"genie": {"ar": "ar", "cl": "cl", "decode_ar": "decode_ar", "pad_id": "pad_id", "mask_floor":
+                       "mask_floor", "key_layout": "key_transposed", "kv_output": "kv_output", "k_prescale": "k_prescale"},
+             "qeff": {"ar": "seq_len", "cl": "ctx_len", "pad_id": "pad_id"}, "hf": {}}[args.convention]
+    params = {}
+    for flag in ("ar", "cl", "decode_ar", "pad_id", "mask_floor", "key_layout", "kv_output", "k_prescale"):
+        value = getattr(args, flag)
+        if value is None or value is False:
+            continue
+        if flag not in flags:
+            raise InputError(f"--{flag.replace('_', '-')} does not apply to --convention {args.convention}")
+        params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
     model = load(source, dtype=args.dtype)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, transient=True, disable=args.quiet) as bar:
@@ -136,14 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    g.add_argument("--ar", type=int, default=32, help="genie: token slots per call (AR); qeff: seq_len")
-    g.add_argument("--cl", type=int, default=128, help="genie: context length (CL); qeff: ctx_len")
-    g.add_argument("--decode-ar", type=int, default=1, help="genie: token slots of the token graph")
-    g.add_argument("--mask-floor", type=float, default=-1000.0, help="genie: lower clamp of the additive mask")
+    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 32); qeff: seq_len")
+    g.add_argument("--cl", type=int, help="genie: context length (CL, default 128); qeff: ctx_len")
+    g.add_argument("--decode-ar", type=int, help="genie: token slots of the token graph (default 1)")
+    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -1000)")
     g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
-    g.add_argument("--key-layout", default="transposed", choices=["transposed", "plain"],
+    g.add_argument("--key-layout", choices=["transposed", "plain"],
                    help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
-    g.add_argument("--kv-output", default="new", choices=["new", "window"],
+    g.add_argument("--kv-output", choices=["new", "window"],
                    help="genie: past_key/value outputs hold the AR new entries or the updated window")
     g.add_argument("--k-prescale", action="store_true", help="genie: scores as q . (k / sqrt(D))")
     g.add_argument("--decode-steps", type=int, default=0, help="greedy tokens after the prompt")

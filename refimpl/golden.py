@@ -53,19 +53,20 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
                  overwrite: bool = False, progress=None):
     """Compute and write one golden bundle; returns its path."""
     result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps)
-    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]  # checked by the convention
     n_prompt = sum(c.graph in ("prompt", "prefill") for c in result)
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "refimpl_version": __version__,
         "model": {"source": source, "config": model.config.to_dict(), "weights_sha256": model.weights.sha256()},
-        "convention": {"name": convention, "params": dataclasses.asdict(opts),
-                       "gdn_padding": "pad steps leave the conv and recurrent state untouched"},
+        "convention": {"name": convention, "params": dataclasses.asdict(opts)},
         "precision": {"dtype": model.dtype.name, "blas_threads": 1},
         "prompt_ids": prompt,
         "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
         "steps": [{"index": k, "graph": c.graph, "tokens": c.tokens} for k, c in enumerate(result)],
         "taps": taps,
     }
+    if model.config.is_hybrid and convention != "hf":
+        manifest["convention"]["gdn_padding"] = "pad steps leave the conv and recurrent state untouched"
     return write_bundle(out_dir, manifest, bundle_steps(result), exports=exports, aimet=aimet,
                         overwrite=overwrite, progress=progress)

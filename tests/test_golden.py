@@ -85,6 +85,8 @@ def test_cli_bundles_identical_across_runs_and_blas_threads(tmp_path):
     (["--convention", "tflite"], "invalid choice"),
     (["--kv-output", "all"], "invalid choice"),
     (["--decode-steps", "x"], "invalid int"),
+    (["--convention", "qeff", "--mask-floor", "-50"], "--mask-floor does not apply to --convention qeff"),
+    (["--ar", "4"], "--ar does not apply to --convention hf"),
 ])
 def test_cli_bad_arguments_exit_2(args, message, tmp_path):
     proc = _cli("golden", "--input-ids", "1,2,3,4,5,6,7,8,9,10", *args, "--out", str(tmp_path / "b"))

@@ -51,6 +51,9 @@ class Options:
             raise InputError(f"genie: AR ({self.ar}, token graph {self.decode_ar}) must be smaller than CL ({self.cl})")
         if self.kv_output not in ("new", "window"):
             raise InputError(f"genie: kv_output must be 'new' or 'window', got {self.kv_output!r}")
+        if self.kv_output == "window" and max(self.ar, self.decode_ar) > self.cl - max(self.ar, self.decode_ar):
+            raise InputError(f"genie: kv_output='window' needs AR <= CL - AR (the window must hold a call's new "
+                             f"entries); AR {max(self.ar, self.decode_ar)}, CL {self.cl}")
         if self.pad_id is not None and not 0 <= self.pad_id < model.config.vocab_size:
             raise InputError(f"genie: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
         if not self.mask_floor < 0:
@@ -117,10 +120,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     token graph. Returns every call's inputs and outputs (and the taps matching the regex `taps`)."""
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
-    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
-    if not prompt:
-        raise InputError("genie: empty prompt")
-    pad_id = opts.pad_id if opts.pad_id is not None else _eos(cfg)
+    prompt = prompt_list(prompt_ids, "genie")
+    pad_id = check_pad_id(opts.pad_id if opts.pad_id is not None else _eos(cfg), cfg, "genie")
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     attn = [i for i, k in enumerate(cfg.layer_types) if k != "linear_attention"]
     kv = {i: (np.zeros((Hkv, 0, D), dtype), np.zeros((Hkv, 0, D), dtype)) for i in attn}   # real tokens only
@@ -175,10 +176,27 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
 
 def _eos(cfg) -> int:
     eos = cfg.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = (eos[0] if eos else None) if isinstance(eos, list) else eos
     if eos is None:
         raise InputError("genie: the model config has no eos_token_id; give pad_id")
     return int(eos)
+
+
+def prompt_list(prompt_ids, convention: str) -> list:
+    """A prompt as a list of ids: one sequence, [T] or [1, T]."""
+    ids = np.asarray(prompt_ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(f"{convention}: the prompt must be one non-empty sequence of token ids, got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    return [int(t) for t in ids]
+
+
+def check_pad_id(pad_id: int, cfg, convention: str) -> int:
+    if not 0 <= pad_id < cfg.vocab_size:
+        raise InputError(f"{convention}: pad id {pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
+    return pad_id
 
 
 def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
@@ -229,8 +247,13 @@ def _valid(outputs: dict, p: int, AR: int, W: int, cur: int, n: int, opts: Optio
     for name, a in outputs.items():
         if name.startswith(("past_key_", "past_value_")):
             t_axis = 3 if name.startswith("past_key_") and opts.key_transposed else 2
-            lo = p if opts.kv_output == "new" else max(W - (cur + n), 0)
-            box = [[0, s] for s in a.shape]
-            box[t_axis] = [lo, a.shape[t_axis]]
-            valid[name] = [box]
+            # new: [p pads | n real]; window: the last W of [W - cur empty | cur cached | p pads | n real]
+            spans = [(p, AR)] if opts.kv_output == "new" else [(max(W - cur - AR, 0), max(W - AR, 0)), (W - n, W)]
+            boxes = []
+            for lo, hi in spans:
+                if hi > lo:
+                    box = [[0, s] for s in a.shape]
+                    box[t_axis] = [lo, hi]
+                    boxes.append(box)
+            valid[name] = boxes
     return valid

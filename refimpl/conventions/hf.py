@@ -12,9 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import InputError
 from ..trace import trace
-from .genie import Call
+from .genie import Call, prompt_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +36,7 @@ def _state(cache, cfg, prefix: str) -> dict:
 
 def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
     cfg = model.config
-    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
-    if not prompt:
-        raise InputError("hf: empty prompt")
+    prompt = prompt_list(prompt_ids, "hf")
     cache, calls = model.new_cache(), []
     for step in range(1 + decode_steps):
         tokens = prompt if step == 0 else [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]

@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..models.cache import Cache, LinearAttentionState
 from ..models.model import Context
 from ..trace import trace
-from .genie import Call, tap_valid
+from .genie import Call, _eos, check_pad_id, prompt_list, tap_valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +91,13 @@ def graph(model, inputs: dict) -> dict:
 def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
-    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
-    if not prompt:
-        raise InputError("qeff: empty prompt")
+    prompt = prompt_list(prompt_ids, "qeff")
     if len(prompt) + decode_steps > opts.ctx_len:
         raise InputError(f"qeff: ctx_len {opts.ctx_len} is too small for {len(prompt)} prompt tokens + "
                          f"{decode_steps} decode steps")
     pad_id = opts.pad_id if opts.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
-                                                          else _first(cfg.eos_token_id))
+                                                          else _eos(cfg))
+    pad_id = check_pad_id(pad_id, cfg, "qeff")
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     state = {}
     for i, kind in enumerate(cfg.layer_types):
@@ -136,10 +135,6 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(taps, S, 0, n)}, taps))
         next_pos += n
     return calls
-
-
-def _first(x):
-    return int(x[0] if isinstance(x, list) else x)
 
 
 def _axes(name: str) -> str:

@@ -1,6 +1,8 @@
 """The Genie static-graph convention reproduces the dynamic forward: logits at valid positions, the KV the
 host accumulates and the GDN states, over drawn AR, CL, prompt lengths, decode steps and options."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -78,12 +80,15 @@ def test_static_equals_dynamic(name, dtype, data):
     prompt_len = data.draw(st.integers(1, 20), label="prompt_len")
     decode = data.draw(st.integers(0, 3), label="decode_steps")
     decode_ar = data.draw(st.sampled_from([1, 2]), label="decode_ar")
+    kv_output = data.draw(st.sampled_from(["new", "window"]), label="kv_output")
     low = max(ar, decode_ar) + prompt_len + decode  # every call's window holds all earlier tokens
+    if kv_output == "window":  # and the window returns all of a call's new entries
+        low = max(low, 2 * max(ar, decode_ar))
     cl = data.draw(st.integers(low, low + 8), label="cl")
     opts = genie.Options(ar=ar, cl=cl, decode_ar=decode_ar,
                          mask_floor=data.draw(st.sampled_from([-50.0, -100.0, -1000.0]), label="floor"),
                          key_transposed=data.draw(st.booleans(), label="key_transposed"),
-                         kv_output=data.draw(st.sampled_from(["new", "window"]), label="kv_output"),
+                         kv_output=kv_output,
                          k_prescale=data.draw(st.booleans(), label="k_prescale"))
     m = model(name, dtype)
     prompt = list(np.random.default_rng(prompt_len).integers(0, m.config.vocab_size, size=prompt_len))
@@ -184,3 +189,27 @@ def test_tap_valid_regions_mark_pad_rows():
 def test_bad_options(opts, message):
     with pytest.raises(InputError, match=message):
         genie.run(model("tiny-qwen3"), list(range(1, 11)), opts, decode_steps=0)
+
+
+def test_window_output_valid_boxes_skip_the_pads():
+    """kv_output='window': the output window is [empty | cached | pads | new real]; only cached and new are valid."""
+    m = model("tiny-qwen3")
+    calls = genie.run(m, list(range(1, 7)), genie.Options(ar=4, cl=16, kv_output="window"))
+    second = calls[1]  # cur = 4 cached, p = 2 pads, n = 2 new; W = 12
+    assert second.valid["past_value_0_out"] == [[[0, 2], [0, 1], [4, 8], [0, 32]], [[0, 2], [0, 1], [10, 12], [0, 32]]]
+    window = second.outputs["past_value_0_out"][:, 0]
+    np.testing.assert_array_equal(window[:, 4:8], calls[0].outputs["past_value_0_out"][:, 0][:, 8:12])
+
+
+@pytest.mark.parametrize("run,opts", [(genie.run, genie.Options(ar=4, cl=16)), (qeff.run, qeff.Options(seq_len=4, ctx_len=16))])
+def test_prompt_and_pad_id_checks(run, opts):
+    m = model("tiny-qwen3")
+    with pytest.raises(InputError, match="one non-empty sequence"):
+        run(m, [[1, 2], [3, 4]], opts)
+    with pytest.raises(InputError, match="pad.id 999999 is outside the vocabulary"):
+        run(m, [1, 2, 3], dataclasses.replace(opts, pad_id=999999))
+
+
+def test_window_output_needs_room():
+    with pytest.raises(InputError, match="kv_output='window' needs AR <= CL - AR"):
+        genie.run(model("tiny-qwen3"), [1, 2], genie.Options(ar=8, cl=12, kv_output="window"))
