@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..models.cache import Cache, KVCache, LinearAttentionState
+from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
 
@@ -129,8 +130,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             S = opts.conv_state_len or cfg.linear_conv_kernel_dim - 1
-            states[i] = (np.zeros((1, cfg.conv_dim, S), dtype), np.zeros((1, cfg.linear_num_value_heads,
-                         cfg.linear_key_head_dim, cfg.linear_value_head_dim), dtype))
+            zero = zero_state(cfg, dtype, S)
+            states[i] = (zero.conv, zero.recurrent)
     chunks = [("prompt", opts.ar, prompt[s:s + opts.ar]) for s in range(0, len(prompt), opts.ar)]
     calls, cur = [], 0
     for step in range(len(chunks) + decode_steps):

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..models.cache import Cache, LinearAttentionState
+from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
 from .genie import Call, _eos, check_pad_id, prompt_list, tap_valid
@@ -102,9 +103,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     state = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            state[f"conv_state.{i}"] = np.zeros((1, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
-            state[f"recurrent_state.{i}"] = np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                      cfg.linear_value_head_dim), dtype)
+            zero = zero_state(cfg, dtype, cfg.linear_conv_kernel_dim - 1)
+            state[f"conv_state.{i}"], state[f"recurrent_state.{i}"] = zero.conv, zero.recurrent
         else:
             state[f"past_key.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
             state[f"past_value.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)

@@ -183,6 +183,16 @@ def nmse(g, t) -> float:
     return noise / signal
 
 
+def _db(signal: float, noise: float) -> float:
+    """10·log10(signal / noise) as a difference of logs (no under/overflow of the ratio); zero noise: +inf,
+    zero signal with noise: -inf."""
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * (math.log10(signal) - math.log10(noise))
+
+
 def sqnr_db(g, t) -> float:
     """Standard SQNR: 10·log10(Σg² / Σ(t - g)²) dB, signal power from the golden (§9.1).
 
@@ -191,12 +201,7 @@ def sqnr_db(g, t) -> float:
     """
     if not g.size:
         return math.nan
-    noise, signal = float(np.sum((t - g) ** 2)), float(np.sum(g**2))
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10.0 * (math.log10(signal) - math.log10(noise))  # no under/overflow of the ratio
+    return _db(float(np.sum(g**2)), float(np.sum((t - g) ** 2)))
 
 
 def sqnr_qairt_db(g, t) -> float:
@@ -207,12 +212,7 @@ def sqnr_qairt_db(g, t) -> float:
     """
     if not g.size:
         return math.nan
-    noise, signal = float(np.mean((g - t) ** 2)), float(np.mean(t**2))
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10.0 * (math.log10(signal) - math.log10(noise))  # no under/overflow of the ratio
+    return _db(float(np.mean(t**2)), float(np.mean((g - t) ** 2)))
 
 
 def psnr_db(g, t) -> float:

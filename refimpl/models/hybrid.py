@@ -122,9 +122,11 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     return out
 
 
-def zero_state(cfg, dtype) -> LinearAttentionState:
-    """The state before any token: conv [1, conv_dim, Kc] and recurrent [1, Hv, Dk, Dv] zeros."""
-    return LinearAttentionState(np.zeros((1, cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype),
+def zero_state(cfg, dtype, conv_len: int | None = None) -> LinearAttentionState:
+    """The state before any token: conv [1, conv_dim, conv_len] (default Kc, as transformers keeps it) and
+    recurrent [1, Hv, Dk, Dv] zeros."""
+    conv_len = cfg.linear_conv_kernel_dim if conv_len is None else conv_len
+    return LinearAttentionState(np.zeros((1, cfg.conv_dim, conv_len), dtype),
                                 np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                           cfg.linear_value_head_dim), np.result_type(np.float32, dtype)))
 
