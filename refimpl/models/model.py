@@ -65,7 +65,7 @@ class Model:
         module across calls); a call without a cache starts from the checkpoint's frequencies.
         logits_to_keep: compute logits for the last N positions only (0 = all).
         """
-        cfg, w = self.config, self.weights
+        cfg = self.config
         ids = self._check_ids(input_ids)
         B, T = ids.shape
         if cache is not None and cache.batch_size != B:
