@@ -19,7 +19,7 @@ from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.linear import linear
 from ..kernels.norm import rms_norm_gated
-from ..trace import tap
+from ..trace import override, tap
 from . import qwen3
 from .cache import LinearAttentionState
 
@@ -61,31 +61,37 @@ def projections(w, p: str, x: np.ndarray, cfg):
     return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
 
 
-def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
-    """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], taps, new state)."""
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put):
+    """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], new state).
+    put(name, value) taps an intermediate and returns what the block continues with (refimpl.trace.tap)."""
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
     mixed_qkv, z, b, a, raw = projections(w, p, x, cfg)
+    raw = {name: put(name, value) for name, value in raw.items()}
+    if "in_proj_qkv" in raw:  # Qwen3.5: the split projections are the block's values
+        mixed_qkv, b, a = raw["in_proj_qkv"], raw["in_proj_b"], raw["in_proj_a"]
+        z = raw["in_proj_z"].reshape(z.shape)
+    mixed_qkv = put("mixed_qkv", mixed_qkv)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
                                          None if state is None else state.conv)      # [B, conv_dim, T]
-    conv_out = conv_out.transpose(0, 2, 1)                                             # [B, T, conv_dim]
+    conv_out = put("conv1d", conv_out.transpose(0, 2, 1))                              # [B, T, conv_dim]
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    q = l2_normalize(q.reshape(B, T, Hk, Dk))                                          # [B, T, Hk, Dk]
-    k = l2_normalize(k.reshape(B, T, Hk, Dk))
-    v = v.reshape(B, T, -1, Dv)                                                        # [B, T, Hv, Dv]
-    beta = sigmoid(b)                                                                  # [B, T, Hv]
-    g = -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"])                     # [B, T, Hv], < 0
+    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk)))                                # [B, T, Hk, Dk]
+    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk)))
+    v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
+    z = put("z", z)
+    beta = put("beta", sigmoid(b))                                                     # [B, T, Hv]
+    g = put("g", -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
-    normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps)          # [B, T, Hv, Dv]
-    out = linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])
-    taps = {**raw, "mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
-            "core": core, "norm": normed, "out_proj": out}
-    return out, taps, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
+    core = put("core", core)
+    normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps))  # [B, T, Hv, Dv]
+    out = put("out_proj", linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"]))
+    return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
 
 def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray:
@@ -95,7 +101,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     cache = ctx.cache
     state = cache.layers[layer] if cache is not None else None
     if ctx.linear_mask is None:
-        out, taps, new_state = _gdn(w, p, x, cfg, state)
+        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value))
     else:
         B, T, _ = x.shape
         out, taps, rows = np.zeros_like(x), {}, []
@@ -106,16 +112,20 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
             if len(real) == 0:
                 rows.append(row_state)
                 continue
-            o, t, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state)
-            out[row, real] = o[0]
-            for name, value in t.items():
+
+            def put(name, value, row=row, real=real):  # the row's real tokens of each tap, taps written below
                 taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
+                given = override(f"{p}.{name}")
+                return value if given is None else np.asarray(given)[row:row + 1, real].astype(value.dtype)
+
+            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put)
+            out[row, real] = o[0]
             rows.append(s)
         rows = [s or zero_state(cfg, x.dtype) for s in rows]  # a fresh row that was all padding: zero state
         new_state = LinearAttentionState(np.concatenate([s.conv for s in rows]),
                                          np.concatenate([s.recurrent for s in rows]))
-    for name, value in taps.items():
-        tap(p, name, value)
+        for name, value in taps.items():
+            tap(p, name, value)
     tap(p, "conv_state", new_state.conv), tap(p, "recurrent_state", new_state.recurrent)
     if cache is not None:
         cache.layers[layer] = new_state
