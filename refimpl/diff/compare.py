@@ -141,6 +141,8 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
     """The criteria a tensor fails (empty: it passes). metrics / logits: refimpl.diff.metrics dicts."""
     if metrics is None:
         return ["not compared"]
+    if metrics["n"] == 0:  # nothing valid to score (e.g. an empty cache window)
+        return []
     values = {**metrics, **(logits or {})}
     failed = []
     if criteria.get("exact"):

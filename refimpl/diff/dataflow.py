@@ -24,6 +24,7 @@ class Node:
 _NORM = {False: "y = x / sqrt(mean(x^2) + eps) * w", True: "y = x / sqrt(mean(x^2) + eps) * (1 + w)"}
 _LAYER = re.compile(r"model\.layers\.(\d+)(?:\.(.*))?$")
 _IO = re.compile(r"(past_key|past_value|conv_state|recurrent_state)_(\d+)_(in|out)$")
+_QEFF_IO = re.compile(r"(past_key|past_value|conv_state|recurrent_state)\.(\d+)(_RetainedState)?$")
 _HF_IO = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)$|(past|present)_(conv|recurrent)_state\.(\d+)$")
 
 
@@ -47,6 +48,9 @@ def producer(cfg, name: str) -> Node | None:
     m = _HF_IO.fullmatch(name)
     if m:
         return _hf_io(m)
+    m = _QEFF_IO.fullmatch(name)
+    if m:
+        return _qeff_io(m[1], int(m[2]), bool(m[3]))
     m = _LAYER.fullmatch(name)
     if m:
         return _layer_node(cfg, int(m[1]), m[2] or "")
@@ -68,6 +72,14 @@ def _state_io(cfg, kind: str, i: int, direction: str) -> Node:
                "past_value": "new values [Hkv, 1, T, D]", "conv_state": "last S raw conv inputs",
                "recurrent_state": "S after the call, keys on rows"}[kind]
     return Node("graph output", i, formula, (source,))
+
+
+def _qeff_io(kind: str, i: int, retained: bool) -> Node:
+    if not retained:
+        return Node("host cache", i, "previous call's retained state", (f"prev:{kind}.{i}_RetainedState",))
+    node = _state_io(None, kind, i, "out")
+    extra = (f"{kind}.{i}",) if kind.startswith("past_") else ()
+    return Node(node.op, i, "scattered at the tokens' positions" if extra else node.formula, (*node.inputs, *extra))
 
 
 def _hf_io(m) -> Node:

@@ -142,6 +142,8 @@ def fp16_round(name: str):
 def wrong_expert(layer: int, token: int, num_experts: int):
     """One token of one MoE layer routed to an expert the router did not choose (its first choice swapped)."""
     def fn(selected):
+        if selected.shape[1] <= token:  # a call without that slot (decode)
+            return selected
         selected = selected.copy()
         row = selected[0, token]
         row[0] = next(e for e in range(num_experts) if e not in row)
