@@ -36,6 +36,7 @@ from ..errors import FormatError, InputError
 from ..formats.safetensors import read_safetensors
 
 SUFFIXES = (".raw", ".npy", ".bin")
+_ROLE_DIRS = {**{v: k for k, v in ROLES.items()}, **{k: k for k in ROLES}}  # "inputs" or "input" -> "input"
 _STEP_DIR = re.compile(r"(?:Result_|layer_outputs_)?(\d+)$")
 
 
@@ -216,7 +217,7 @@ class _Matcher:
             m = _STEP_DIR.fullmatch(d)
             if m:
                 step, rest = int(m[1]), dirs[i + 1:]
-                role = {v: k for k, v in ROLES.items()}.get(rest[0]) if rest else None
+                role = _ROLE_DIRS.get(rest[0]) if rest else None
                 name = "/".join([*rest[1 if role else 0:], name])  # names with "/" become subdirectories
                 break
         else:
