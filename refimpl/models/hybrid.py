@@ -37,28 +37,27 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg):
+def projections(w, p: str, x: np.ndarray, cfg, put=lambda name, value: value):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
-    b and a [B, T, Hv], and the raw projection outputs by tap name; from Qwen3.5's split projections or
-    Qwen3-Next's fused ones."""
+    b and a [B, T, Hv]; from Qwen3.5's split projections or Qwen3-Next's fused ones. put(name, value) taps
+    each raw projection output and returns what the block continues with."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     r = Hv // Hk
     if f"{p}.in_proj_qkvz.weight" in w:
         # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
-        qkvz = linear(x, w[f"{p}.in_proj_qkvz.weight"]).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
-        ba = linear(x, w[f"{p}.in_proj_ba.weight"]).reshape(B, T, Hk, 2 * r)
-        raw = {"in_proj_qkvz": qkvz.reshape(B, T, -1), "in_proj_ba": ba.reshape(B, T, -1)}
+        qkvz = put("in_proj_qkvz", linear(x, w[f"{p}.in_proj_qkvz.weight"])).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
+        ba = put("in_proj_ba", linear(x, w[f"{p}.in_proj_ba.weight"])).reshape(B, T, Hk, 2 * r)
         q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
         b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
-        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
-    mixed_qkv = linear(x, w[f"{p}.in_proj_qkv.weight"])
-    z = linear(x, w[f"{p}.in_proj_z.weight"])
-    b, a = linear(x, w[f"{p}.in_proj_b.weight"]), linear(x, w[f"{p}.in_proj_a.weight"])
-    raw = {"in_proj_qkv": mixed_qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a}
-    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
+        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+    mixed_qkv = put("in_proj_qkv", linear(x, w[f"{p}.in_proj_qkv.weight"]))
+    z = put("in_proj_z", linear(x, w[f"{p}.in_proj_z.weight"]))
+    b = put("in_proj_b", linear(x, w[f"{p}.in_proj_b.weight"]))
+    a = put("in_proj_a", linear(x, w[f"{p}.in_proj_a.weight"]))
+    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
 
 
 def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put):
@@ -67,11 +66,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put)
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
-    mixed_qkv, z, b, a, raw = projections(w, p, x, cfg)
-    raw = {name: put(name, value) for name, value in raw.items()}
-    if "in_proj_qkv" in raw:  # Qwen3.5: the split projections are the block's values
-        mixed_qkv, b, a = raw["in_proj_qkv"], raw["in_proj_b"], raw["in_proj_a"]
-        z = raw["in_proj_z"].reshape(z.shape)
+    mixed_qkv, z, b, a = projections(w, p, x, cfg, put)
     mixed_qkv = put("mixed_qkv", mixed_qkv)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
                                          None if state is None else state.conv)      # [B, conv_dim, T]
