@@ -1,21 +1,27 @@
 """Dtype-aware tolerances and `assert_close` for comparing a user's kernel against refimpl's reference.
 
 The reference is refimpl's kernel run in float64 on exactly the inputs the device kernel received (already
-rounded to the device dtype), so the only error left is what the device kernel adds: its intermediate roundings
-and the rounding of its output. With u = eps(dtype) / 2 the unit roundoff (fp32 2^-24 = 6.0e-8,
-fp16 2^-11 = 4.9e-4, bf16 2^-8 = 3.9e-3) and G the op's *error growth* (how many roundings of size u an honest
-kernel can stack on one output element, with a 2x margin; table GROWTH), the defaults are
+rounded to the device dtype), so the only error left is what the device kernel adds: its roundings to the device
+dtype (storing intermediates and the output) and the rounding of its wider accumulations. With u the unit roundoff
+eps / 2 of the device dtype (fp32 2^-24 = 6.0e-8, fp16 2^-11 = 4.9e-4, bf16 2^-8 = 3.9e-3) and u_acc that of the
+accumulation dtype (float32; float64 for a float64 "device"), an op has two growth factors (table GROWTH):
 
-    rtol  = G * u                                 elementwise relative part
-    atol  = G * u * scale                         elementwise absolute part: rounding errors of a sum scale
+    G   roundings to the device dtype an honest kernel stacks on one output element, counted along its longest
+        path, times 2;
+    F   growth of its float32 accumulations (sum lengths, algorithm depth); negligible for fp16 / bf16 kernels,
+        it is what an fp32 kernel's many full-precision roundings cost;
+
+and the defaults are
+
+    rtol  = G * u + F * u_acc                     elementwise relative part
+    atol  = rtol * scale                          elementwise absolute part: rounding errors of a sum scale
                                                   with its terms, not its result, so an output that cancels to
                                                   ~0 is judged on the terms' scale
-    ratio = G * u / 2                             fla's relative RMSE, rmse(a - e) / (scale + 1e-8): honest
+    ratio = rtol / 2                              fla's relative RMSE, rmse(a - e) / (scale + 1e-8): honest
                                                   errors are random, so their RMS sits well below the max
 
 scale defaults to rms(expected), which makes the ratio exactly fla's; a Case passes max(rms(expected), the rms
 magnitude of the op's terms) where outputs cancel (a conv's taps, a rotation's products, attention's values).
-
 An element passes when |a - e| <= atol + rtol * |e| (isclose, the numpy / CANN rule); the tensor passes when every
 valid element passes *and* the relative RMSE is within `ratio` (metric="both", the default; "isclose" or "ratio"
 use one rule). A non-finite actual value passes only against the same non-finite expected value.
@@ -29,29 +35,32 @@ import numpy as np
 
 from ..diff.metrics import cosine, sqnr_db, ulp_distance
 
-# Error growth G per op: roundings of size u an honest reduced-precision kernel stacks on one output element,
-# counted along its longest path, times 2. "exact" ops (state copies) must match bit for bit.
+# (G, F) per op: G roundings to the device dtype on an output element's longest path, times 2; F the growth of
+# the float32 accumulations. The tests in tests/testing check honest fp16 / bf16 / fp32 kernels stay below them.
 GROWTH = {
-    "exact": 0.0,          # data movement: conv state, caches
-    "elementwise": 4.0,    # one op + the output rounding
-    "rope": 8.0,           # 2 table roundings + 2 products + 1 sum + output rounding ~ 4u (pair-norm scale)
-    "rms_norm": 8.0,       # sum of squares (fp32) + rsqrt + x * r + * w + output rounding ~ 4u
-    "rms_norm_gated": 12.0,  # rms_norm + silu(gate) (exp, divide) + product ~ 6u
-    "sdpa": 8.0,           # + 2 * max|score| per case: the score's rounding moves every probability (Case.growth)
-    "conv1d": 12.0,        # Kc <= 4 taps summed + silu ~ 6u
-    "gated_delta": 16.0,   # products of fp16 operands, fp32 state; fla's chunk bound 0.005 ~ 10u in fp16
-    "moe_routing": 8.0,    # softmax (exp, sum, divide) + top-k renormalisation ~ 4u
+    "exact": (0.0, 0.0),          # data movement: conv state, caches, routing ids
+    "elementwise": (4.0, 4.0),    # one op + the output rounding
+    "rope": (8.0, 8.0),           # 2 table roundings + 2 products + 1 sum + the output ~ 4u on the pair norm
+    "rms_norm": (8.0, 16.0),      # x * r, * w, the output ~ 4u; F: the sum of n squares and the rsqrt
+    "rms_norm_gated": (12.0, 16.0),  # + silu(gate) (exp, divide) and one more product
+    "sdpa": (8.0, 16.0),          # + 2 max|score| on both (Case): a score rounds to u |s|, moving its probability
+    "conv1d": (12.0, 8.0),        # Kc <= 4 taps summed + silu ~ 6u
+    "gated_delta": (16.0, 64.0),  # fp16 operands of S^T k, S^T q, u, o ~ 8u; F: a chunked (UT / WY, C <= 64)
+                                  # fp32 kernel (forward substitution over C rows): refimpl's own fp32 chunked form
+                                  # needs ~48; + 4 max|within-chunk cumsum g| for exp(G_r - G_i) (Case, §7.4)
+    "moe_routing": (8.0, 8.0),    # softmax (exp, sum, divide) + top-k renormalisation ~ 4u
 }
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """rtol and ratio are relative; atol is absolute (None: rtol * rms(expected), computed per comparison)."""
+    """rtol and ratio are relative; atol is absolute (None: rtol * scale, computed per comparison)."""
     rtol: float
     atol: float | None
     ratio: float
     dtype: str
     growth: float
+    acc_growth: float
 
 
 def dtype_of(dtype) -> np.dtype:
@@ -73,13 +82,19 @@ def unit_roundoff(dtype) -> float:
     return float(ml_dtypes.finfo(dtype_of(dtype)).eps) / 2
 
 
-def tolerance(dtype, op: str = "elementwise", *, growth: float | None = None, rtol=None, atol=None,
-              ratio=None) -> Tolerance:
-    """The default tolerance for an output of `op` computed in `dtype` (module docstring); explicit values win."""
-    G = GROWTH[op] if growth is None else float(growth)
-    u = unit_roundoff(dtype)
-    return Tolerance(rtol=G * u if rtol is None else float(rtol), atol=None if atol is None else float(atol),
-                     ratio=G * u / 2 if ratio is None else float(ratio), dtype=dtype_of(dtype).name, growth=G)
+def tolerance(dtype, op: str = "elementwise", *, growth=None, rtol=None, atol=None, ratio=None) -> Tolerance:
+    """The default tolerance for an output of `op` computed in `dtype` (module docstring); explicit values win.
+
+    growth: None (the op's (G, F) from GROWTH), a number (G, keeping the op's F) or a pair (G, F).
+    """
+    G, F = GROWTH[op]
+    if growth is not None:
+        G, F = (float(growth[0]), float(growth[1])) if isinstance(growth, (tuple, list)) else (float(growth), F)
+    d = dtype_of(dtype)
+    u_acc = unit_roundoff("float64" if d.name == "float64" else "float32")
+    r = G * unit_roundoff(d) + F * u_acc
+    return Tolerance(rtol=r if rtol is None else float(rtol), atol=None if atol is None else float(atol),
+                     ratio=r / 2 if ratio is None else float(ratio), dtype=d.name, growth=G, acc_growth=F)
 
 
 def rel_rmse(actual, expected) -> float:
@@ -112,7 +127,7 @@ def compare(actual, expected, *, dtype=None, op: str = "elementwise", growth=Non
     if metric not in ("both", "isclose", "ratio"):
         raise ValueError(f"assert_close: metric must be 'both', 'isclose' or 'ratio'; got {metric!r}")
     if dtype is None:
-        dtype = "float32" if a.dtype == np.float64 or a.dtype.kind != "f" else a.dtype
+        dtype = a.dtype if a.dtype.name in ("float16", "bfloat16", "float32") else "float32"
     tol = tolerance(dtype, op, growth=growth, rtol=rtol, atol=atol, ratio=ratio)
     shape = a.shape
     a64, e64 = a.astype(np.float64).ravel(), e.astype(np.float64).ravel()
@@ -151,6 +166,7 @@ def compare(actual, expected, *, dtype=None, op: str = "elementwise", growth=Non
     out = {"passed": passed, "n": int(idx.size), "n_fail": n_fail, "n_nonfinite": int(nonfinite_bad.sum()),
            "worst": worst, "excess": excess, "rel_rmse": ratio_v, "max_abs": float(err.max()) if err.size else 0.0,
            "rms_expected": rms, "rtol": tol.rtol, "atol": atol_v, "ratio_limit": tol.ratio, "growth": tol.growth,
+           "acc_growth": tol.acc_growth,
            "dtype": tol.dtype, "metric": metric}
     if not passed:
         out["message"] = _message(out, a, e, shape, ef, af, op)
@@ -163,7 +179,8 @@ def _message(r: dict, a, e, shape, ef, af, op) -> str:
              f"{r['n_fail']} of {r['n']} elements not close ({100 * r['n_fail'] / max(r['n'], 1):.3g}%), "
              f"{r['n_nonfinite']} of them non-finite mismatches",
              f"  rule: |a - e| <= atol + rtol*|e| with rtol = {r['rtol']:.3g}, atol = {r['atol']:.3g} "
-             f"(growth {r['growth']:g} x u; atol = rtol * scale, scale {r['rms_expected']:.4g}); "
+             f"(growth {r['growth']:.3g} x u({r['dtype']}) + {r['acc_growth']:.3g} x u_acc; atol = rtol * scale, "
+             f"scale {r['rms_expected']:.4g}); "
              f"rel RMSE <= {r['ratio_limit']:.3g}; metric {r['metric']!r}"]
     if r["worst"] is not None:
         w = r["worst"]
@@ -189,7 +206,7 @@ def assert_close(actual, expected, *, dtype=None, op: str = "elementwise", growt
     """Assert that a device kernel's output matches refimpl's reference within dtype-aware tolerances.
 
     actual: the kernel's output; expected: the reference (float64 from Case.reference(), or any array).
-    dtype: the device dtype (default actual's); op: a key of GROWTH choosing the default growth G; growth / rtol
+    dtype: the device dtype (default actual's); op: a key of GROWTH choosing the default growths (G, F); growth / rtol
     / atol / ratio override the defaults (module docstring). metric: "both" | "isclose" | "ratio". valid: a bool
     mask of the elements to compare. scale: the error scale (default rms(expected)). Raises AssertionError naming the worst element (index, actual, expected,
     abs / rel error), how many elements fail, and the metrics; returns compare()'s dict when it passes.

@@ -47,17 +47,19 @@ def rope(case, *, interleaved=False):
 
 # ------------------------------------------------------------------------------------------------ SDPA
 
-def sdpa(case, *, subtract_max=True, offset_bug=0):
+def sdpa(case, *, subtract_max=True, offset_bug=0, top_left=False):
     """Attention with the mask built from offset / window / key_valid, scores and probabilities in the device
     dtype, sums in fp32. subtract_max=False: softmax as exp(s) / sum exp(s) (overflows fp16 above s = 11.09).
-    offset_bug: added to the query offset (-1: the index of the last cached token instead of the count)."""
+    offset_bug: added to the query offset (-1: the index of the last cached token instead of the count).
+    top_left=True: the causal mask aligned top-left (query i sees keys <= i, offset 0), as torch's
+    scaled_dot_product_attention(is_causal=True) builds it: wrong exactly when Lq != Lk."""
     dt, i, p = case.dtype, case.inputs, case.params
     q, k, v = f32(i["q"]), f32(i["k"]), f32(i["v"])
     B, Hq, Lq, D = q.shape
     Lk, r = k.shape[2], Hq // k.shape[1]
     k, v = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)
     s = rd(rd(q @ k.swapaxes(-1, -2), dt) * rd(p["scale"], dt), dt)  # [B, Hq, Lq, Lk]
-    qpos = p["offset"] + offset_bug + np.arange(Lq)[:, None]
+    qpos = (0 if top_left else p["offset"] + offset_bug) + np.arange(Lq)[:, None]
     kpos = np.arange(Lk)[None, :]
     allowed = (kpos <= qpos)[None, None]
     if p["window"] is not None:
@@ -81,9 +83,9 @@ def rms_norm(case, *, fp16_sum=False):
     which overflows fp16 for |x| > 256), then the variant's weight and gate, each op rounded."""
     dt, i, p = case.dtype, case.inputs, case.params
     x = f32(i["x"])
-    sq = rd(x * x, dt) if fp16_sum else x * x
-    ms = rd(sq.sum(-1, keepdims=True), dt) / x.shape[-1] if fp16_sum else sq.mean(-1, keepdims=True)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # the fp16_sum bug overflows to inf: that is the bug
+        sq = rd(x * x, dt) if fp16_sum else x * x
+        ms = rd(sq.sum(-1, keepdims=True), dt) / x.shape[-1] if fp16_sum else sq.mean(-1, keepdims=True)
         n = rd(x * (1 / np.sqrt(ms + np.float32(p["eps"]))), dt)
     w = f32(i["weight"])
     if p["variant"] == "zero_centered":
