@@ -176,7 +176,7 @@ def compare(actual, expected, *, dtype=None, op: str = "elementwise", growth=Non
 def _message(r: dict, a, e, shape, ef, af, op) -> str:
     """The failure report: the rule, how many elements fail, the worst element, and the summary metrics."""
     lines = [f"assert_close ({op}, {r['dtype']}, shape {shape}): "
-             f"{r['n_fail']} of {r['n']} elements not close ({100 * r['n_fail'] / max(r['n'], 1):.3g}%), "
+             f"{r['n_fail']} of {r['n']} compared elements not close ({100 * r['n_fail'] / max(r['n'], 1):.3g}%), "
              f"{r['n_nonfinite']} of them non-finite mismatches",
              f"  rule: |a - e| <= atol + rtol*|e| with rtol = {r['rtol']:.3g}, atol = {r['atol']:.3g} "
              f"(growth {r['growth']:.3g} x u({r['dtype']}) + {r['acc_growth']:.3g} x u_acc; atol = rtol * scale, "

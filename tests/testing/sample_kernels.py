@@ -99,11 +99,12 @@ def rms_norm(case, *, fp16_sum=False):
 
 # ------------------------------------------------------------------------------------------------ gated delta rule
 
-def gated_delta(case, *, gate_after_update=False, no_beta=False):
+def gated_delta(case, *, gate_after_update=False, no_beta=False, state_dtype=np.float32):
     """The recurrence token by token: q / k / v in the device dtype, gates and the state in fp32, the products
     S^T k and S^T q accumulated in fp32 from device-dtype operands (the state is rounded where it meets them),
     u and o rounded. gate_after_update: S <- exp(g) (S + k u^T) with u from the undecayed state (the decay
-    applied after the delta update); no_beta: u = v - S^T k."""
+    applied after the delta update); no_beta: u = v - S^T k; state_dtype: the dtype the state is stored in
+    between steps (spec §7.8: an fp16 / bf16 state costs accuracy and a reference should flag it)."""
     dt, i, p = case.dtype, case.inputs, case.params
     q, k, v = f32(i["q"]), f32(i["k"]), f32(i["v"])
     g, beta = f32(i["g"]), f32(i["beta"])
@@ -126,6 +127,7 @@ def gated_delta(case, *, gate_after_update=False, no_beta=False):
         S = S + k[:, t, :, :, None] * u[:, :, None, :]
         if gate_after_update:
             S = S * decay
+        S = rd(S, state_dtype)  # fp32: a no-op; fp16 / bf16: a state kept in reduced precision between steps
         o[:, t] = rd(np.einsum("bhk,bhkv->bhv", q[:, t], rd(S, dt)), dt)
     return o.astype(dt), S
 

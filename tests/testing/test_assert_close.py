@@ -40,7 +40,7 @@ def test_message_names_the_worst_element():
     with pytest.raises(AssertionError) as exc:
         assert_close(actual, expected, op="rope", name="q_rot")
     msg = str(exc.value)
-    assert msg.startswith("q_rot: assert_close (rope, float16, shape (2, 3, 4)): 2 of 24 elements not close")
+    assert msg.startswith("q_rot: assert_close (rope, float16, shape (2, 3, 4)): 2 of 24 compared elements not close")
     worst = re.search(r"worst element at index \(1, 2, 3\): actual (\S+), expected (\S+), abs err (\S+), "
                       r"rel err (\S+) \((\S+)x its tolerance", msg)
     assert worst, msg
@@ -61,7 +61,7 @@ def test_nonfinite_values():
     assert assert_close(ok, e)["n_fail"] == 0  # the same inf, NaN on both sides
     bad = ok.copy()
     bad[4] = np.nan
-    with pytest.raises(AssertionError, match=r"1 of 5 elements not close .*1 of them non-finite"):
+    with pytest.raises(AssertionError, match=r"1 of 5 compared elements not close .*1 of them non-finite"):
         assert_close(bad, e)
     with pytest.raises(AssertionError, match=r"index \(4,\): actual nan, expected 5.0 \(non-finite\)"):
         assert_close(bad, e)

@@ -88,13 +88,29 @@ HONEST = [("rope", S.rope_cases, K.rope), ("sdpa", S.sdpa_cases, K.sdpa), ("rms_
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("op,strategy,kernel", HONEST, ids=[h[0] for h in HONEST])
 def test_honest_kernels_pass(op, strategy, kernel, dtype, extreme):
-    """Every op, every dtype, ordinary and extreme magnitudes: within the default tolerances on every example."""
+    """Every op, every dtype, ordinary and extreme magnitudes: within the default tolerances on every example, and
+    using at most 3/4 of them (elementwise and RMS), so examples beyond these derandomized ones have headroom."""
+    worst = []
 
     @settings(max_examples=40, **DERANDOMIZED)
     @given(case=strategy(dtype, extreme=extreme))
     def run(case):
         with np.errstate(over="ignore"):  # silu of -1e2 in the conv: exp overflows to inf, silu -> -0, correct
             out = kernel(case)
-        case.check(out)
+        worst.extend(max(r["excess"], r["rel_rmse"] / r["ratio_limit"]) for r in case.check(out)
+                     if r["ratio_limit"] > 0)
 
     run()
+    assert max(worst) < 0.75, max(worst)
+
+
+def test_a_low_precision_gdn_state_is_flagged_by_its_dtype_not_its_values():
+    """A state kept in fp16 between steps stays inside the output tolerances (the delta rule contracts, so its
+    rounding does not pile up: ~2x the honest error at T = 4096 in a direct measurement), so the values cannot flag
+    it; its dtype does (spec §7.8), unless the user opts in."""
+    from refimpl.testing import make_gated_delta_case
+    case = make_gated_delta_case(0, dtype="float16", T=64)
+    o, state = K.gated_delta(case, state_dtype=np.float16)
+    case.check((o, state), allow_low_precision_state=True)  # within tolerance
+    with pytest.raises(AssertionError, match=r"final state is float16; keep the recurrent state in float32"):
+        case.check((o, state.astype(np.float16)))
