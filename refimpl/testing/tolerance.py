@@ -119,7 +119,8 @@ def compare(actual, expected, *, dtype=None, op: str = "elementwise", growth=Non
     default rms(expected) over the compared elements; a given scale below rms(expected) is raised to it.
     Returns a dict: passed, n, n_fail (elements failing isclose, non-finite mismatches included), n_nonfinite
     (non-finite mismatches), worst (flat index of the worst element by |a - e| / (atol + rtol |e|), or None),
-    excess (that worst ratio; <= 1 passes), rel_rmse, max_abs, tolerance fields, and the message on failure.
+    excess (that worst ratio; <= 1 passes), rel_rmse, max_abs, scale, the tolerance fields (rtol, atol,
+    ratio_limit, growth, acc_growth, dtype, metric), and the message on failure.
     """
     a, e = np.asarray(actual), np.asarray(expected)
     if a.shape != e.shape:
@@ -165,7 +166,7 @@ def compare(actual, expected, *, dtype=None, op: str = "elementwise", growth=Non
     passed = {"both": isclose_ok and ratio_ok, "isclose": isclose_ok, "ratio": ratio_ok}[metric]
     out = {"passed": passed, "n": int(idx.size), "n_fail": n_fail, "n_nonfinite": int(nonfinite_bad.sum()),
            "worst": worst, "excess": excess, "rel_rmse": ratio_v, "max_abs": float(err.max()) if err.size else 0.0,
-           "rms_expected": rms, "rtol": tol.rtol, "atol": atol_v, "ratio_limit": tol.ratio, "growth": tol.growth,
+           "scale": rms, "rtol": tol.rtol, "atol": atol_v, "ratio_limit": tol.ratio, "growth": tol.growth,
            "acc_growth": tol.acc_growth,
            "dtype": tol.dtype, "metric": metric}
     if not passed:
@@ -180,7 +181,7 @@ def _message(r: dict, a, e, shape, ef, af, op) -> str:
              f"{r['n_nonfinite']} of them non-finite mismatches",
              f"  rule: |a - e| <= atol + rtol*|e| with rtol = {r['rtol']:.3g}, atol = {r['atol']:.3g} "
              f"(growth {r['growth']:.3g} x u({r['dtype']}) + {r['acc_growth']:.3g} x u_acc; atol = rtol * scale, "
-             f"scale {r['rms_expected']:.4g}); "
+             f"scale {r['scale']:.4g}); "
              f"rel RMSE <= {r['ratio_limit']:.3g}; metric {r['metric']!r}"]
     if r["worst"] is not None:
         w = r["worst"]
