@@ -299,8 +299,8 @@ def make_conv1d_case(seed, *, dtype="float16", B=1, C=8, T=5, Kc=4, state=True, 
     # the taps' magnitudes sum_j |w_j X_j|: the pre-activation sum can cancel to ~0
     terms, _ = causal_conv1d(np.abs(_f64(x)), np.abs(_f64(w)), None if s0 is None else np.abs(_f64(s0)),
                              activation=None, state_len=S)
-    return Case("conv1d", dtype, inputs, {"state_len": S, "activation": "silu"},
-                (Output("y", "conv1d", GROWTH["conv1d"], scale=_rms(terms)), Output("state", "exact", GROWTH["exact"])), seed)
+    outputs = (Output("y", "conv1d", GROWTH["conv1d"], scale=_rms(terms)), Output("state", "exact", GROWTH["exact"]))
+    return Case("conv1d", dtype, inputs, {"state_len": S, "activation": "silu"}, outputs, seed)
 
 
 def _conv1d_ref(c: Case):

@@ -207,10 +207,11 @@ def assert_close(actual, expected, *, dtype=None, op: str = "elementwise", growt
     """Assert that a device kernel's output matches refimpl's reference within dtype-aware tolerances.
 
     actual: the kernel's output; expected: the reference (float64 from Case.reference(), or any array).
-    dtype: the device dtype (default actual's); op: a key of GROWTH choosing the default growths (G, F); growth / rtol
-    / atol / ratio override the defaults (module docstring). metric: "both" | "isclose" | "ratio". valid: a bool
-    mask of the elements to compare. scale: the error scale (default rms(expected)). Raises AssertionError naming the worst element (index, actual, expected,
-    abs / rel error), how many elements fail, and the metrics; returns compare()'s dict when it passes.
+    dtype: the device dtype (default actual's); op: a key of GROWTH choosing the default growths (G, F);
+    growth / rtol / atol / ratio override the defaults (module docstring). metric: "both" | "isclose" | "ratio".
+    valid: a bool mask of the elements to compare. scale: the error scale (default rms(expected)).
+    Raises AssertionError naming the worst element (index, actual, expected, abs / rel error), how many elements
+    fail, and the metrics; returns compare()'s dict when it passes.
     """
     r = compare(actual, expected, dtype=dtype, op=op, growth=growth, rtol=rtol, atol=atol, ratio=ratio,
                 metric=metric, valid=valid, scale=scale)
