@@ -7,6 +7,7 @@ every op's result rounded back to the device dtype (`rd`), state and gates in fp
 difference between a passing and a failing kernel.
 """
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -47,12 +48,13 @@ def rope(case, *, interleaved=False):
 
 # ------------------------------------------------------------------------------------------------ SDPA
 
-def sdpa(case, *, subtract_max=True, offset_bug=0, top_left=False):
+def sdpa(case, *, subtract_max=True, offset_bug=0, top_left=False, window_bug=0):
     """Attention with the mask built from offset / window / key_valid, scores and probabilities in the device
     dtype, sums in fp32. subtract_max=False: softmax as exp(s) / sum exp(s) (overflows fp16 above s = 11.09).
     offset_bug: added to the query offset (-1: the index of the last cached token instead of the count).
     top_left=True: the causal mask aligned top-left (query i sees keys <= i, offset 0), as torch's
-    scaled_dot_product_attention(is_causal=True) builds it: wrong exactly when Lq != Lk."""
+    scaled_dot_product_attention(is_causal=True) builds it: wrong exactly when Lq != Lk. window_bug: added to the
+    sliding window (1: each query sees window + 1 keys)."""
     dt, i, p = case.dtype, case.inputs, case.params
     q, k, v = f32(i["q"]), f32(i["k"]), f32(i["v"])
     B, Hq, Lq, D = q.shape
@@ -63,7 +65,7 @@ def sdpa(case, *, subtract_max=True, offset_bug=0, top_left=False):
     kpos = np.arange(Lk)[None, :]
     allowed = (kpos <= qpos)[None, None]
     if p["window"] is not None:
-        allowed = allowed & (kpos > qpos - p["window"])[None, None]
+        allowed = allowed & (kpos > qpos - p["window"] - window_bug)[None, None]
     if i["key_valid"] is not None:
         allowed = allowed & (i["key_valid"] != 0)[:, None, None, :]
     floor = {"finfo": float(ml_dtypes.finfo(dt).min), "-inf": -math.inf}.get(p["floor"], p["floor"])
@@ -165,3 +167,12 @@ def moe_routing(case, *, ignore_norm_topk_prob=False):
     if case.params["norm_topk_prob"] and not ignore_norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
     return rd(w, case.dtype).astype(case.dtype), experts
+
+
+def in_bfloat16(kernel):
+    """The kernel run with bf16 roundings inside while the case (and its tolerance) says fp16: a precision bug
+    (8x coarser rounding) that the fp16 tolerances must resolve."""
+    def run(case):
+        out = kernel(dataclasses.replace(case, dtype=np.dtype(ml_dtypes.bfloat16)))
+        return tuple(np.asarray(o).astype(np.float32) for o in out) if isinstance(out, tuple) else out.astype(np.float16)
+    return run

@@ -48,6 +48,7 @@ BUGS = [
     ("SDPA query offset off by one, bf16", S.sdpa_cases("bfloat16"), functools.partial(K.sdpa, offset_bug=-1), 10),
     ("SDPA causal mask aligned top-left (offset 0; wrong only when Lq != Lk)", S.sdpa_cases("float16"),
      functools.partial(K.sdpa, top_left=True), 20),
+    ("SDPA sliding window one key too wide", S.sdpa_cases("float16"), functools.partial(K.sdpa, window_bug=1), 30),
     ("RoPE interleaved pairs instead of half split", S.rope_cases("float16"),
      functools.partial(K.rope, interleaved=True), 10),
     ("RoPE interleaved, bf16", S.rope_cases("bfloat16"), functools.partial(K.rope, interleaved=True), 10),
@@ -61,6 +62,12 @@ BUGS = [
      functools.partial(K.rms_norm, fp16_sum=True), 20),
     ("MoE norm_topk_prob ignored", S.moe_routing_cases("float16"),
      functools.partial(K.moe_routing, ignore_norm_topk_prob=True), 20),
+    # precision bugs: bf16 roundings inside a kernel tested as fp16 (the tolerances resolve 8x coarser rounding)
+    ("RoPE with bf16 intermediates, tested as fp16", S.rope_cases("float16"), K.in_bfloat16(K.rope), 20),
+    ("SDPA with bf16 intermediates, tested as fp16", S.sdpa_cases("float16"), K.in_bfloat16(K.sdpa), 100),
+    ("RMSNorm with bf16 intermediates, tested as fp16", S.rms_norm_cases("float16"), K.in_bfloat16(K.rms_norm), 20),
+    ("GDN with bf16 intermediates, tested as fp16", S.gated_delta_cases("float16"), K.in_bfloat16(K.gated_delta),
+     20),
 ]
 
 
