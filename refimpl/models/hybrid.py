@@ -10,6 +10,10 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
   beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
   o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
   out     = out_proj( rms_norm_gated(o, z) )
+
+Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
+output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
+(its recurrent state included) stay float32, as transformers computes them.
 """
 
 import numpy as np
@@ -37,52 +41,53 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg):
+def projections(w, p: str, x: np.ndarray, cfg, r):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
     b and a [B, T, Hv], and the raw projection outputs by tap name; from Qwen3.5's split projections or
-    Qwen3-Next's fused ones."""
+    Qwen3-Next's fused ones; r rounds each projection's output (the activation cast)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    r = Hv // Hk
+    n = Hv // Hk
     if f"{p}.in_proj_qkvz.weight" in w:
-        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
-        qkvz = linear(x, w[f"{p}.in_proj_qkvz.weight"]).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
-        ba = linear(x, w[f"{p}.in_proj_ba.weight"]).reshape(B, T, Hk, 2 * r)
+        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
+        qkvz = r(linear(x, w[f"{p}.in_proj_qkvz.weight"])).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
+        ba = r(linear(x, w[f"{p}.in_proj_ba.weight"])).reshape(B, T, Hk, 2 * n)
         raw = {"in_proj_qkvz": qkvz.reshape(B, T, -1), "in_proj_ba": ba.reshape(B, T, -1)}
-        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + n * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
-        b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
+        b, a = ba[..., :n].reshape(B, T, Hv), ba[..., n:].reshape(B, T, Hv)   # value head h = kh * n + j
         return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
-    mixed_qkv = linear(x, w[f"{p}.in_proj_qkv.weight"])
-    z = linear(x, w[f"{p}.in_proj_z.weight"])
-    b, a = linear(x, w[f"{p}.in_proj_b.weight"]), linear(x, w[f"{p}.in_proj_a.weight"])
+    mixed_qkv = r(linear(x, w[f"{p}.in_proj_qkv.weight"]))
+    z = r(linear(x, w[f"{p}.in_proj_z.weight"]))
+    b, a = r(linear(x, w[f"{p}.in_proj_b.weight"])), r(linear(x, w[f"{p}.in_proj_a.weight"]))
     raw = {"in_proj_qkv": mixed_qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a}
     return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
 
 
-def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, r):
     """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], taps, new state)."""
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
-    mixed_qkv, z, b, a, raw = projections(w, p, x, cfg)
+    mixed_qkv, z, b, a, raw = projections(w, p, x, cfg, r)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
-                                         None if state is None else state.conv)      # [B, conv_dim, T]
+                                         None if state is None else state.conv, rnd=r)  # [B, conv_dim, T]
     conv_out = conv_out.transpose(0, 2, 1)                                             # [B, T, conv_dim]
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
     q = l2_normalize(q.reshape(B, T, Hk, Dk))                                          # [B, T, Hk, Dk]
     k = l2_normalize(k.reshape(B, T, Hk, Dk))
     v = v.reshape(B, T, -1, Dv)                                                        # [B, T, Hv, Dv]
-    beta = sigmoid(b)                                                                  # [B, T, Hv]
+    beta = r(sigmoid(b))                                                               # [B, T, Hv]
     g = -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"])                     # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
-    normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps)          # [B, T, Hv, Dv]
-    out = linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])
+    core = r(core)                                                                     # float32 core, cast out
+    normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r)   # [B, T, Hv, Dv]
+    out = r(linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"]))
     taps = {**raw, "mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
             "core": core, "norm": normed, "out_proj": out}
     return out, taps, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
@@ -95,7 +100,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     cache = ctx.cache
     state = cache.layers[layer] if cache is not None else None
     if ctx.linear_mask is None:
-        out, taps, new_state = _gdn(w, p, x, cfg, state)
+        out, taps, new_state = _gdn(w, p, x, cfg, state, ctx.round)
     else:
         B, T, _ = x.shape
         out, taps, rows = np.zeros_like(x), {}, []
@@ -106,7 +111,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
             if len(real) == 0:
                 rows.append(row_state)
                 continue
-            o, t, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state)
+            o, t, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, ctx.round)
             out[row, real] = o[0]
             for name, value in t.items():
                 taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
