@@ -40,6 +40,12 @@ ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp
 FLOAT_WEIGHTS = ("float32", "float64", "bf16", "fp16")
 KV = (None, "bf16", "fp16", "int8")
 _INT_WEIGHTS = re.compile(r"^int(4|8)-(per-tensor|per-channel|block(\d+))-(qnn|onnx)$")
+CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts); recorded in bundle manifests
+    "linear outputs (every projection, router, lm_head)", "norm outputs (float32 inside)",
+    "rope tables and each rope product and sum", "attention scores after q.k, after the scale, after the mask",
+    "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
+    "residual adds", "moe routing weights, each weighted expert term and the running sum",
+    "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
 
 
 def _identity(x):
@@ -111,10 +117,16 @@ class Policy:
         return rounder(self.kv)(x)
 
     def to_dict(self) -> dict:
-        """The policy as recorded in a golden bundle's manifest."""
+        """The policy as recorded in a golden bundle's manifest (the encodings file by name and sha256)."""
+        encodings = None
+        if self.encodings is not None:
+            import hashlib
+            encodings = {"file": Path(self.encodings).name,
+                         "sha256": hashlib.sha256(Path(self.encodings).read_bytes()).hexdigest()}
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
-                "kv": self.kv, "encodings": self.encodings,
-                "rounding": "round-to-nearest-even at transformers' cast points" if self.emulated else None}
+                "kv": self.kv, "encodings": encodings,
+                "rounding": "round-to-nearest-even" if self.emulated or self.kv or self.weight_format != self.dtype
+                else None, "cast_points": list(CAST_POINTS) if self.emulated else []}
 
 
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
