@@ -78,6 +78,9 @@ def cmd_info(args) -> int:
               + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""))
     print(f"parameters   {n_params:,} ({w.nbytes() / 2**20:.1f} MiB stored)"
           f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
+    p = model.precision
+    print(f"precision    activations {p.activations}, weights {p.weight_format}"
+          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:

@@ -12,6 +12,9 @@ def test_info(capsys):
     assert main(["info", "tiny-qwen3-moe"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "8 x 32, top-2" in out and "parameters" in out
+    assert "activations float32, weights float32" in out
+    assert main(["info", "tiny-qwen3", "--precision", "bf16", "--kv", "fp16"]) == 0
+    assert "activations bf16, weights bf16, kv fp16" in capsys.readouterr().out
 
 
 def test_run_prints_top_tokens(capsys):
