@@ -26,6 +26,7 @@ float32 and float64 make every hook the identity: the float32 path is bit-identi
 """
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -120,13 +121,12 @@ class Policy:
         """The policy as recorded in a golden bundle's manifest (the encodings file by name and sha256)."""
         encodings = None
         if self.encodings is not None:
-            import hashlib
             encodings = {"file": Path(self.encodings).name,
                          "sha256": hashlib.sha256(Path(self.encodings).read_bytes()).hexdigest()}
+        rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
-                "kv": self.kv, "encodings": encodings,
-                "rounding": "round-to-nearest-even" if self.emulated or self.kv or self.weight_format != self.dtype
-                else None, "cast_points": list(CAST_POINTS) if self.emulated else []}
+                "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
+                "cast_points": list(CAST_POINTS) if self.emulated else []}
 
 
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
@@ -182,7 +182,8 @@ def fake_quant_weight(w: np.ndarray, spec: str) -> np.ndarray:
 
 @dataclasses.dataclass
 class Encoding:
-    """One tensor's QNN encoding: x = (q + offset) * scale, q in [0, 2^bitwidth - 1].
+    """One tensor's QNN encoding: x = (q + offset) * scale, q in [0, 2^bitwidth - 1] (or, signed, in
+    [-2^(bitwidth-1), 2^(bitwidth-1) - 1]).
     scale / offset: scalars (per tensor), [out] (per channel, axis 0), or with block_size: [out * blocks] or
     [out, blocks] scales (blocks of block_size along the input axis; offsets per block or per channel).
     LPBQ entries are expanded to per-block float scales on reading."""
@@ -190,6 +191,7 @@ class Encoding:
     scale: np.ndarray
     offset: np.ndarray
     block_size: int | None = None
+    signed: bool = False
 
     def fake_quant(self, w: np.ndarray) -> np.ndarray:
         """w [out, ...] -> (q + offset) * scale with q = clip(round(w / scale) - offset): the device's values."""
@@ -206,7 +208,7 @@ class Encoding:
             scale = scale.reshape(x.shape[0], blocks)
             offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size == x.shape[0] else offset.reshape(
                 x.shape[0], blocks), scale.shape)
-        q = quant.qnn_quantize(x, scale, offset, self.bitwidth, **kw)
+        q = quant.qnn_quantize(x, scale, offset, self.bitwidth, signed=self.signed, **kw)
         return quant.qnn_dequantize(q, scale, offset, **kw).reshape(w.shape).astype(w.dtype)
 
 
@@ -218,8 +220,10 @@ def read_encodings(path) -> dict[str, Encoding]:
     1.0.0:                 {"version": "1.0.0", "param_encodings": [{"name", "enc_type": "PER_TENSOR" |
                             "PER_CHANNEL" | "PER_BLOCK" | "LPBQ", "bw", "scale": [...], "offset": [...],
                             "block_size", "per_block_int_scale": [...] (LPBQ)}, ...]}
-    Offsets are QNN's (<= 0, the negative zero point). For LPBQ the float scale is per channel and the integer
-    block scales [out * blocks] multiply it (QNN blockwise expansion).
+    Offsets are QNN's (<= 0, the negative zero point), over unsigned codes. A symmetric entry whose offsets are all
+    0 can only mean signed codes (an unsigned grid from 0 up is not symmetric), so it is read as SFIXED_POINT:
+    q in [-2^(bw-1), 2^(bw-1) - 1]. For LPBQ the float scale is per channel and the integer block scales
+    [out * blocks] multiply it (QNN blockwise expansion).
     """
     path = Path(path)
     try:
@@ -236,7 +240,8 @@ def read_encodings(path) -> dict[str, Encoding]:
                 offset = np.array([e["offset"] for e in encs], np.int32)
                 if len(encs) == 1:
                     scale, offset = scale[0], offset[0]
-                out[name] = Encoding(int(encs[0]["bitwidth"]), scale, offset)
+                sym = str(encs[0].get("is_symmetric", "False")).lower() == "true"
+                out[name] = Encoding(int(encs[0]["bitwidth"]), scale, offset, signed=sym and not offset.any())
         else:
             for e in params:
                 kind = e.get("enc_type", "PER_TENSOR")
@@ -255,7 +260,8 @@ def read_encodings(path) -> dict[str, Encoding]:
                     offset = np.broadcast_to(offset.reshape(-1, 1), scale.shape)
                 else:
                     raise FormatError(f"{path}: {e['name']}: unknown enc_type {kind!r}")
-                out[e["name"]] = Encoding(int(e["bw"]), scale, offset, block)
+                signed = bool(e.get("is_sym")) and not offset.any()
+                out[e["name"]] = Encoding(int(e["bw"]), scale, offset, block, signed)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path}: malformed param encoding ({type(err).__name__}: {err})") from None
     return out

@@ -183,6 +183,20 @@ def test_aimet_v1_per_block_and_lpbq_encodings(tmp_path):
     assert read_encodings(path)[b].bitwidth == 4
 
 
+def test_symmetric_encodings_with_zero_offsets_are_signed(tmp_path):
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = refimpl.load("tiny-qwen3").weights[name]
+    scale = (np.abs(w).max(1) / 7).astype(np.float32)
+    path = tmp_path / "sym.encodings"
+    path.write_text(json.dumps({"version": "1.0.0", "param_encodings": [
+        {"name": name, "enc_type": "PER_CHANNEL", "bw": 4, "is_sym": True, "scale": scale.tolist(),
+         "offset": [0] * len(scale)}]}))
+    m = refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(path)))
+    q = np.clip(np.rint(w.astype(np.float64) / scale[:, None]), -8, 7)
+    np.testing.assert_array_equal(m.weights[name], q.astype(np.float32) * scale[:, None])
+    assert (m.weights[name] < 0).any()
+
+
 def test_bad_encodings_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

@@ -2,6 +2,7 @@
 
 QNN (QnnTypes.h):  q unsigned in [0, 2^bw - 1],   x = (q + offset) * scale,   offset <= 0 (= -zero_point)
                    q = clip(round(x / scale) - offset, 0, 2^bw - 1)
+                   (signed: SFIXED_POINT, q in [-2^(bw-1), 2^(bw-1) - 1], offset 0 for symmetric encodings)
 ONNX:              q signed or unsigned,           x = (q - zero_point) * scale
                    q = saturate(round(x / scale) + zero_point)   (QuantizeLinear)
 
@@ -42,11 +43,13 @@ def expand(p, shape: tuple, axis: int | None = None, block_size: int | None = No
     return np.repeat(p, block_size, axis=axis).take(np.arange(n), axis=axis)
 
 
-def qnn_quantize(x, scale, offset, bitwidth: int, axis=None, block_size=None) -> np.ndarray:
-    """q = clip(round_half_even(x / scale) - offset, 0, 2^bw - 1)  -> int32, x's shape."""
+def qnn_quantize(x, scale, offset, bitwidth: int, axis=None, block_size=None, signed: bool = False) -> np.ndarray:
+    """q = clip(round_half_even(x / scale) - offset, 0, 2^bw - 1)  -> int32, x's shape;
+    signed: clipped to [-2^(bw-1), 2^(bw-1) - 1] instead."""
     s, o = (expand(np.asarray(a, np.float64), x.shape, axis, block_size) for a in (scale, offset))
     q = np.rint(np.asarray(x, np.float64) / s) - o
-    return np.clip(q, 0, 2 ** bitwidth - 1).astype(np.int32)
+    lo, hi = (-2 ** (bitwidth - 1), 2 ** (bitwidth - 1) - 1) if signed else (0, 2 ** bitwidth - 1)
+    return np.clip(q, lo, hi).astype(np.int32)
 
 
 def qnn_dequantize(q, scale, offset, axis=None, block_size=None) -> np.ndarray:

@@ -18,6 +18,13 @@ def test_qnn_per_tensor_4bit_hand_computed():
     np.testing.assert_array_equal(quant.qnn_dequantize(q, 0.5, -3), [1.0, 1.0, 2.0, 0.0, -1.5, 6.0, -1.5])
 
 
+def test_qnn_signed_codes_clip_to_the_signed_range():
+    x = np.array([-3.0, -0.26, 0.9, 10.0])
+    q = quant.qnn_quantize(x, 0.25, 0, 4, signed=True)       # -12 -> -8, -1.04 -> -1, 3.6 -> 4, 40 -> 7
+    np.testing.assert_array_equal(q, [-8, -1, 4, 7])
+    np.testing.assert_array_equal(quant.qnn_dequantize(q, 0.25, 0), [-2.0, -0.25, 1.0, 1.75])
+
+
 def test_onnx_int4_hand_computed_saturates_to_signed_range():
     x = np.array([1.25, -5.0, -6.0, 3.0, 0.0])
     q = quant.onnx_quantize(x, 0.5, 2, "int4")
