@@ -171,12 +171,9 @@ def fake_quant_weight(w: np.ndarray, spec: str) -> np.ndarray:
         lo, hi = quant.block_range(x, block)                                # [rows] or [rows, blocks]
         kw = {"axis": 0} if block is None else {"axis": 1, "block_size": block}
     if conv == "qnn":
-        scale, offset = quant.qnn_encoding_from_range(lo, hi, bits)
-        out = quant.qnn_dequantize(quant.qnn_quantize(x, scale, offset, bits, **kw), scale, offset, **kw)
+        out = quant.qnn_fake_quant(x, *quant.qnn_encoding_from_range(lo, hi, bits), bits, **kw)
     else:
-        dtype = f"int{bits}"
-        scale, zp = quant.onnx_params_from_range(lo, hi, dtype)
-        out = quant.onnx_dequantize(quant.onnx_quantize(x, scale, zp, dtype, **kw), scale, zp, **kw)
+        out = quant.onnx_fake_quant(x, *quant.onnx_params_from_range(lo, hi, f"int{bits}"), f"int{bits}", **kw)
     return out.reshape(w.shape).astype(w.dtype)
 
 

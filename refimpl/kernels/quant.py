@@ -73,6 +73,18 @@ def onnx_dequantize(q, scale, zero_point, axis=None, block_size=None) -> np.ndar
     return (np.asarray(q, np.float32) - z) * s
 
 
+def qnn_fake_quant(x, scale, offset, bitwidth: int, axis=None, block_size=None, signed: bool = False) -> np.ndarray:
+    """x -> qnn_dequantize(qnn_quantize(x)): the value on the device's grid nearest x (clipped to the range)."""
+    q = qnn_quantize(x, scale, offset, bitwidth, axis, block_size, signed)
+    return qnn_dequantize(q, scale, offset, axis, block_size)
+
+
+def onnx_fake_quant(x, scale, zero_point, dtype: str = "int8", axis=None, block_size=None) -> np.ndarray:
+    """x -> DequantizeLinear(QuantizeLinear(x))."""
+    return onnx_dequantize(onnx_quantize(x, scale, zero_point, dtype, axis, block_size), scale, zero_point, axis,
+                           block_size)
+
+
 def qnn_encoding_from_range(lo, hi, bitwidth: int) -> tuple[np.ndarray, np.ndarray]:
     """QNN encoding of a range (arrays for per-channel / per-block ranges):
     the range is widened to include 0 and to at least 1e-4; scale = (max - min) / (2^bw - 1);

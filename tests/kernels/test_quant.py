@@ -25,6 +25,14 @@ def test_qnn_signed_codes_clip_to_the_signed_range():
     np.testing.assert_array_equal(quant.qnn_dequantize(q, 0.25, 0), [-2.0, -0.25, 1.0, 1.75])
 
 
+def test_fake_quant_is_dequantize_of_quantize():
+    x = np.array([[0.3, -0.3, 3.0, -3.0, 0.7]])
+    # 0.6 -> 1, -0.6 -> -1, 6, -6 + 3 = -3 clips to code 0 (-1.5), 1.4 -> 1
+    np.testing.assert_array_equal(quant.qnn_fake_quant(x, 0.5, -3, 4), [[0.5, -0.5, 3.0, -1.5, 0.5]])
+    np.testing.assert_array_equal(quant.onnx_fake_quant(x, [[0.25, 1.0, 0.5]], [[0, 1, -1]], "int8", axis=1,
+                                                        block_size=2), [[0.25, -0.25, 3.0, -3.0, 0.5]])
+
+
 def test_onnx_int4_hand_computed_saturates_to_signed_range():
     x = np.array([1.25, -5.0, -6.0, 3.0, 0.0])
     q = quant.onnx_quantize(x, 0.5, 2, "int4")
