@@ -1,4 +1,5 @@
-"""refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`.
+"""refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
+`refimpl diff BUNDLE DUMP`, `refimpl replay`, `refimpl explain`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_golden)
+    from .diff.commands import add_commands
+    add_commands(sub)
     return parser
 
 

@@ -132,6 +132,23 @@ class Policy:
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
 
 
+def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
+    """The policy a bundle manifest's `precision` records (older bundles: just {"dtype"}). An encodings policy
+    needs the file again (the manifest keeps its name and sha256), which must match."""
+    activations = recorded.get("activations", recorded.get("dtype", "float32"))
+    weights, kv = recorded.get("weights"), recorded.get("kv")
+    if weights != "encodings":
+        return Policy(activations, None if weights == activations else weights, kv)
+    want = (recorded.get("encodings") or {}).get("sha256")
+    if encodings is None:
+        raise InputError(f"the bundle's weights come from an encodings file "
+                         f"({(recorded.get('encodings') or {}).get('file')}); give it again")
+    got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
+    if want is not None and got != want:
+        raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
+    return Policy(activations, "encodings", kv, str(encodings))
+
+
 def policy(precision) -> Policy:
     """A Policy from a Policy, an activation dtype name ("float32", "bf16", ...) or a dict of its fields."""
     if isinstance(precision, Policy):

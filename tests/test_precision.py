@@ -197,6 +197,24 @@ def test_symmetric_encodings_with_zero_offsets_are_signed(tmp_path):
     assert (m.weights[name] < 0).any()
 
 
+def test_policy_round_trips_through_a_manifest(tmp_path):
+    from refimpl.precision import from_manifest
+    for p in (Policy(), Policy("float64"), Policy("bf16"), Policy("fp16", "int4-block32-onnx", "int8"),
+              Policy("float32", "bf16", "fp16")):
+        assert from_manifest(json.loads(json.dumps(p.to_dict()))) == Policy(p.activations, p.weights, p.kv)
+    assert from_manifest({"dtype": "float64"}) == Policy("float64")          # bundles from before policies
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps({"param_encodings": {}}))
+    recorded = Policy(weights="encodings", encodings=str(path)).to_dict()
+    assert from_manifest(recorded, str(path)).encodings == str(path)
+    with pytest.raises(InputError, match="give it again"):
+        from_manifest(recorded)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"param_encodings": {"x": []}}))
+    with pytest.raises(InputError, match="differs from the bundle"):
+        from_manifest(recorded, str(other))
+
+
 def test_bad_encodings_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

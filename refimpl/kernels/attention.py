@@ -57,8 +57,22 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
             mask = np.maximum(mask, mask.dtype.type(mask_floor))
         heads = mask.shape[1]
         scores = rnd(scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk))
-    probs = rnd(softmax(scores.astype(compute_dtype(scores), copy=False)).astype(q.dtype, copy=False))
-    o = rnd(probs @ v[:, :, None]).reshape(B, Hq, Lq, v.shape[-1])
+    probs = attention_probs(scores, q.dtype, rnd=rnd)
+    o = attend(probs, v, rnd=rnd)
     if return_weights:
         return o, scores.reshape(B, Hq, Lq, Lk), probs.reshape(B, Hq, Lq, Lk)
     return o
+
+
+def attention_probs(scores: np.ndarray, dtype, *, rnd=_same) -> np.ndarray:
+    """p = softmax(scores) over the key axis, in at least float32, cast to `dtype` (the value product's)."""
+    return rnd(softmax(scores.astype(compute_dtype(scores), copy=False)).astype(dtype, copy=False))
+
+
+def attend(probs: np.ndarray, v: np.ndarray, *, rnd=_same) -> np.ndarray:
+    """o = p v with GQA.  probs [B, Hq, Lq, Lk] or grouped [B, Hkv, Hq/Hkv, Lq, Lk], v [B, Hkv, Lk, Dv]
+    -> o [B, Hq, Lq, Dv]; query head h reads kv head h // (Hq/Hkv)."""
+    B, Hkv, Lk, Dv = v.shape
+    Lq = probs.shape[-2]
+    probs = probs.reshape(B, Hkv, -1, Lq, Lk)
+    return rnd(probs @ v[:, :, None]).reshape(B, -1, Lq, Dv)

@@ -111,17 +111,16 @@ class Model:
         cfg, w = self.config, self.weights
         ctx.precision = self.precision
         x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
-        tap("model.embed_tokens", None, x)
+        x = tap("model.embed_tokens", None, x)
         for i, mixer in enumerate(self._mixers):
             x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
         x = qwen3.norm(w, "model.norm", x, cfg, ctx)
-        tap("model.norm", None, x)
+        x = tap("model.norm", None, x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         logits = ctx.round(linear(x, lm_head))                              # [B, T, V]
-        tap("lm_head", None, logits)
-        return logits
+        return tap("lm_head", None, logits)
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
