@@ -4,6 +4,8 @@ a short last block), LPBQ, and int4 packing (first value in the low nibble)."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refimpl.errors import InputError
 from refimpl.kernels import quant
@@ -116,3 +118,43 @@ def test_int4_pack_unpack_round_trip_all_codes():
         quant.pack_int4(np.array([16]))
     with pytest.raises(InputError, match="need 2 bytes"):
         quant.unpack_int4(np.zeros((1, 3), np.uint8), 4, signed=True)
+
+
+# --- properties -----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def blocked(draw):
+    """(x [rows, n], block size or None, bits, seed-derived ranges)"""
+    rows, n = draw(st.integers(1, 4)), draw(st.integers(1, 40))
+    block = draw(st.one_of(st.none(), st.integers(1, 16)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = (rng.normal(size=(rows, n)) * draw(st.sampled_from([1e-3, 1.0, 1e2])) + draw(st.sampled_from([0.0, 0.5]))
+         ).astype(np.float32)
+    return x, block, draw(st.sampled_from([4, 8]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=blocked())
+def test_fake_quant_from_the_own_range_is_within_half_a_step_and_idempotent(case):
+    x, block, bits = case
+    lo, hi = quant.block_range(x, block)
+    kw = {"axis": 0} if block is None else {"axis": 1, "block_size": block}
+    scale, offset = quant.qnn_encoding_from_range(lo, hi, bits)
+    y = quant.qnn_fake_quant(x, scale, offset, bits, **kw)
+    step = quant.expand(scale, x.shape, **kw)
+    assert np.all(np.abs(y - x) <= step * (0.5 + 1e-3) + 1e-7)          # the range covers x: no clipping
+    np.testing.assert_array_equal(quant.qnn_fake_quant(y, scale, offset, bits, **kw), y)
+    s, zp = quant.onnx_params_from_range(lo, hi, f"int{bits}")
+    z = quant.onnx_fake_quant(x, s, zp, f"int{bits}", **kw)
+    assert np.all(np.abs(z - x) <= quant.expand(s, x.shape, **kw) * (0.5 + 1e-3) + 1e-7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 33), signed=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_int4_pack_unpack_round_trips(n, signed, seed):
+    lo, hi = (-8, 7) if signed else (0, 15)
+    q = np.random.default_rng(seed).integers(lo, hi + 1, size=(3, n))
+    packed = quant.pack_int4(q)
+    assert packed.shape == (3, (n + 1) // 2) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(quant.unpack_int4(packed, n, signed), q)
