@@ -4,7 +4,8 @@ from . import errors
 from .models.config import ModelConfig, config_from_dict, load_config
 from .models.load import load
 from .models.model import Model
+from .precision import Policy
 from .trace import trace
 
 __version__ = "0.1.0"
-__all__ = ["load", "trace", "Model", "ModelConfig", "config_from_dict", "load_config", "errors", "__version__"]
+__all__ = ["load", "trace", "Model", "Policy", "ModelConfig", "config_from_dict", "load_config", "errors", "__version__"]

@@ -89,8 +89,9 @@ def _bundle(path):
 
 def _model(bundle, source=None):
     from ..models.load import load
+    from ..precision import from_manifest
     m = bundle.manifest["model"]
-    model = load(source or m["source"], dtype=bundle.manifest.get("precision", {}).get("dtype", "float32"))
+    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {})))
     if model.weights.sha256() != m.get("weights_sha256"):
         raise InputError(f"model {source or m['source']!r}: weights differ from the bundle's "
                          f"(sha256 {model.weights.sha256()[:12]} vs {str(m.get('weights_sha256'))[:12]}); give --model")

@@ -10,6 +10,10 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
   beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
   o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
   out     = out_proj( rms_norm_gated(o, z) )
+
+Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
+output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
+(its recurrent state included) stay float32, as transformers computes them.
 """
 
 import numpy as np
@@ -37,55 +41,57 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg, put=lambda name, value: value):
+def projections(w, p: str, x: np.ndarray, cfg, put=lambda name, value: value, r=lambda x: x):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
     b and a [B, T, Hv]; from Qwen3.5's split projections or Qwen3-Next's fused ones. put(name, value) taps
-    each raw projection output and returns what the block continues with."""
+    each raw projection output and returns what the block continues with; r rounds each projection's output
+    (the activation cast)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    r = Hv // Hk
+    n = Hv // Hk
     if f"{p}.in_proj_qkvz.weight" in w:
-        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
-        qkvz = put("in_proj_qkvz", linear(x, w[f"{p}.in_proj_qkvz.weight"])).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
-        ba = put("in_proj_ba", linear(x, w[f"{p}.in_proj_ba.weight"])).reshape(B, T, Hk, 2 * r)
-        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
+        qkvz = put("in_proj_qkvz", r(linear(x, w[f"{p}.in_proj_qkvz.weight"]))).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
+        ba = put("in_proj_ba", r(linear(x, w[f"{p}.in_proj_ba.weight"]))).reshape(B, T, Hk, 2 * n)
+        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + n * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
-        b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
+        b, a = ba[..., :n].reshape(B, T, Hv), ba[..., n:].reshape(B, T, Hv)   # value head h = kh * n + j
         return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
-    mixed_qkv = put("in_proj_qkv", linear(x, w[f"{p}.in_proj_qkv.weight"]))
-    z = put("in_proj_z", linear(x, w[f"{p}.in_proj_z.weight"]))
-    b = put("in_proj_b", linear(x, w[f"{p}.in_proj_b.weight"]))
-    a = put("in_proj_a", linear(x, w[f"{p}.in_proj_a.weight"]))
+    mixed_qkv = put("in_proj_qkv", r(linear(x, w[f"{p}.in_proj_qkv.weight"])))
+    z = put("in_proj_z", r(linear(x, w[f"{p}.in_proj_z.weight"])))
+    b = put("in_proj_b", r(linear(x, w[f"{p}.in_proj_b.weight"])))
+    a = put("in_proj_a", r(linear(x, w[f"{p}.in_proj_a.weight"])))
     return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
 
 
-def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put):
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put, r):
     """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], new state).
-    put(name, value) taps an intermediate and returns what the block continues with (refimpl.trace.tap)."""
+    put(name, value) taps an intermediate and returns what the block continues with (refimpl.trace.tap);
+    r is the activation cast (ctx.round)."""
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
-    mixed_qkv, z, b, a = projections(w, p, x, cfg, put)
+    mixed_qkv, z, b, a = projections(w, p, x, cfg, put, r)
     mixed_qkv = put("mixed_qkv", mixed_qkv)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
-                                         None if state is None else state.conv)      # [B, conv_dim, T]
+                                         None if state is None else state.conv, rnd=r)  # [B, conv_dim, T]
     conv_out = put("conv1d", conv_out.transpose(0, 2, 1))                              # [B, T, conv_dim]
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
     q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk)))                                # [B, T, Hk, Dk]
     k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk)))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
-    beta = put("beta", sigmoid(b))                                                     # [B, T, Hv]
+    beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
     g = put("g", -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
-    core = put("core", core)
-    normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps))  # [B, T, Hv, Dv]
-    out = put("out_proj", linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"]))
+    core = put("core", r(core))                                                        # float32 core, cast out
+    normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))  # [B, T, Hv, Dv]
+    out = put("out_proj", r(linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])))
     return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
 
@@ -96,7 +102,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     cache = ctx.cache
     state = cache.layers[layer] if cache is not None else None
     if ctx.linear_mask is None:
-        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value))
+        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value), ctx.round)
     else:
         B, T, _ = x.shape
         out, taps, rows = np.zeros_like(x), {}, []
@@ -113,7 +119,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
                 given = override(f"{p}.{name}")
                 return value if given is None else np.asarray(given)[row:row + 1, real].astype(value.dtype)
 
-            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put)
+            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put, ctx.round)
             out[row, real] = o[0]
             rows.append(s)
         rows = [s or zero_state(cfg, x.dtype) for s in rows]  # a fresh row that was all padding: zero state

@@ -80,13 +80,13 @@ def perturbed_weights(model, arrays, name: str, scale: float = 1e-2, seed: int =
 
 def interleaved_rope():
     """RoPE over interleaved pairs (2i, 2i+1) (Meta / llama.c) instead of half-split pairs (i, i + rot/2)."""
-    def apply(x, cos, sin):
+    def apply(x, cos, sin, rnd=lambda v: v):
         rot = 2 * cos.shape[-1]
         c, s = cos[..., None, :], sin[..., None, :]
         even, odd = x[..., 0:rot:2], x[..., 1:rot:2]
         out = x.copy()
-        out[..., 0:rot:2] = even * c - odd * s
-        out[..., 1:rot:2] = odd * c + even * s
+        out[..., 0:rot:2] = rnd(rnd(even * c) - rnd(odd * s))
+        out[..., 1:rot:2] = rnd(rnd(odd * c) + rnd(even * s))
         return out
     return patched(qwen3, "apply_rope", apply)
 
@@ -124,8 +124,8 @@ def conv_state_shifted():
     """The conv state keeps the S columns one step too early: [state | x][-S-1:-1] instead of [-S:]."""
     original = hybrid.causal_conv1d
 
-    def conv(x, w, state=None):
-        y, new_state = original(x, w, state)
+    def conv(x, w, state=None, **kwargs):
+        y, new_state = original(x, w, state, **kwargs)
         S = new_state.shape[-1]
         full = x if state is None else np.concatenate([state, x], axis=-1)
         if full.shape[-1] > S:
