@@ -27,6 +27,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -119,26 +120,22 @@ class _Cursor:
         except UnicodeDecodeError:
             raise FormatError(f"{self.path}: {what} is not valid UTF-8") from None
 
-    def strings(self, count: int, what: str) -> list[str]:
-        """`count` strings in a row: the vocabulary, the merges (hundreds of thousands; kept to one tight loop)."""
-        buf, pos, size, unpack = self.buf, self.pos, self.size, struct.unpack_from
-        out = [None] * count
+    def strings(self, count: int, what: str) -> "StringArray":
+        """`count` strings in a row (a vocabulary, its merges: hundreds of thousands). Only their offsets are
+        read here, in one tight loop; they are decoded when first used."""
+        buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+        starts = [0] * count
         try:
             for i in range(count):
-                (n,) = unpack("<Q", buf, pos)
-                pos += 8
-                if pos + n > size:
-                    raise struct.error
-                out[i] = buf[pos:pos + n]
-                pos += n
+                starts[i] = pos
+                pos += 8 + unpack("<Q", buf, pos)[0]
         except struct.error:
-            raise FormatError(f"{self.path}: truncated GGUF header: {what} entry {i} of {count} runs past the "
-                              f"end of the file ({size} bytes)") from None
+            pos = self.size + 1
+        if pos > self.size:
+            raise FormatError(f"{self.path}: truncated GGUF header: {what} ({count} strings) runs past the end of "
+                              f"the file ({self.size} bytes)")
         self.pos = pos
-        try:
-            return [b.decode("utf-8") for b in out]
-        except UnicodeDecodeError:
-            raise FormatError(f"{self.path}: {what} holds a string that is not valid UTF-8") from None
+        return StringArray(buf, starts, pos, f"{self.path}: {what}")
 
     def value(self, vtype: int, key: str):
         if vtype == _STRING:
@@ -163,6 +160,51 @@ class _Cursor:
                 return [self.value(_ARRAY, key) for _ in range(count)]
             raise FormatError(f"{self.path}: metadata {key!r}: unknown array element type {etype}")
         raise FormatError(f"{self.path}: metadata {key!r}: unknown value type {vtype}")
+
+
+class StringArray(Sequence):
+    """A GGUF string array, decoded on first access: the bytes between the u64 length prefixes are joined with
+    NUL separators and decoded at once (a per-string loop takes ~1 s for a 250k vocabulary and its merges)."""
+
+    def __init__(self, buf, starts: list[int], end: int, what: str):
+        self._buf, self._starts, self._end, self._what, self._items = buf, starts, end, what, None
+
+    def __len__(self):
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __iter__(self):
+        return iter(self._decoded())
+
+    def __eq__(self, other):
+        return list(self) == list(other)
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            self._items = self._decode()
+        return self._items
+
+    def _decode(self) -> list[str]:
+        if not self._starts:
+            return []
+        s0 = self._starts[0]
+        data = np.frombuffer(self._buf, np.uint8, self._end - s0, s0).copy()
+        rel = np.asarray(self._starts, np.int64) - s0
+        keep = np.ones(data.size, bool)
+        keep[(rel[:, None] + np.arange(1, 8)).ravel()] = False     # drop 7 of each prefix's 8 bytes ...
+        data[rel] = 0                                              # ... and make the 8th the separator
+        try:
+            text = data[keep].tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self._what} holds a string that is not valid UTF-8") from None
+        items = text.split("\0")[1:]
+        if len(items) != len(self._starts):   # a string holds a NUL itself: decode one by one
+            buf = self._buf
+            items = [bytes(buf[s + 8:s + 8 + struct.unpack_from("<Q", buf, s)[0]]).decode("utf-8", "strict")
+                     for s in self._starts]
+        return items
 
 
 class GGUFFile:
@@ -581,3 +623,229 @@ def load_gguf(path: str | Path):
     g = GGUFFile(path)
     cfg = config_from_dict(config_dict(g), source=str(g.path))
     return cfg, read_gguf_tensors(g, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+WRITE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+_FILE_TYPE = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2}     # llama_ftype (general.file_type)
+
+
+def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array (torch order) in llama.cpp's layout, every conversion transform applied, as
+    convert_hf_to_gguf.py writes them. `w` maps HF names to arrays (a Weights, or a dict)."""
+    f32 = lambda name: np.asarray(w[name], dtype=np.float32)
+    out = {gg: f32(hf) for hf, gg in _plain_names(cfg).items()}
+    for hf, gg in _norm_names(cfg).items():
+        out[gg] = f32(hf) + np.float32(1) if cfg.zero_centered_norms else f32(hf)
+    H, Hk, Hv, Dk, Dv = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                         cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        if cfg.is_moe_layer(i):
+            experts = [_expert(w, f"{p}.mlp.experts", e) for e in range(cfg.num_experts)]
+            for k, proj in enumerate(("gate", "up", "down")):
+                out[f"{b}.ffn_{proj}_exps.weight"] = np.stack([np.asarray(x[k], np.float32) for x in experts])
+            if cfg.shared_expert_intermediate_size:
+                out[f"{b}.ffn_gate_inp_shexp.weight"] = f32(f"{p}.mlp.shared_expert_gate.weight").reshape(H)
+        if cfg.layer_types[i] != "linear_attention":
+            continue
+        q = f"{p}.linear_attn"
+        r, key_dim = Hv // Hk, Hk * Dk
+        tile = (lambda a, axis, d, start=0: _tile_from(a, axis, d, start, Hk, r)) \
+            if cfg.model_type != "qwen3_next" and Hk != Hv else (lambda a, axis, d, start=0: a)
+        out[f"{b}.ssm_a"] = tile(-np.exp(f32(f"{q}.A_log")), 0, 1)
+        out[f"{b}.ssm_dt.bias"] = tile(f32(f"{q}.dt_bias"), 0, 1)
+        out[f"{b}.ssm_conv1d.weight"] = tile(f32(f"{q}.conv1d.weight")[:, 0, :], 0, Dv, 2 * key_dim)
+        out[f"{b}.ssm_norm.weight"] = f32(f"{q}.norm.weight")
+        out[f"{b}.ssm_out.weight"] = tile(f32(f"{q}.out_proj.weight"), 1, Dv)
+        if cfg.model_type == "qwen3_next":
+            out[f"{b}.attn_qkv.weight"], out[f"{b}.attn_gate.weight"] = split_qkvz(
+                f32(f"{q}.in_proj_qkvz.weight"), Hk, Dk, r * Dv)
+            out[f"{b}.ssm_ba.weight"] = f32(f"{q}.in_proj_ba.weight")
+        else:
+            out[f"{b}.attn_qkv.weight"] = tile(f32(f"{q}.in_proj_qkv.weight"), 0, Dv, 2 * key_dim)
+            out[f"{b}.attn_gate.weight"] = tile(f32(f"{q}.in_proj_z.weight"), 0, Dv)
+            out[f"{b}.ssm_beta.weight"] = tile(f32(f"{q}.in_proj_b.weight"), 0, 1)
+            out[f"{b}.ssm_alpha.weight"] = tile(f32(f"{q}.in_proj_a.weight"), 0, 1)
+    return out
+
+
+def _expert(w, prefix, e):
+    if hasattr(w, "expert"):
+        return w.expert(prefix, e)
+    if f"{prefix}.{e}.gate_proj.weight" in w:
+        return tuple(w[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    gate_up = np.asarray(w[f"{prefix}.gate_up_proj"][e])
+    half = gate_up.shape[0] // 2
+    return gate_up[:half], gate_up[half:], w[f"{prefix}.down_proj"][e]
+
+
+def _tile_from(a, axis, d, start, Hk, r):
+    """tile_v_heads on the part of `axis` from `start` on (the v rows / channels of a q|k|v tensor)."""
+    a = np.array(a, dtype=np.float32)
+    idx = [slice(None)] * a.ndim
+    idx[axis] = slice(start, None)
+    a[tuple(idx)] = tile_v_heads(a[tuple(idx)], axis, Hk, r, d)
+    return a
+
+
+def _stays_f32(name: str, a: np.ndarray) -> bool:
+    """llama.cpp keeps these in F32 whatever the file type: 1-D tensors, norms, the MoE routers, the conv."""
+    return (a.ndim <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
+            or ".ffn_gate_inp" in name or ".ssm_conv1d" in name)
+
+
+def encode_tensor(name: str, a: np.ndarray, qtype: str):
+    """(data, ggml type) of one tensor for file type `qtype`: F32 / F16 / BF16 as is; Q8_0 / Q4_0 by gguf-py's
+    quantiser (llama.cpp's reference rounding); a tensor whose rows are not whole blocks falls back to F16, as
+    llama.cpp's converter does."""
+    import gguf.quants
+    qtypes, _ = _ggml_types()
+    if qtype == "F32" or _stays_f32(name, a):
+        return a.astype(np.float32), qtypes.F32
+    if qtype == "F16":
+        return a.astype(np.float16), qtypes.F16
+    try:
+        return gguf.quants.quantize(a.astype(np.float32), qtypes[qtype]), qtypes[qtype]
+    except (gguf.quants.QuantError, ValueError):
+        return a.astype(np.float16), qtypes.F16
+
+
+def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> None:
+    """The metadata keys llama.cpp's converter writes for this architecture (models.md §7.2, §7.4)."""
+    arch = MODEL_TYPE_TO_ARCH[cfg.model_type]
+    wr.add_type("model")
+    wr.add_name(name)
+    wr.add_block_count(cfg.num_hidden_layers)
+    wr.add_context_length(cfg.max_position_embeddings)
+    wr.add_embedding_length(cfg.hidden_size)
+    if cfg.intermediate_size is not None:
+        wr.add_feed_forward_length(cfg.intermediate_size)
+    wr.add_head_count(cfg.num_attention_heads)
+    wr.add_head_count_kv(cfg.num_key_value_heads)
+    rope = cfg.rope
+    if rope["rope_type"] in ("linear", "yarn"):
+        wr.add_string(f"{arch}.rope.scaling.type", rope["rope_type"])
+        wr.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        if rope["rope_type"] == "yarn":
+            wr.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+            for hf, key in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+                if rope.get(hf) is not None:
+                    wr.add_float32(f"{arch}.rope.scaling.yarn_{key}", rope[hf])
+    elif rope["rope_type"] != "default":
+        raise ConfigError(f"{cfg.source}: rope_type {rope['rope_type']!r} has no GGUF encoding here "
+                          f"(supported: default, linear, yarn)")
+    if cfg.mrope_section is not None:
+        wr.add_array(f"{arch}.rope.dimension_sections", [int(s) for s in cfg.mrope_section] + [0])
+    wr.add_rope_freq_base(rope["rope_theta"])
+    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.num_experts:
+        wr.add_expert_count(cfg.num_experts)
+        wr.add_expert_used_count(cfg.num_experts_per_tok)
+    wr.add_key_length(cfg.head_dim)
+    wr.add_value_length(cfg.head_dim)
+    wr.add_file_type(_FILE_TYPE[qtype])
+    if cfg.num_experts:
+        wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            wr.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if cfg.is_hybrid:
+        wr.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        wr.add_ssm_state_size(cfg.linear_key_head_dim)
+        wr.add_ssm_group_count(cfg.linear_num_key_heads)
+        wr.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        wr.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        wr.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+        wr.add_uint32(f"{arch}.full_attention_interval", _interval(cfg.layer_types))
+        wr.add_rope_dimension_count(cfg.rotary_dim)
+    wr.add_quantization_version(2)
+    if tokenizer is None:   # no vocabulary: llama.cpp then sizes it from {arch}.vocab_size
+        wr.add_tokenizer_model("none")
+        wr.add_vocab_size(cfg.vocab_size)
+        return
+    if len(tokenizer["tokens"]) != cfg.vocab_size:
+        raise WeightsError(f"{cfg.source}: tokenizer has {len(tokenizer['tokens'])} tokens but the embedding "
+                           f"'model.embed_tokens.weight' has {cfg.vocab_size} rows")
+    wr.add_tokenizer_model(tokenizer.get("model", "gpt2"))
+    if tokenizer.get("pre"):
+        wr.add_tokenizer_pre(tokenizer["pre"])
+    wr.add_token_list(tokenizer["tokens"])
+    wr.add_token_types([int(t) for t in tokenizer["token_types"]])
+    if tokenizer.get("merges"):
+        wr.add_token_merges(tokenizer["merges"])
+    for key in ("bos", "eos", "pad", "unk"):
+        if tokenizer.get(f"{key}_token_id") is not None:
+            wr.add_uint32(f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id",
+                          int(tokenizer[f"{key}_token_id"]))
+    for key in ("add_bos_token", "add_eos_token"):
+        if tokenizer.get(key) is not None:
+            wr.add_bool(f"tokenizer.ggml.{key}", bool(tokenizer[key]))
+    if tokenizer.get("chat_template"):
+        wr.add_chat_template(tokenizer["chat_template"])
+
+
+def _interval(layer_types) -> int:
+    """full_attention_interval when the layers follow one (else 4, llama.cpp's default; recurrent_layers rules)."""
+    for n in range(1, len(layer_types) + 1):
+        if all((t != "linear_attention") == ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
+            return n
+    return 4
+
+
+def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | None = None,
+               name: str | None = None) -> Path:
+    """Write a model (config + weights) as a llama.cpp GGUF of file type `qtype` (F32, F16, BF16, Q8_0, Q4_0),
+    atomically: a temporary file beside `path`, renamed into place only when complete.
+    tokenizer: `tokenizer_metadata()` of a GGUF (plain data) to embed; without it the file has no vocabulary."""
+    import gguf
+    path = Path(path)
+    qtype = qtype.upper()
+    if qtype not in WRITE_TYPES:
+        raise ConfigError(f"{path}: unsupported GGUF type {qtype!r}; supported: {', '.join(WRITE_TYPES)}")
+    cfg = model.config
+    if cfg.model_type not in MODEL_TYPE_TO_ARCH:
+        raise ConfigError(f"{path}: model_type {cfg.model_type!r} has no GGUF architecture")
+    tensors = hf_to_gguf_tensors(cfg, model.weights)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    wr = gguf.GGUFWriter(tmp, MODEL_TYPE_TO_ARCH[cfg.model_type])
+    try:
+        _write_metadata(wr, cfg, name or path.stem, qtype, tokenizer)
+        for tname, a in tensors.items():
+            data, ggml_type = encode_tensor(tname, a, qtype)
+            wr.add_tensor(tname, data, raw_dtype=ggml_type)
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
+        os.replace(tmp, path)
+    except BaseException:
+        wr.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizer
+
+def tokenizer_metadata(source) -> dict:
+    """The GGUF's embedded tokenizer as plain Python data: model ("gpt2" = byte-level BPE), pre (pre-tokenizer
+    name, e.g. "qwen2", "qwen35"), tokens (list[str]), token_types (list[int]: 1 normal, 2 unknown, 3 control,
+    4 user-defined, 5 unused, 6 byte), merges (list[str], "a b"), bos/eos/pad/unk token ids (or None),
+    add_bos_token / add_eos_token (or None) and chat_template (or None)."""
+    g = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    m = g.metadata
+    if "tokenizer.ggml.model" not in m:
+        raise ConfigError(f"{g.path}: no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
+    types = m.get("tokenizer.ggml.token_type")
+    return {
+        "model": m["tokenizer.ggml.model"], "pre": m.get("tokenizer.ggml.pre"),
+        "tokens": list(m.get("tokenizer.ggml.tokens", [])),
+        "token_types": [] if types is None else np.asarray(types).astype(int).tolist(),
+        "merges": list(m.get("tokenizer.ggml.merges", [])),
+        "bos_token_id": m.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": m.get("tokenizer.ggml.padding_token_id"),
+        "unk_token_id": m.get("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": m.get("tokenizer.ggml.add_bos_token"), "add_eos_token": m.get("tokenizer.ggml.add_eos_token"),
+        "chat_template": m.get("tokenizer.chat_template"),
+    }
