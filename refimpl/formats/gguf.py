@@ -487,7 +487,11 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     def need(name):
         if name not in g.tensors:
             raise WeightsError(f"{path}: missing tensor {name!r}")
-        return g.tensors[name]
+        t = g.tensors[name]
+        if not can_dequantize(t.ggml_type):   # named now, not at the first forward pass
+            raise WeightsError(f"{path}: tensor {name!r} has type {type_name(t.ggml_type)}, which gguf-py cannot "
+                               f"dequantise")
+        return t
 
     def lazy(shape, fn):
         return LazyTensor(shape, fn)
@@ -519,9 +523,7 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
                                                                   (1, cfg.hidden_size))
         if cfg.layer_types[i] == "linear_attention":
             out.update(_linear_attention(g, cfg, f"{p}.linear_attn", b, need, lazy, src, direct))
-    if cfg.mtp_layers:  # nextn blocks: recognised, not run
-        pass
-    return out
+    return out   # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read
 
 
 def _experts(g, cfg, p, b, need, lazy, src) -> dict:
@@ -647,14 +649,15 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
             for k, proj in enumerate(("gate", "up", "down")):
                 out[f"{b}.ffn_{proj}_exps.weight"] = np.stack([np.asarray(x[k], np.float32) for x in experts])
             if cfg.shared_expert_intermediate_size:
-                out[f"{b}.ffn_gate_inp_shexp.weight"] = f32(f"{p}.mlp.shared_expert_gate.weight").reshape(H)
+                out[f"{b}.ffn_gate_inp_shexp.weight"] = f32(f"{p}.mlp.shared_expert_gate.weight")  # [1, H]
         if cfg.layer_types[i] != "linear_attention":
             continue
         q = f"{p}.linear_attn"
         r, key_dim = Hv // Hk, Hk * Dk
         tile = (lambda a, axis, d, start=0: _tile_from(a, axis, d, start, Hk, r)) \
             if cfg.model_type != "qwen3_next" and Hk != Hv else (lambda a, axis, d, start=0: a)
-        out[f"{b}.ssm_a"] = tile(-np.exp(f32(f"{q}.A_log")), 0, 1)
+        # -exp(A_log), evaluated in float64 and rounded once (within an ulp of torch's float32 exp)
+        out[f"{b}.ssm_a"] = tile((-np.exp(f32(f"{q}.A_log").astype(np.float64))).astype(np.float32), 0, 1)
         out[f"{b}.ssm_dt.bias"] = tile(f32(f"{q}.dt_bias"), 0, 1)
         out[f"{b}.ssm_conv1d.weight"] = tile(f32(f"{q}.conv1d.weight")[:, 0, :], 0, Dv, 2 * key_dim)
         out[f"{b}.ssm_norm.weight"] = f32(f"{q}.norm.weight")
@@ -763,10 +766,13 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
     if tokenizer is None:   # no vocabulary: llama.cpp then sizes it from {arch}.vocab_size
         wr.add_tokenizer_model("none")
         wr.add_vocab_size(cfg.vocab_size)
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else cfg.eos_token_id
+        tokenizer = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id}
+        for key in ("bos", "eos", "pad"):
+            if tokenizer[f"{key}_token_id"] is not None:
+                wr.add_uint32(f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id",
+                              int(tokenizer[f"{key}_token_id"]))
         return
-    if len(tokenizer["tokens"]) != cfg.vocab_size:
-        raise WeightsError(f"{cfg.source}: tokenizer has {len(tokenizer['tokens'])} tokens but the embedding "
-                           f"'model.embed_tokens.weight' has {cfg.vocab_size} rows")
     wr.add_tokenizer_model(tokenizer.get("model", "gpt2"))
     if tokenizer.get("pre"):
         wr.add_tokenizer_pre(tokenizer["pre"])
@@ -783,6 +789,12 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
             wr.add_bool(f"tokenizer.ggml.{key}", bool(tokenizer[key]))
     if tokenizer.get("chat_template"):
         wr.add_chat_template(tokenizer["chat_template"])
+
+
+def _check_tokenizer(cfg, tokenizer: dict | None) -> None:
+    if tokenizer is not None and len(tokenizer["tokens"]) != cfg.vocab_size:
+        raise WeightsError(f"{cfg.source}: tokenizer has {len(tokenizer['tokens'])} tokens but the embedding "
+                           f"'model.embed_tokens.weight' has {cfg.vocab_size} rows")
 
 
 def _interval(layer_types) -> int:
@@ -806,6 +818,7 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
     cfg = model.config
     if cfg.model_type not in MODEL_TYPE_TO_ARCH:
         raise ConfigError(f"{path}: model_type {cfg.model_type!r} has no GGUF architecture")
+    _check_tokenizer(cfg, tokenizer)
     tensors = hf_to_gguf_tensors(cfg, model.weights)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     wr = gguf.GGUFWriter(tmp, MODEL_TYPE_TO_ARCH[cfg.model_type])
