@@ -232,7 +232,7 @@ class GGUFFile:
         c.pos = 4
         self.version = c.unpack("<I", "version")
         if self.version not in (2, 3):
-            hint = " (a big-endian GGUF?)" if self.version.to_bytes(4, "little")[::-1] in (b"\0\0\0\2", b"\0\0\0\3") else ""
+            hint = " (a big-endian GGUF?)" if self.version in (2 << 24, 3 << 24) else ""
             raise FormatError(f"{self.path}: unsupported GGUF version {self.version}{hint}; supported: 2, 3")
         n_tensors, n_kv = c.unpack("<QQ", "tensor and metadata counts")
         self.metadata = {}
@@ -249,10 +249,12 @@ class GGUFFile:
             ne = (ne,) if isinstance(ne, int) else ne
             ggml_type, offset = c.unpack("<IQ", f"tensor {name!r}")
             infos.append((name, tuple(reversed(ne)), ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        alignment = self.metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+            raise FormatError(f"{self.path}: metadata 'general.alignment' must be a positive multiple of 8, "
+                              f"got {alignment!r}")
         data_start = -(-c.pos // alignment) * alignment
-        _, sizes = _ggml_types()
-        qtypes, _ = _ggml_types()
+        qtypes, sizes = _ggml_types()
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, offset in infos:
             try:
@@ -278,8 +280,7 @@ class GGUFFile:
     def raw(self, name: str, index: int | None = None) -> np.ndarray:
         """The stored bytes of a tensor as [..., row bytes] uint8 (of sub-tensor `index` of the leading axis)."""
         t = self.tensors[name]
-        _, sizes = _ggml_types()
-        qtypes, _ = _ggml_types()
+        qtypes, sizes = _ggml_types()
         block, type_size = sizes[qtypes(t.ggml_type)]
         shape = t.shape or (1,)
         a = self._data[t.offset:t.offset + t.nbytes].reshape(*shape[:-1], shape[-1] // block * type_size)
@@ -395,19 +396,17 @@ def config_dict(g: GGUFFile) -> dict:
         else:
             d["full_attention_interval"] = k("full_attention_interval", required=False, default=4)
         rot = k("rope.dimension_count", required=False, default=head_dim)
-        rope["partial_rotary_factor"] = rot / head_dim
+        factor = rot / head_dim
+        if int(head_dim * factor) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
+            factor = math.nextafter(factor, math.inf)
+        rope["partial_rotary_factor"] = factor
         if model_type != "qwen3_next":
-            sections = k_array(g, arch, "rope.dimension_sections")
+            sections = g.metadata.get(f"{arch}.rope.dimension_sections")
             rope.update(mrope_section=[int(s) for s in sections[:3]] if sections is not None else [11, 11, 10],
                         mrope_interleaved=True)
         d["mtp_num_hidden_layers"] = nextn
     d["rope_parameters"] = rope
     return d
-
-
-def k_array(g: GGUFFile, arch: str, key: str):
-    v = g.metadata.get(f"{arch}.{key}")
-    return None if v is None else list(np.asarray(v).tolist())
 
 
 # ---------------------------------------------------------------------------------------------------- tensors
@@ -482,15 +481,20 @@ def _norm_names(cfg) -> dict:
 
 def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     """HF name -> array (or LazyTensor) for every tensor of the model, the conversion transforms undone."""
+    from ..models.model import _architecture
     path = g.path
+    hf_shapes = _architecture(cfg)[0](cfg)
 
-    def need(name):
+    def need(name, shape=None):
+        """The tensor's info, after checking it exists, can be dequantised and (given `shape`) has that shape."""
         if name not in g.tensors:
-            raise WeightsError(f"{path}: missing tensor {name!r}")
+            raise WeightsError(f"{path}: missing tensor {name!r}" + (f" (expected shape {list(shape)})" if shape else ""))
         t = g.tensors[name]
         if not can_dequantize(t.ggml_type):   # named now, not at the first forward pass
             raise WeightsError(f"{path}: tensor {name!r} has type {type_name(t.ggml_type)}, which gguf-py cannot "
                                f"dequantise")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise WeightsError(f"{path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
     def lazy(shape, fn):
@@ -499,28 +503,29 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     def src(name, index=None):
         return g.array(name, index)
 
-    def direct(name, shape=None):
-        """A tensor used as stored: F32 as a zero-copy view; anything else converted on first use."""
-        t = need(name)
-        shape = shape or t.shape
+    def direct(name, shape):
+        """A tensor used as stored (shape checked): F32 as a zero-copy view; anything else converted on first
+        use."""
+        t = need(name, shape)
         if type_name(t.ggml_type) in ("F32", "F16", "BF16", "F64"):
-            return g.array(name).reshape(shape)
+            return g.array(name)
         return lazy(shape, lambda: src(name))
 
-    out = {hf: direct(gg) for hf, gg in _plain_names(cfg).items()}
+    out = {hf: direct(gg, hf_shapes[hf]) for hf, gg in _plain_names(cfg).items()}
     for hf, gg in _norm_names(cfg).items():
-        t = need(gg)
         if cfg.zero_centered_norms:   # stored = 1 + w  ->  w = stored - 1 (exact in float32 for stored in [0.5, 2])
-            out[hf] = lazy(t.shape, lambda gg=gg: src(gg).astype(np.float32) - np.float32(1))
+            out[hf] = lazy(need(gg, hf_shapes[hf]).shape, lambda gg=gg: src(gg).astype(np.float32) - np.float32(1))
         else:
-            out[hf] = direct(gg)
+            out[hf] = direct(gg, hf_shapes[hf])
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
         if cfg.is_moe_layer(i):
             out.update(_experts(g, cfg, p, b, need, lazy, src))
             if cfg.shared_expert_intermediate_size:
-                out[f"{p}.mlp.shared_expert_gate.weight"] = direct(f"{b}.ffn_gate_inp_shexp.weight",
-                                                                  (1, cfg.hidden_size))
+                # the converter writes [1, H] (ne {H, 1}); llama.cpp reads it as an H vector, so accept [H] too
+                name, H = f"{b}.ffn_gate_inp_shexp.weight", cfg.hidden_size
+                t = need(name, (H,) if g.tensors.get(name) and g.tensors[name].shape == (H,) else (1, H))
+                out[f"{p}.mlp.shared_expert_gate.weight"] = lazy((1, H), lambda name=name: src(name))
         if cfg.layer_types[i] == "linear_attention":
             out.update(_linear_attention(g, cfg, f"{p}.linear_attn", b, need, lazy, src, direct))
     return out   # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read
@@ -532,11 +537,12 @@ def _experts(g, cfg, p, b, need, lazy, src) -> dict:
     E, Ie, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     fused_src = f"{b}.ffn_gate_up_exps.weight" in g.tensors
     down = f"{b}.ffn_down_exps.weight"
-    need(down)
+    need(down, (E, H, Ie))
     if fused_src:
+        need(f"{b}.ffn_gate_up_exps.weight", (E, 2 * Ie, H))
         gate_up = lambda e=None: src(f"{b}.ffn_gate_up_exps.weight", e)
     else:
-        need(f"{b}.ffn_gate_exps.weight"), need(f"{b}.ffn_up_exps.weight")
+        need(f"{b}.ffn_gate_exps.weight", (E, Ie, H)), need(f"{b}.ffn_up_exps.weight", (E, Ie, H))
         gate_up = lambda e=None: np.concatenate([src(f"{b}.ffn_gate_exps.weight", e),
                                                  src(f"{b}.ffn_up_exps.weight", e)], axis=-2)
     out = {}
@@ -571,28 +577,30 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
         a[tuple(idx)] = untile_v_heads(a[tuple(idx)], axis, Hk, r, d)
         return a
 
-    for name in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight"):
-        need(f"{b}.{name}")
+    for name, shape in (("ssm_a", (Hv,)), ("ssm_dt.bias", (Hv,)), ("ssm_conv1d.weight", (conv_dim, Kc)),
+                        ("ssm_out.weight", (H, value_dim))):
+        need(f"{b}.{name}", shape)
     out = {
         # ssm_a = -exp(A_log)  ->  A_log = ln(-ssm_a), in float64 then rounded
         f"{p}.A_log": lazy((Hv,), lambda: untile(np.log(-src(f"{b}.ssm_a").astype(np.float64)), 0, 1)),
         f"{p}.dt_bias": lazy((Hv,), lambda: untile(src(f"{b}.ssm_dt.bias"), 0, 1)),
         f"{p}.conv1d.weight": lazy((conv_dim, 1, Kc),
                                    lambda: untile(src(f"{b}.ssm_conv1d.weight"), 0, Dv, 2 * key_dim)[:, None, :]),
-        f"{p}.norm.weight": direct(f"{b}.ssm_norm.weight"),
+        f"{p}.norm.weight": direct(f"{b}.ssm_norm.weight", (Dv,)),
         f"{p}.out_proj.weight": lazy((H, value_dim), lambda: untile(src(f"{b}.ssm_out.weight"), 1, Dv)),
     }
     if cfg.model_type == "qwen3_next":
         if f"{b}.ssm_in.weight" in g.tensors:          # older files: the unsplit, still grouped in_proj_qkvz
-            out[f"{p}.in_proj_qkvz.weight"] = direct(f"{b}.ssm_in.weight")
+            out[f"{p}.in_proj_qkvz.weight"] = direct(f"{b}.ssm_in.weight", (2 * key_dim + 2 * value_dim, H))
         else:
-            need(f"{b}.attn_qkv.weight"), need(f"{b}.attn_gate.weight")
+            need(f"{b}.attn_qkv.weight", (conv_dim, H)), need(f"{b}.attn_gate.weight", (value_dim, H))
             out[f"{p}.in_proj_qkvz.weight"] = lazy((2 * key_dim + 2 * value_dim, H), lambda: regroup_qkvz(
                 src(f"{b}.attn_qkv.weight"), src(f"{b}.attn_gate.weight"), Hk, Dk, r * Dv))
-        out[f"{p}.in_proj_ba.weight"] = direct(f"{b}.ssm_ba.weight")
+        out[f"{p}.in_proj_ba.weight"] = direct(f"{b}.ssm_ba.weight", (2 * Hv, H))
         return out
-    for name in ("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"):
-        need(f"{b}.{name}")
+    for name, shape in (("attn_qkv.weight", (conv_dim, H)), ("attn_gate.weight", (value_dim, H)),
+                        ("ssm_beta.weight", (Hv, H)), ("ssm_alpha.weight", (Hv, H))):
+        need(f"{b}.{name}", shape)
     out.update({
         f"{p}.in_proj_qkv.weight": lazy((conv_dim, H), lambda: untile(src(f"{b}.attn_qkv.weight"), 0, Dv, 2 * key_dim)),
         f"{p}.in_proj_z.weight": lazy((value_dim, H), lambda: untile(src(f"{b}.attn_gate.weight"), 0, Dv)),

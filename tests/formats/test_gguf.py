@@ -197,6 +197,48 @@ def test_preset_round_trip_f32(preset, tmp_path):
     assert err == 0 if not model.config.is_hybrid else err <= 1e-6 * np.abs(logits).max()
 
 
+def _write_tensors(path: Path, model: Model, edit) -> Path:
+    """A GGUF of `model` with our metadata and its llama.cpp tensors passed through `edit` first."""
+    import gguf
+    tensors = G.hf_to_gguf_tensors(model.config, model.weights)
+    edit(tensors)
+    wr = gguf.GGUFWriter(path, G.MODEL_TYPE_TO_ARCH[model.config.model_type])
+    G._write_metadata(wr, model.config, "edited", "F32", None)
+    for name, a in tensors.items():
+        wr.add_tensor(name, a)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return path
+
+
+def test_older_and_fused_layouts_read_the_same(tmp_path):
+    """llama.cpp also loads a fused ffn_gate_up_exps ([E, 2Ie, H]; convert --fuse-gate-up-exps) and, for
+    Qwen3-Next, the unsplit grouped ssm_in of older conversions: both give the same HF arrays."""
+    def fuse(t):
+        for i in range(2):
+            t[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate(
+                [t.pop(f"blk.{i}.ffn_gate_exps.weight"), t.pop(f"blk.{i}.ffn_up_exps.weight")], axis=1)
+
+    def unsplit(t):
+        t["blk.0.ssm_in.weight"] = G.regroup_qkvz(t.pop("blk.0.attn_qkv.weight"), t.pop("blk.0.attn_gate.weight"),
+                                                  2, 16, 2 * 16)
+    for case, edit in (("qwen3moe", fuse), ("qwen35moe", fuse), ("qwen3next", unsplit)):
+        model = f32_model(case)
+        edited = refimpl.load(_write_tensors(tmp_path / f"{case}.gguf", model, edit))
+        assert "blk.0.ffn_gate_up_exps.weight" in G.GGUFFile(tmp_path / f"{case}.gguf").tensors or case == "qwen3next"
+        np.testing.assert_array_equal(edited.forward(IDS), refimpl.load(FIXTURES / f"{case}-f32.gguf").forward(IDS))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                   "rope_theta": 1e6, "beta_fast": 16.0, "attention_factor": 1.25}])
+def test_scaled_rope_round_trips(rope, tmp_path):
+    cfg = config_from_dict({**gguf_cases.CASES["qwen3"], "rope_parameters": rope})
+    model = Model(cfg, Weights(gguf_cases.weights("qwen3")))
+    back = refimpl.load(G.write_gguf(tmp_path / "r.gguf", model))
+    assert back.config.rope == cfg.rope
+    np.testing.assert_array_equal(back.forward(IDS), model.forward(IDS))
+
+
 def _block_bound(w: np.ndarray, qtype: str) -> np.ndarray:
     """Per element, the largest error gguf-py's (= ggml's reference) quantiser can make, from its block's
     amax: Q8_0 rounds to d = amax/127 (<= d/2); Q4_0 uses d = -max/8 over [-8d, 7d], so the value opposite the
@@ -417,3 +459,12 @@ def test_cli_bad_gguf_input_exits_2_with_one_line(tmp_path, argv, message):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o.gguf").exists() and not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
+
+
+def test_wrong_tensor_shape_names_the_gguf_tensor(tmp_path):
+    def shrink(t):
+        t["blk.0.ssm_out.weight"] = t["blk.0.ssm_out.weight"][:, :32]
+    path = _write_tensors(tmp_path / "s.gguf", f32_model("qwen35"), shrink)
+    with pytest.raises(WeightsError, match=r"s\.gguf: tensor 'blk\.0\.ssm_out\.weight' has shape \[64, 32\], "
+                                           r"expected \[64, 64\]"):
+        refimpl.load(path)
