@@ -831,6 +831,7 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     wr = gguf.GGUFWriter(tmp, MODEL_TYPE_TO_ARCH[cfg.model_type])
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         _write_metadata(wr, cfg, name or path.stem, qtype, tokenizer)
         for tname, a in tensors.items():
             data, ggml_type = encode_tensor(tname, a, qtype)
@@ -840,9 +841,11 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
         wr.write_tensors_to_file()
         wr.close()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         wr.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
     return path
 

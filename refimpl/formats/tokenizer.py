@@ -1,7 +1,5 @@
 """Tokenizers for the Qwen3 family (`tokenizers.Tokenizer`)."""
 
-from pathlib import Path
-
 from ..errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------- from GGUF
@@ -31,7 +29,7 @@ def tokenizer_from_gguf(path_or_metadata):
         meta, source = path_or_metadata, "tokenizer metadata"
     else:
         from .gguf import tokenizer_metadata
-        meta, source = tokenizer_metadata(path_or_metadata), str(Path(path_or_metadata))
+        meta, source = tokenizer_metadata(path_or_metadata), str(getattr(path_or_metadata, "path", path_or_metadata))
     if meta.get("model") != "gpt2":
         raise ConfigError(f"{source}: tokenizer.ggml.model is {meta.get('model')!r}; only 'gpt2' (byte-level BPE) "
                           f"is supported")

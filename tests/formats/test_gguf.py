@@ -428,7 +428,7 @@ def test_writer_leaves_no_partial_file(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(G, "encode_tensor", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(FormatError, match=r"p\.gguf: cannot write \(disk full\)"):
         G.write_gguf(tmp_path / "p.gguf", f32_model("qwen3"), "Q8_0")
     assert list(tmp_path.iterdir()) == []
 
