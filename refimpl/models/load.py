@@ -18,7 +18,7 @@ def load(source: str | Path, dtype: str = "float32") -> Model:
     if str(source) in presets.PRESETS:
         return presets.build(str(source), dtype=dtype)
     path = Path(source)
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path)
         return Model(config, Weights(arrays, dtype=dtype, source=str(path)))

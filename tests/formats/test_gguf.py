@@ -139,6 +139,26 @@ def test_quantised_files_load_close_to_the_f32_model(qtype):
             np.testing.assert_array_equal(model.weights[name], w, err_msg=name)
 
 
+def test_every_block_type_dequantises_as_ggml_does():
+    """quant-types.gguf: a [4, 256] matrix quantised by ggml to each block type, beside ggml's own
+    dequantisation: gguf-py's (ours) is bit-identical for all 23 types it supports, whole or one row at a time
+    (the expert-slice path); Q1_0, which gguf-py 0.19 lacks, is a one-line WeightsError naming the tensor."""
+    g = G.GGUFFile(FIXTURES / "quant-types.gguf")
+    names = sorted(n[2:] for n in g.tensors if n.startswith("q."))
+    assert {"Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ3_S", "IQ4_NL", "TQ2_0",
+            "MXFP4"} <= set(names)
+    supported = [t for t in names if G.can_dequantize(g.tensors[f"q.{t}"].ggml_type)]
+    assert len(supported) == 23
+    for t in supported:
+        ref = g.array(f"ref.{t}")
+        np.testing.assert_array_equal(g.array(f"q.{t}"), ref, err_msg=t)
+        np.testing.assert_array_equal(g.array(f"q.{t}", 2), ref[2], err_msg=t)
+    for t in set(names) - set(supported):
+        with pytest.raises(WeightsError, match=rf"quant-types\.gguf: tensor 'q\.{t}' has type {t}, which gguf-py "
+                                               r"cannot dequantise"):
+            g.array(f"q.{t}")
+
+
 # ---------------------------------------------------------------------------------------------------- writer
 
 @pytest.mark.parametrize("case", ARCHS)
