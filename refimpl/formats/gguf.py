@@ -375,8 +375,9 @@ def config_dict(g: GGUFFile) -> dict:
     elif scaling not in ("none", "linear"):
         raise ConfigError(f"{g.path}: unsupported {arch}.rope.scaling.type {scaling!r}; supported: none, linear, yarn")
     if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
+        # norm_topk_prob is not stored: llama.cpp always renormalises the top-k weights (models.md §7.2)
         d.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
-                 moe_intermediate_size=k("expert_feed_forward_length"), norm_topk_prob=True)  # llama.cpp always renormalises
+                 moe_intermediate_size=k("expert_feed_forward_length"), norm_topk_prob=True)
         dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]
         if model_type != "qwen3_5_moe_text":
             d["mlp_only_layers"] = dense
@@ -488,7 +489,8 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     def need(name, shape=None):
         """The tensor's info, after checking it exists, can be dequantised and (given `shape`) has that shape."""
         if name not in g.tensors:
-            raise WeightsError(f"{path}: missing tensor {name!r}" + (f" (expected shape {list(shape)})" if shape else ""))
+            expected = f" (expected shape {list(shape)})" if shape else ""
+            raise WeightsError(f"{path}: missing tensor {name!r}{expected}")
         t = g.tensors[name]
         if not can_dequantize(t.ggml_type):   # named now, not at the first forward pass
             raise WeightsError(f"{path}: tensor {name!r} has type {type_name(t.ggml_type)}, which gguf-py cannot "
@@ -648,8 +650,8 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
     out = {gg: f32(hf) for hf, gg in _plain_names(cfg).items()}
     for hf, gg in _norm_names(cfg).items():
         out[gg] = f32(hf) + np.float32(1) if cfg.zero_centered_norms else f32(hf)
-    H, Hk, Hv, Dk, Dv = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                         cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
         if cfg.is_moe_layer(i):
@@ -741,7 +743,8 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
         wr.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
         if rope["rope_type"] == "yarn":
             wr.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
-            for hf, key in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+            for hf, key in (("attention_factor", "attn_factor"), ("beta_fast", "beta_fast"),
+                            ("beta_slow", "beta_slow")):
                 if rope.get(hf) is not None:
                     wr.add_float32(f"{arch}.rope.scaling.yarn_{key}", rope[hf])
     elif rope["rope_type"] != "default":

@@ -21,9 +21,10 @@ _CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types
 
 def tokenizer_from_gguf(path_or_metadata):
     """A byte-level BPE `tokenizers.Tokenizer` from a GGUF file (or its `tokenizer_metadata()` dict), built the
-    way Qwen's tokenizer.json is: NFC normaliser (Qwen2 / Qwen3; none for Qwen3.5); the pre-tokenizer regex of `tokenizer.ggml.pre` (isolated
-    splits), then byte-to-unicode mapping; BPE over the GGUF's tokens and merges; control tokens (type 3) added
-    as special tokens and user-defined ones (type 4) as added tokens, neither normalised."""
+    way Qwen's tokenizer.json is: NFC normaliser (Qwen2 / Qwen3; none for Qwen3.5); the pre-tokenizer regex of
+    `tokenizer.ggml.pre` (isolated splits), then byte-to-unicode mapping; BPE over the GGUF's tokens and merges;
+    control tokens (type 3) added as special tokens and user-defined ones (type 4) as added tokens, neither
+    normalised."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     if isinstance(path_or_metadata, dict):
         meta, source = path_or_metadata, "tokenizer metadata"

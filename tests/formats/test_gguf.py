@@ -78,7 +78,8 @@ def test_f32_tensors_are_used_in_place():
 def test_only_the_tensor_asked_for_is_dequantised(monkeypatch):
     calls = []
     real = G.GGUFFile.array
-    monkeypatch.setattr(G.GGUFFile, "array", lambda self, name, index=None: calls.append(name) or real(self, name, index))
+    monkeypatch.setattr(G.GGUFFile, "array",
+                        lambda self, name, index=None: calls.append(name) or real(self, name, index))
     model = refimpl.load(FIXTURES / "qwen3-h256-q4_k.gguf")
     assert calls and all(n.endswith("norm.weight") for n in calls)   # the F32 norms, as zero-copy views
     calls.clear()
