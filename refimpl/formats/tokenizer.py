@@ -54,6 +54,14 @@ def tokenizer_from_gguf(path_or_metadata):
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    bos = meta.get("bos_token_id") if meta.get("add_bos_token") else None
+    eos = meta.get("eos_token_id") if meta.get("add_eos_token") else None
+    if bos is not None or eos is not None:   # llama.cpp adds them when encoding with special tokens
+        head = f"{tokens[bos]} " if bos is not None else ""
+        tail = f" {tokens[eos]}" if eos is not None else ""
+        tok.post_processor = processors.Sequence([tok.post_processor, processors.TemplateProcessing(
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}",
+            special_tokens=[(tokens[i], i) for i in (bos, eos) if i is not None])])
     added = [AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
              for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
     tok.add_special_tokens([a for a in added if a.special])

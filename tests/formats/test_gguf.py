@@ -351,6 +351,15 @@ def test_tokenizer_from_tiny_gguf_matches_its_tokenizer_json():
     assert tok.decode(tok.encode("Hello world!").ids) == "Hello world!"
 
 
+def test_tokenizer_adds_bos_and_eos_when_the_gguf_asks():
+    meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf")
+    plain = tokenizer_from_gguf(meta).encode("Hello world").ids
+    assert plain == tokenizer_from_gguf(meta | {"add_bos_token": False, "bos_token_id": 301}).encode("Hello world").ids
+    both = tokenizer_from_gguf(meta | {"add_bos_token": True, "bos_token_id": 301, "add_eos_token": True})
+    assert both.encode("Hello world").ids == [301, *plain, 302]
+    assert both.encode("Hello world", add_special_tokens=False).ids == plain
+
+
 def test_tokenizer_rejects_unknown_pre_tokenizer():
     meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf") | {"pre": "llama-bpe"}
     with pytest.raises(ConfigError, match="unsupported tokenizer.ggml.pre 'llama-bpe'"):
