@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     except RefimplError as e:
         print(f"refimpl: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unreadable input or unwritable output the checks above did not name
+        print(f"refimpl: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("refimpl: interrupted", file=sys.stderr)
         return 130

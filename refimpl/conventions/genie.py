@@ -169,7 +169,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
         taps_ = {t: tr[t] for t in tr.names()}
         valid = {**_valid(outputs, p, AR, W, cur, n, opts), **_window_valid(inputs, W, cur, opts),
-                 **tap_valid(taps_, AR, p, AR)}
+                 **tap_valid(taps_, AR, p, AR, allowed)}
         calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), valid, taps_))
         cur += n
     return calls
@@ -215,12 +215,17 @@ def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
     return axes
 
 
-def tap_valid(taps: dict, T: int, lo: int, hi: int) -> dict:
+def tap_valid(taps: dict, T: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> dict:
     """Valid regions of a call's taps: only the query rows lo..hi of the T slots are real tokens. Token axes:
     axis 2 of attention scores/probabilities [B, H, T, S], axis 1 of every other [B, T, ...] tap; states and
-    other taps are all valid. Pad rows of a linear-attention tap hold zeros (don't-care as well)."""
+    other taps are all valid. Pad rows of a linear-attention tap hold zeros (don't-care as well).
+    allowed [T, S] (True where a query may attend): attention scores are scored there only — a masked score is
+    the mask constant plus noise, and would drown the real ones."""
     valid = {}
     for name, a in taps.items():
+        if allowed is not None and name.endswith("attn_scores") and a.ndim == 4 and a.shape[2:] == allowed.shape:
+            valid[name] = score_boxes(allowed, range(lo, hi), a.shape)
+            continue
         axis = 2 if name.endswith(("attn_scores", "attn_probs")) else 1
         if name.endswith(("conv_state", "recurrent_state")) or a.ndim <= axis or a.shape[axis] != T or (lo, hi) == (0, T):
             continue
@@ -228,6 +233,17 @@ def tap_valid(taps: dict, T: int, lo: int, hi: int) -> dict:
         box[axis] = [lo, hi]
         valid[name] = [box]
     return valid
+
+
+def score_boxes(allowed: np.ndarray, rows, shape) -> list:
+    """Boxes over [B, H, T, S] covering, for each query row in `rows`, the key slots allowed[row] marks."""
+    boxes = []
+    for r in rows:
+        cols = np.flatnonzero(allowed[r])
+        if cols.size:
+            for run in np.split(cols, np.flatnonzero(np.diff(cols) > 1) + 1):  # contiguous runs of slots
+                boxes.append([[0, shape[0]], [0, shape[1]], [r, r + 1], [int(run[0]), int(run[-1]) + 1]])
+    return boxes
 
 
 def _window_valid(inputs: dict, W: int, cur: int, opts: Options) -> dict:

@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from ..models.cache import Cache, KVCache, LinearAttentionState
+from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
-from .genie import Call, prompt_list
+from .genie import Call, prompt_list, tap_valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,11 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         axes = {n: ("b,kvh,t,d" if ".key" in n or ".value" in n else "b,conv_dim,t" if "conv" in n
                     else "b,hv,dk,dv" if "recurrent" in n else "b,t,vocab" if n == "logits" else "b,t")
                 for n in (*inputs, *outputs)}
-        calls.append(Call("prefill" if step == 0 else "decode", tokens, inputs, outputs, axes, {},
-                          {n: tr[n] for n in tr.names()}))
+        T = len(tokens)
+        allowed = np.arange(P + T)[None, :] <= P + np.arange(T)[:, None]                 # causal [T, P+T]
+        recorded = {n: tr[n] for n in tr.names()}
+        calls.append(Call("prefill" if step == 0 else "decode", tokens, inputs, outputs, axes,
+                          tap_valid(recorded, T, 0, T, allowed), recorded))
     return calls
 
 

@@ -131,8 +131,11 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             if name.startswith("past_"):
                 valid[name] = [[[0, 1], [0, Hkv], [0, next_pos], [0, D]]]
         axes = {name: _axes(name) for name in (*inputs, *outputs)}
-        taps = {t: tr[t] for t in tr.names()}
-        calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(taps, S, 0, n)}, taps))
+        recorded = {t: tr[t] for t in tr.names()}
+        ctx_len = next((a.shape[2] for name, a in inputs.items() if name.startswith("past_key.")), 1)
+        allowed = (np.arange(ctx_len)[None, :] <= positions[:, None]) & (positions[:, None] >= 0)   # as graph()
+        calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(recorded, S, 0, n, allowed)},
+                          recorded))
         next_pos += n
     return calls
 

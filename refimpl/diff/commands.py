@@ -3,9 +3,6 @@
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
 """
 
-import argparse
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -98,33 +95,33 @@ def _model(bundle, source=None):
     return model
 
 
-def _atomic_json(path, data) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def cmd_diff(args) -> int:
     from . import compare as C
-    from .report import print_report, write_html
-    policy = _policy(args)
+    from .report import print_report, render_html
+    for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
+        if out and not Path(out).resolve().parent.is_dir():
+            raise InputError(f"{out}: its directory does not exist")
     if args.rejudge:
-        report = C.rejudge(C.load_metrics(args.rejudge), policy)
+        saved = C.load_metrics(args.rejudge)
+        if args.dtype is None and args.policy is None:  # judge at the dtype it was measured for
+            args.dtype = saved.policy.get("dtype")
+        report = C.rejudge(saved, _policy(args))
         first_error = None
     else:
         if args.device is None:
             raise InputError("diff: give a device dump (or --rejudge METRICS_JSON)")
+        policy = _policy(args)
         bundle = _bundle(args.bundle)
         dump = _dump(args, bundle)
         emulated = _bundle(args.emulated) if args.emulated else None
         report = C.compare(bundle, dump, policy, emulated)
         first_error = _first_error(bundle, dump, report, policy)
     print_report(report, top=args.top)
+    page = render_html(report, first_error) if args.html else None
     if args.json:
         C.save_metrics(report, args.json)
-    if args.html:
-        write_html(report, args.html, first_error)
+    if page is not None:
+        C.write_atomic(args.html, page)
     return report.exit_code
 
 
@@ -136,8 +133,10 @@ def _first_error(bundle, dump, report, policy):
     if not keys:
         return None
     rec = bundle.manifest["tensors"][keys[0]]
-    item = dump.items[keys[0]]
+    item = dump.items.get(keys[0])
     result = next(r for r in report.results if r.key == keys[0])
+    if item is None or item.problem or item.array is None or result.metrics is None:
+        return None  # unreadable: nothing to histogram
     cands = dict(_candidates(item, rec, result.layout))
     device = cands.get(result.layout)
     if device is None:
@@ -166,7 +165,8 @@ def cmd_replay(args) -> int:
     for r in rows:
         t.add_row(str(r.step), r.name, _fmt(r.total["sqnr_db"], "sqnr_db"), _fmt(r.inherited["sqnr_db"], "sqnr_db"),
                   _fmt(r.added["sqnr_db"], "sqnr_db"),
-                  "ADDS ERROR: " + "; ".join(r.failures) if r.adds_error else "inherited only",
+                  ("cannot separate: not dumped: " + ", ".join(r.not_forced)) if r.not_forced else
+                  ("ADDS ERROR: " + "; ".join(r.failures)) if r.adds_error else "inherited only",
                   style="red" if r.adds_error else None)
     Console().print(t)
     lacking = sorted({(r.step, n) for r in rows for n in r.golden_inputs if r.step > 0})

@@ -26,6 +26,7 @@ of refimpl.diff.dataflow); graph inputs of a later step read the previous step's
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -44,6 +45,10 @@ DEFAULTS = {
 }
 _ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FAILING = ("fail", "layout", "error")
+METRIC_NAMES = {"n_nan", "n_inf", "max_abs", "max_rel", "max_rel_polygraphy", "rel_p99", "mse", "cosine", "sqnr_db",
+                "sqnr_qairt_db", "nmse", "psnr_db", "std_ratio", "not_close", "not_close_frac", "matched_ratio",
+                "ulp_max", "ulp_mean", "top1_agreement", "top1_flips", "topk_overlap_mean", "kl_over_lnv_mean",
+                "kl_over_lnv_max", "kl_over_lnv_p99", "kl_over_lnv_last", "dp_top_mean", "dp_top_max"}
 
 
 # ------------------------------------------------------------------------------------------------ policy
@@ -87,6 +92,13 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
          "tensors": [{"match": "mlp\\\\.down_proj$", "max_nmse": 1e-4, "min_cosine": 0.999}, ...],
          "layouts": {"past_key_.*_out": "transposed"}, "ignore": ["attn_scores$"]}"""
     spec = dict(spec or {})
+    if not isinstance(spec.get("tensors", []), list) or not isinstance(spec.get("layouts", {}), dict) \
+            or not isinstance(spec.get("ignore", []), list) or not all(isinstance(p, str) for p in spec.get("ignore", [])):
+        raise InputError(f"{where}: 'tensors' must be a list, 'layouts' an object {{regex: adapter}}, 'ignore' a "
+                         f"list of regexes")
+    k = spec.get("three_way_k", 4.0)
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
+        raise InputError(f"{where}: three_way_k must be a positive number, got {k!r}")
     unknown = set(spec) - {"dtype", "tensors", "layouts", "ignore", "three_way_k"}
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; expected dtype, tensors, layouts, ignore, "
@@ -101,9 +113,9 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
             raise InputError(f"{where}: tensors[{i}] must be an object with a 'match' regex")
         crit = {k: v for k, v in r.items() if k != "match"}
         for k, v in crit.items():
-            if not (k in ("exact", "atol") or re.fullmatch(r"(max|min)_\w+", k)):
-                raise InputError(f"{where}: tensors[{i}]: criterion {k!r} is not max_<metric>, min_<metric>, "
-                                 f"atol or exact")
+            if not (k in ("exact", "atol") or (re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES)):
+                raise InputError(f"{where}: tensors[{i}]: criterion {k!r} is not max_<metric> / min_<metric> of a "
+                                 f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol or exact")
             if not isinstance(v, (int, float)):
                 raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {v!r}")
         rules.append((_regex(r["match"], where), crit))
@@ -149,8 +161,9 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
         if not metrics["max_abs"] == 0 or metrics["n_nan"] or metrics["n_inf"]:
             failed.append(f"exact: values differ (max abs {metrics['max_abs']:.3g})")
         return failed
-    floor = criteria.get("atol")
-    within_floor = floor is not None and metrics["max_abs"] <= floor and not metrics["n_nan"] and not metrics["n_inf"]
+    floor = criteria.get("atol")  # a golden that is itself ~0 (within atol) passes when the device is within atol
+    within_floor = (floor is not None and metrics["max_abs"] <= floor and metrics.get("golden_max_abs", math.inf) <= floor
+                    and not metrics["n_nan"] and not metrics["n_inf"])
     for key, limit in criteria.items():
         if key in ("exact", "atol"):
             continue
@@ -196,7 +209,7 @@ ADAPTERS = {
 def _candidates(item, rec, declared: str | None):
     """[(adapter or None, array in the golden layout)] to try, the declared / as-is reading first."""
     shape, axes, a = tuple(rec["shape"]), rec.get("axes"), item.array
-    flat = a.ndim == 1 and len(shape) != 1
+    flat = a.ndim == 1 and len(shape) != 1 and a.size == math.prod(shape)  # a raw file: the bundle's shape
     out = []
     names = [declared] if declared else [None, *ADAPTERS]
     for name in names:
@@ -248,14 +261,21 @@ class Report:
     unknown: list
     absent: int                      # taps / inputs the dump does not hold (not scored)
     notes: list
+    config: dict | None = None       # the bundle's model config and convention: the layer DAG, for re-judging
+    convention: dict | None = None
 
     @property
     def failed(self) -> list:
         return [r for r in self.results if r.status in FAILING]
 
     @property
+    def missing(self) -> list:
+        return [r for r in self.results if r.status == "missing"]
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.failed else 0
+        """1 when a tensor fails, is unreadable, or a graph output is missing from the dump; else 0."""
+        return 1 if self.failed or self.missing else 0
 
 
 def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report:
@@ -263,13 +283,14 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report
     emulated: an optional Bundle of the same case run at the device's precision (three-way judging)."""
     policy = policy or Policy()
     cfg = _config(bundle)
+    conv = bundle.manifest.get("convention")
     results, absent = [], 0
     starts = _step_starts(bundle.manifest)
     for rec in bundle.records():
         key = f"{rec['step']}/{rec['role']}/{rec['name']}"
         if policy.ignored(rec["name"]):
             continue
-        node = producer(cfg, rec["name"]) if cfg is not None else None
+        node = producer(cfg, rec["name"], conv) if cfg is not None else None
         r = Result(key, rec["step"], rec["role"], rec["name"], "missing", node and node.op, node and node.layer)
         item = dump.items.get(key)
         if item is None:
@@ -286,8 +307,9 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report
             continue
         _score(r, rec, item, bundle, policy, emulated, starts[rec["step"]])
         results.append(r)
-    report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {}, dump.unknown, absent, [])
-    _localise(report, cfg, bundle.steps)
+    report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
+                    dump.unknown, absent, [], bundle.manifest["model"].get("config"), conv)
+    _localise(report)
     report.notes = _notes(report)
     return report
 
@@ -401,26 +423,34 @@ def _positions(rec, golden, device, bundle, start: int) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ localising
 
-def _localise(report: Report, cfg, n_steps: int) -> None:
+def _localise(report: Report) -> None:
     """Mark each failure added / inherited and pick each step's first divergence."""
+    cfg = None
+    if report.config is not None:
+        try:
+            cfg = config_from_dict(report.config)
+        except Exception:  # a bundle from elsewhere: no layer DAG, every failure counts as added
+            cfg = None
     by_key = {r.key: r for r in report.results if r.status != "missing"}
-    for k in range(n_steps):
-        report.first_divergence[k] = None
+    report.first_divergence = {k: None for k in report.first_divergence}
     memo = {}
     for r in report.results:
+        r.origin = None
         if r.status not in FAILING:
             continue
-        deps = _compared_ancestors(cfg, r.step, r.name, by_key, memo) if cfg is not None else []
+        deps = _compared_ancestors(cfg, report.convention, r.step, r.name, by_key, memo) if cfg is not None else []
         r.origin = "inherited" if any(by_key[d].status in FAILING for d in deps) else "added"
-        if r.origin == "added" and report.first_divergence[r.step] is None:
+        if r.origin == "added" and report.first_divergence.get(r.step) is None:
             report.first_divergence[r.step] = r.key
 
 
-def _compared_ancestors(cfg, step: int, name: str, by_key: dict, memo: dict, depth: int = 0) -> list[str]:
-    """Keys of the nearest compared tensors that `name` (at `step`) reads, through uncompared ones."""
+def _compared_ancestors(cfg, conv, step: int, name: str, by_key: dict, memo: dict, depth: int = 0) -> list[str]:
+    """Keys of the nearest compared tensors that `name` (at `step`) reads, through uncompared ones (also back
+    through earlier steps: a cache input reads the previous call's outputs and cache)."""
     if (step, name) in memo:
         return memo[step, name]
-    node = producer(cfg, name)
+    memo[step, name] = []  # cycle guard
+    node = producer(cfg, name, conv)
     found = []
     for dep in (node.inputs if node else ()):
         s, n = (step - 1, dep[5:]) if dep.startswith("prev:") else (step, dep)
@@ -429,8 +459,8 @@ def _compared_ancestors(cfg, step: int, name: str, by_key: dict, memo: dict, dep
         hit = next((f"{s}/{role}/{n}" for role in ROLES if f"{s}/{role}/{n}" in by_key), None)
         if hit:
             found.append(hit)
-        elif depth < 64 and producer(cfg, n) is not None and s == step:
-            found += _compared_ancestors(cfg, s, n, by_key, memo, depth + 1)
+        elif depth < 256 and producer(cfg, n, conv) is not None:
+            found += _compared_ancestors(cfg, conv, s, n, by_key, memo, depth + 1)
     memo[step, name] = found
     return found
 
@@ -445,7 +475,7 @@ def _notes(report: Report) -> list[str]:
     series = {}
     for r in report.results:
         if r.role == "output" and r.metrics and r.name != "logits":
-            series.setdefault(r.name.rsplit("_", 1)[0], []).append((r.step, r.metrics["sqnr_db"]))
+            series.setdefault(r.name, []).append((r.step, r.metrics["sqnr_db"]))
     for name, pts in series.items():
         vals = [v for _, v in sorted(pts) if math.isfinite(v)]
         if len(vals) >= 3 and all(b < a for a, b in zip(vals, vals[1:])):
@@ -492,9 +522,20 @@ def step_curve(report: Report, names=None) -> dict:
 # ------------------------------------------------------------------------------------------------ saving
 
 def save_metrics(report: Report, path) -> None:
-    """Raw metrics as JSON (Infinity / NaN as Python writes them), to re-judge later under another policy."""
-    data = dataclasses.asdict(report)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
+    """Raw metrics as JSON (Infinity / NaN as Python writes them), to re-judge later under another policy.
+    Written to a temporary file and renamed into place."""
+    write_atomic(path, json.dumps(dataclasses.asdict(report), indent=1, default=str))
+
+
+def write_atomic(path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write ({e.strerror})") from None
 
 
 def load_metrics(path) -> Report:
@@ -509,12 +550,13 @@ def load_metrics(path) -> Report:
         return Report(**data)
     except FileNotFoundError:
         raise InputError(f"{path}: no such metrics file") from None
-    except (json.JSONDecodeError, TypeError, KeyError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not a refimpl diff metrics file ({e})") from None
 
 
-def rejudge(report: Report, policy: Policy, cfg=None) -> Report:
-    """Judge saved metrics again under `policy` (no dump or bundle needed). Layout and error statuses stay."""
+def rejudge(report: Report, policy: Policy) -> Report:
+    """Judge saved metrics again under `policy` (no dump or bundle needed: the saved report carries the model
+    config for the layer DAG). Layout, error and missing statuses stay."""
     for r in report.results:
         if r.metrics is None or r.status in ("error", "missing"):
             continue
@@ -528,18 +570,6 @@ def rejudge(report: Report, policy: Policy, cfg=None) -> Report:
         r.failures = judge(r.metrics, r.logits, criteria)
         r.status = "fail" if r.failures else ("layout" if r.status == "layout" else "pass")
     report.policy = policy.to_dict()
-    if cfg is not None:
-        _localise(report, cfg, len(report.first_divergence))
-    else:
-        _localise_saved(report)
+    _localise(report)
     report.notes = _notes(report)
     return report
-
-
-def _localise_saved(report: Report) -> None:
-    cfg = None
-    try:
-        cfg = config_from_dict(json.loads((Path(report.bundle) / "manifest.json").read_text())["model"]["config"])
-    except Exception:
-        pass
-    _localise(report, cfg, len(report.first_divergence))

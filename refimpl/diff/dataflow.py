@@ -28,8 +28,9 @@ _QEFF_IO = re.compile(r"(past_key|past_value|conv_state|recurrent_state)\.(\d+)(
 _HF_IO = re.compile(r"(past_key_values|present)\.(\d+)\.(key|value)$|(past|present)_(conv|recurrent)_state\.(\d+)$")
 
 
-def producer(cfg, name: str) -> Node | None:
-    """The node that produces tensor `name` (a tap or a graph input / output), or None if unknown."""
+def producer(cfg, name: str, convention: dict | None = None) -> Node | None:
+    """The node that produces tensor `name` (a tap or a graph input / output), or None if unknown.
+    convention: the bundle manifest's convention record (genie's kv_output="window" outputs read the inputs)."""
     if name == "input_ids":  # a decode step's token is the previous call's greedy choice
         return Node("graph input", None, "prompt chunk, or argmax of the previous call's logits", ("prev:logits",))
     if name in ("attention_mask", "position_ids", "position_ids_cos", "position_ids_sin"):
@@ -44,7 +45,12 @@ def producer(cfg, name: str) -> Node | None:
         return Node("graph output", None, "logits = lm_head", ("lm_head",))
     m = _IO.fullmatch(name)
     if m:
-        return _state_io(cfg, m[1], int(m[2]), m[3])
+        node = _state_io(cfg, m[1], int(m[2]), m[3])
+        window = ((convention or {}).get("params") or {}).get("kv_output") == "window"
+        if window and m[1].startswith("past_") and m[3] == "out":  # the updated window: old entries too
+            node = Node(node.op, node.layer, "the updated window: cached entries then the new ones",
+                        (*node.inputs, f"{m[1]}_{m[2]}_in"))
+        return node
     m = _HF_IO.fullmatch(name)
     if m:
         return _hf_io(m)
@@ -120,7 +126,7 @@ def _layer_node(cfg, i: int, rest: str) -> Node | None:
 def _attention(cfg, i: int, what: str, norm: str) -> Node | None:
     a = f"model.layers.{i}.self_attn"
     gated = cfg.is_hybrid
-    kv_in = (f"past_key_{i}_in", f"past_key_values.{i}.key")
+    kv_in = (f"past_key_{i}_in", f"past_key_values.{i}.key", f"past_key.{i}", "position_ids")
     nodes = {
         "q_proj": ("linear", "q = x Wq^T (+ b)" + ("; rows per head [q_h | gate_h]" if gated else ""),
                    (f"model.layers.{i}.input_layernorm",)),
@@ -130,14 +136,15 @@ def _attention(cfg, i: int, what: str, norm: str) -> Node | None:
         "q_norm": ("rms_norm", norm + " per head over D", (f"{a}.q_proj",)),
         "k_norm": ("rms_norm", norm + " per head over D", (f"{a}.k_proj",)),
         "q_rope": ("rope", "y1 = x1 cos - x2 sin; y2 = x2 cos + x1 sin (half-split pairs d, d + rot/2)",
-                   (f"{a}.q_norm", "position_ids_cos", "position_ids_sin")),
+                   (f"{a}.q_norm", "position_ids_cos", "position_ids_sin", "position_ids")),
         "k_rope": ("rope", "y1 = x1 cos - x2 sin; y2 = x2 cos + x1 sin (half-split pairs d, d + rot/2)",
-                   (f"{a}.k_norm", "position_ids_cos", "position_ids_sin")),
+                   (f"{a}.k_norm", "position_ids_cos", "position_ids_sin", "position_ids")),
         "attn_scores": ("matmul + mask", "s = q k^T / sqrt(D) + max(M, floor); q head h reads kv head h // (Hq/Hkv)",
                         (f"{a}.q_rope", f"{a}.k_rope", *kv_in, "attention_mask")),
         "attn_probs": ("softmax", "p = exp(s - max s) / sum exp(s - max s) over keys (float32)", (f"{a}.attn_scores",)),
         "attn_output": ("matmul", "o = p v, heads flattened head-major",
-                        (f"{a}.attn_probs", f"{a}.v_proj", f"past_value_{i}_in", f"past_key_values.{i}.value")),
+                        (f"{a}.attn_probs", f"{a}.v_proj", f"past_value_{i}_in", f"past_key_values.{i}.value",
+                         f"past_value.{i}")),
         "gated_output": ("gate", "o * sigmoid(gate)", (f"{a}.attn_output", f"{a}.gate")),
         "o_proj": ("linear", "y = o Wo^T (+ b)", (f"{a}.gated_output" if gated else f"{a}.attn_output",)),
     }
@@ -151,8 +158,9 @@ def _gdn(cfg, i: int, what: str) -> Node | None:
     g, x = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
     fused = cfg.model_type == "qwen3_next"
     qkv = f"{g}.in_proj_qkvz" if fused else f"{g}.in_proj_qkv"
-    conv_in = f"conv_state_{i}_in", f"past_conv_state.{i}"
-    rec_in = f"recurrent_state_{i}_in", f"past_recurrent_state.{i}"
+    pads = ("attention_mask", "position_ids")  # how the graph tells pad slots (which leave the state alone)
+    conv_in = f"conv_state_{i}_in", f"past_conv_state.{i}", f"conv_state.{i}", *pads
+    rec_in = f"recurrent_state_{i}_in", f"past_recurrent_state.{i}", f"recurrent_state.{i}", *pads
     core_in = (f"{g}.q", f"{g}.k", f"{g}.v", f"{g}.g", f"{g}.beta", *rec_in)
     nodes = {
         "in_proj_qkvz": ("linear", "[q | k | v | z] per key head = x W^T", (x,)),

@@ -108,15 +108,18 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
                 "largest terms: " + ", ".join(f"i={i}: {_f(x[i])}*{_f(W[idx[-1], i])}" for i in top)]
     if node.op == "rope":
         x = values[src[0]]
-        cos, sin = values.get("position_ids_cos"), values.get("position_ids_sin")
         half = cfg.rotary_dim // 2
         b, t, h, d = idx
         if d >= 2 * half:
             return [f"channel {d} >= rotary dim {2 * half}: passed through, = {_f(x[idx])}"]
         j = d % half
         partner = d + half if d < half else d - half
-        c = cos[b, 0, t, j] if cos is not None else np.nan
-        s = sin[b, 0, t, j] if sin is not None else np.nan
+        if "position_ids_cos" in values:  # genie: the tables are graph inputs [1, 1, T, rot/2]
+            c, s = values["position_ids_cos"][b, 0, t, j], values["position_ids_sin"][b, 0, t, j]
+        else:                             # hf / qeff: the tables of the positions
+            pos = np.maximum(values["position_ids"], 0)
+            cos, sin = model._rope(pos, None)
+            c, s = cos[min(b, cos.shape[0] - 1), t, j], sin[min(b, sin.shape[0] - 1), t, j]
         sign = "-" if d < half else "+"
         return [f"x[d={d}] = {_f(x[b, t, h, d])}, partner x[d={partner}] = {_f(x[b, t, h, partner])} (half-split)",
                 f"cos = {_f(c)}, sin = {_f(s)} (table column {j})",
@@ -128,9 +131,14 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         q = values[f"{a}.q_rope"][b, i, h].astype(np.float64)
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
         mask = values.get("attention_mask")
-        m = mask[b if mask.shape[0] > 1 else 0, 0, i, j] if mask is not None else np.nan
-        return [f"q = {a}.q_rope[{b},{i},{h}] ({q.size} values), kv head {h // rep}, key slot {j}",
-                f"score = q.k / sqrt({cfg.head_dim}) + mask; mask[{i},{j}] = {_f(m)}"]
+        out = [f"q = {a}.q_rope[{b},{i},{h}] ({q.size} values, |q| {_f(np.linalg.norm(q))}), kv head {h // rep}, "
+               f"key slot {j}"]
+        if mask is not None:  # genie: the additive mask is a graph input
+            m = mask[b if mask.shape[0] > 1 else 0, 0, i, j]
+            out.append(f"mask[{i},{j}] = {_f(m)};  q.k / sqrt({cfg.head_dim}) = score - mask = {_f(values[name][idx] - m)}")
+        else:
+            out.append(f"score = q.k / sqrt({cfg.head_dim}) + mask (0 where allowed, finfo.min where masked)")
+        return out
     if name.endswith("attn_probs"):
         b, h, i, j = idx
         s = values[name.replace("attn_probs", "attn_scores")][b, h, i].astype(np.float64)
@@ -143,7 +151,9 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         return [f"gate = {_f(g)}, silu(gate) = {_f(g / (1 + np.exp(-float(g))))}, up = {_f(u)}",
                 f"hidden = silu(gate) * up = {_f(g / (1 + np.exp(-float(g))) * u)}"]
     out = []
-    for n in src:  # generic: the inputs at the same token
+    for n in src:  # generic: the inputs at the same token ([B, T, ...] taps; not caches, states or masks)
+        if not n.startswith(("model.", "lm_head")):
+            continue
         v = values[n]
         lead = idx[:2] if v.ndim >= 2 and v.shape[:2] == values[name].shape[:2] else None
         if lead is not None:

@@ -14,7 +14,9 @@ layer reads exactly what the device's layer read, and the reference's value R of
     added     = metrics(R, D)      the error this op / layer itself adds
 
 A layer that adds error fails `added` under the policy; one downstream of a fault shows a large `inherited`
-and a passing `added`. Give the dump the inputs the host fed the device (steps/<k>/inputs/<name>.raw): without
+and a passing `added`. Where a replayed tensor reads a tap that is neither in the dump nor replayed (a bundle
+recorded with a --taps filter), the two cannot be separated: the row lists those inputs and claims nothing.
+Give the dump the inputs the host fed the device (steps/<k>/inputs/<name>.raw): without
 them a later step replays on the golden's KV and state inputs, and the error the device's own cache carried in
 counts as added (each row lists the inputs it had to take from the golden).
 """
@@ -27,7 +29,9 @@ from ..conventions import genie, hf, qeff
 from ..errors import InputError
 from ..trace import trace
 from .compare import Policy, _candidates, judge
+from .dataflow import producer
 from .metrics import tensor_metrics
+from ..models.config import config_from_dict
 
 
 @dataclasses.dataclass
@@ -40,6 +44,8 @@ class ReplayRow:
     adds_error: bool
     failures: list
     golden_inputs: list = dataclasses.field(default_factory=list)  # graph inputs the dump lacked (golden used)
+    not_forced: list = dataclasses.field(default_factory=list)     # direct inputs neither dumped nor replayed:
+                                                                   # added and inherited cannot be separated
 
 
 def _device(bundle, dump, step: int, role: str, name: str, policy: Policy):
@@ -79,13 +85,11 @@ def run_step(bundle, dump, model, step: int, keep: set, policy: Policy):
             overrides[n] = np.array(d, dtype=bundle.tensor(step, "tap", n).dtype)
     with trace(".", overrides=overrides) as tr:
         outputs = _graph(model, bundle.manifest, inputs)
-    return {**{n: tr[n] for n in tr.names()}, **outputs}
+    return {**{n: tr[n] for n in tr.names()}, **outputs}, set(overrides)
 
 
 def layer_tensors(bundle, step: int, layer: int) -> list[tuple[str, str]]:
     """(role, name) of step's taps inside layer `layer` and the graph outputs it writes (KV, states)."""
-    from .dataflow import producer
-    from ..models.config import config_from_dict
     cfg = config_from_dict(bundle.manifest["model"]["config"])
     s = bundle.manifest["steps"][step]
     out = [("tap", n) for n in s["taps"] if n == f"model.layers.{layer}" or n.startswith(f"model.layers.{layer}.")]
@@ -101,6 +105,7 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
     """Replay one layer or one tensor on the device's inputs (see the module docstring); every step unless
     `step` is given. Rows only for tensors the dump holds."""
     policy = policy or Policy()
+    cfg = config_from_dict(bundle.manifest["model"]["config"])
     if (layer is None) == (tensor is None):
         raise InputError("replay: give exactly one of a layer index or a tensor name")
     n_layers = bundle.manifest["model"]["config"]["num_hidden_layers"]
@@ -118,9 +123,11 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
         dumped = [(r, n) for r, n in names if _device(bundle, dump, k, r, n, policy) is not None]
         if not dumped:
             continue
-        ref = run_step(bundle, dump, model, k, {n for _, n in names}, policy)
+        keep = {n for _, n in names}
+        ref, forced = run_step(bundle, dump, model, k, keep, policy)
         lacking = [n for n in bundle.manifest["steps"][k]["inputs"]
                    if _device(bundle, dump, k, "input", n, policy) is None]
+        step_inputs = set(bundle.manifest["steps"][k]["inputs"])
         for role, n in dumped:
             rec = bundle.manifest["tensors"][f"{k}/{role}/{n}"]
             g, d = bundle.tensor(k, role, n), _device(bundle, dump, k, role, n, policy)
@@ -129,5 +136,25 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
                                        for a, b in ((g, d), (g, r), (r, d)))
             integer = not np.issubdtype(g.dtype, np.floating)
             failures = judge(added, None, policy.criteria(n, integer))
-            rows.append(ReplayRow(k, n, total, inherited, added, bool(failures), failures, lacking))
+            unforced = sorted(_unforced(cfg, bundle.manifest.get("convention"), n, keep, forced, step_inputs,
+                                        ref, {}))
+            rows.append(ReplayRow(k, n, total, inherited, added, bool(failures) and not unforced, failures, lacking,
+                                  unforced))
     return rows
+
+
+def _unforced(cfg, conv, name: str, keep: set, forced: set, step_inputs: set, existing, memo: dict) -> set:
+    """Inputs of `name`, directly or through other replayed tensors, that were neither forced to the device's
+    value nor replayed: the reference computed them from golden values."""
+    if name in memo:
+        return memo[name]
+    memo[name] = set()
+    node = producer(cfg, name, conv)
+    out = set()
+    for d in (node.inputs if node else ()):
+        if d in keep:
+            out |= _unforced(cfg, conv, d, keep, forced, step_inputs, existing, memo)
+        elif d in existing and d not in forced and d not in step_inputs:
+            out.add(d)
+    memo[name] = out
+    return out

@@ -7,7 +7,6 @@ import base64
 import html
 import io
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -81,8 +80,17 @@ def print_report(report: Report, console: Console | None = None, top: int = 20) 
         console.print(f"note: {note}")
     for u in report.unknown:
         console.print(f"unknown file: {u}")
-    verdict = "[bold red]MISMATCH[/]" if report.exit_code else "[bold green]PASS[/]"
-    console.print(verdict)
+    for r in report.missing:
+        console.print(f"missing output: step {r.step} {r.name}")
+    console.print(_verdict(report, "[bold red]{}[/]", "[bold green]{}[/]"))
+
+
+def _verdict(report: Report, bad: str, good: str) -> str:
+    if report.failed:
+        return bad.format("MISMATCH")
+    if report.missing:
+        return bad.format(f"INCOMPLETE ({len(report.missing)} graph outputs missing from the dump)")
+    return good.format("PASS")
 
 
 # ------------------------------------------------------------------------------------------------ HTML
@@ -152,7 +160,13 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
 
 def write_html(report: Report, path, first_error: np.ndarray | None = None) -> Path:
     """Write the HTML report atomically (temporary file + rename)."""
-    path = Path(path)
+    from .compare import write_atomic
+    write_atomic(path, render_html(report, first_error))
+    return Path(path)
+
+
+def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
+    """The self-contained HTML report."""
     by_key = {r.key: r for r in report.results}
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>refimpl diff</title><style>",
              "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
@@ -160,7 +174,7 @@ def write_html(report: Report, path, first_error: np.ndarray | None = None) -> P
              "font-weight:bold}img{max-width:100%}.pass{color:#070}.bad{color:#b00}</style></head><body>",
              f"<h1>refimpl diff</h1><p>device <code>{html.escape(report.dump)}</code> vs golden "
              f"<code>{html.escape(report.bundle)}</code>; device dtype {report.policy['dtype']}</p>"]
-    verdict = "<b class='bad'>MISMATCH</b>" if report.exit_code else "<b class='pass'>PASS</b>"
+    verdict = _verdict(report, "<b class='bad'>{}</b>", "<b class='pass'>{}</b>")
     parts.append(f"<p>Verdict: {verdict}. {len(report.results)} tensors compared, {len(report.failed)} failing, "
                  f"{report.absent} not in the dump, {len(report.unknown)} unknown files.</p><h2>First divergence</h2><ul>")
     for k, key in report.first_divergence.items():
@@ -191,7 +205,4 @@ def write_html(report: Report, path, first_error: np.ndarray | None = None) -> P
         parts.append("<h2>Unknown files</h2><ul>" + "".join(f"<li>{html.escape(u)}</li>" for u in report.unknown)
                      + "</ul>")
     parts.append("</body></html>")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(parts))
-    os.replace(tmp, path)
-    return path
+    return "\n".join(parts)

@@ -41,7 +41,8 @@ def device_dump(model, prompt, params: dict, decode_steps: int, out: Path, fault
             d = out / f"Result_{k}" if layout == "qnn" else out / "steps" / str(k) / role
             d.mkdir(parents=True, exist_ok=True)
             for name, a in tensors.items():
-                np.asarray(a, np.float32).tofile(d / f"{name}.raw")  # qnn-net-run writes float32
+                with np.errstate(over="ignore"):  # float64 finfo.min masks become -inf, as on a device
+                    np.asarray(a, np.float32).tofile(d / f"{name}.raw")  # qnn-net-run writes float32
     return out
 
 

@@ -252,3 +252,69 @@ def test_explain_rms_norm_element(case):
         explain(bundle, model, "model.layers.3.self_attn.q_norm[0,9,2,5]")
     with pytest.raises(InputError, match="expected NAME"):
         explain(bundle, model, "q_norm(1)")
+
+
+def test_cli_damaged_dump_missing_outputs_and_unwritable_outputs(case, tmp_path, capsys):
+    model, bundle, root, clean = case
+    d = _copy(clean, tmp_path / "dump")
+    data = (d / "Result_0" / "model.embed_tokens.raw").read_bytes()
+    (d / "Result_0" / "model.embed_tokens.raw").write_bytes(data[:-4])   # the first tensor: unreadable
+    html = tmp_path / "r.html"
+    assert main(["diff", str(bundle.path), str(d), "--html", str(html)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence, step 0: model.embed_tokens" in out and "truncated" in out and html.exists()
+    d2 = _copy(clean, tmp_path / "dump2")
+    (d2 / "Result_1" / "logits.raw").unlink()
+    assert main(["diff", str(bundle.path), str(d2)]) == 1
+    assert "INCOMPLETE" in capsys.readouterr().out
+    json_out = tmp_path / "m.json"
+    assert main(["diff", str(bundle.path), str(clean), "--json", str(json_out), "--html",
+                 str(tmp_path / "nowhere" / "r.html")]) == 2
+    assert "nowhere" in capsys.readouterr().err and not json_out.exists()
+
+
+def test_policy_mistakes_are_errors(tmp_path):
+    for spec, what in (({"ignore": "abc"}, "'ignore' a list"), ({"layouts": ["a"]}, "'layouts' an object"),
+                       ({"three_way_k": "x"}, "three_way_k"), ({"three_way_k": 0}, "three_way_k"),
+                       ({"tensors": [{"match": ".", "max_nmsee": 1}]}, "known metric"),
+                       ({"tensors": [{"match": "(", "max_nmse": 1}]}, "bad regex")):
+        with pytest.raises(InputError, match=what):
+            make_policy(spec)
+
+
+def test_atol_floor_only_for_a_golden_near_zero():
+    from refimpl.diff.compare import judge
+    from refimpl.diff.metrics import tensor_metrics
+    rng = np.random.default_rng(0)
+    g = rng.normal(0, 0.02, 1000)                                   # small but not ~0: NMSE decides
+    m = tensor_metrics(g, g + rng.normal(0, 0.003, 1000), dtype="bf16")
+    assert judge(m, None, {"max_nmse": 1e-4, "atol": 1e-2})           # 17 dB: fails despite max abs < atol
+    z = np.zeros(1000)
+    m = tensor_metrics(z, z + 1e-3, dtype="bf16")
+    assert not judge(m, None, {"max_nmse": 1e-4, "atol": 1e-2})       # a zero golden: within the floor
+
+
+def test_rejudge_keeps_the_measured_dtype(case, tmp_path, capsys):
+    model, bundle, root, _ = case
+    dump = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "fp16", F.fp16_round("model.layers.1.mlp.down_proj"))
+    assert main(["diff", str(bundle.path), str(dump), "--dtype", "fp16", "--json", str(tmp_path / "m.json")]) == 0
+    assert main(["diff", str(bundle.path), "--rejudge", str(tmp_path / "m.json")]) == 0   # still fp16
+    assert main(["diff", str(bundle.path), "--rejudge", str(tmp_path / "m.json"), "--dtype", "fp32"]) == 1
+    shutil.rmtree(tmp_path / "fp16")
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("convention", ["hf", "qeff"])
+def test_float64_bundles_compare_without_overflow(convention, tmp_path):
+    from refimpl.models.model import Model
+    from refimpl.models.weights import Weights
+    model, arrays = F.model_and_arrays("tiny-qwen3.5", vocab_size=2048, eos_token_id=2000)
+    m64 = Model(model.config, Weights(arrays, dtype="float64"))
+    params = {} if convention == "hf" else {"seq_len": 4, "ctx_len": 16}
+    golden = read_bundle(write_golden(tmp_path / "g", m64, PROMPT, source="x", convention=convention, params=params,
+                                      decode_steps=1, taps="."))
+    for m, name in ((m64, "d64"), (model, "d32")):
+        dump = read_dump(F.device_dump(m, PROMPT, params, 1, tmp_path / name, convention=convention), golden)
+        with np.errstate(over="raise", invalid="raise"):  # finfo(float64).min masks must not overflow the sums
+            report = compare(golden, dump)
+        assert report.exit_code == 0
