@@ -17,8 +17,8 @@ def add_commands(sub) -> None:
                                              ".safetensors (omit with --rejudge)")
     d.add_argument("--dtype", help="device compute dtype for default thresholds and ULPs: fp32 (default), fp16, bf16")
     d.add_argument("--policy", help="JSON policy file: per-tensor criteria, declared layouts, ignored tensors")
-    d.add_argument("--dump-dtype", default="float32",
-                   help="dtype of raw dump files: float32 (qnn-net-run default), native (the bundle's), float16, ...")
+    d.add_argument("--dump-dtype", help="dtype of raw dump files: float32 (qnn-net-run's; the default), native (the "
+                                        "bundle's; the default for a dump that is itself a bundle), float16, ...")
     d.add_argument("--mapping", help="JSON {golden name: device name} for names sanitising does not explain")
     d.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER",
                    help="declare a dump layout: transposed, nhwc or aimet (e.g. '.=aimet', 'past_key_.*=transposed')")
@@ -42,7 +42,7 @@ def add_commands(sub) -> None:
     r.add_argument("--model", help="model source (default: the bundle's)")
     r.add_argument("--dtype", help="device compute dtype for the verdict: fp32 (default), fp16, bf16")
     r.add_argument("--policy")
-    r.add_argument("--dump-dtype", default="float32")
+    r.add_argument("--dump-dtype")
     r.add_argument("--mapping")
     r.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER")
     r.set_defaults(func=cmd_replay)
@@ -53,7 +53,7 @@ def add_commands(sub) -> None:
     e.add_argument("--step", type=int, help="step (default: the first that has the tensor)")
     e.add_argument("--model", help="model source (default: the bundle's)")
     e.add_argument("--device", help="a device dump: show its values beside the reference's")
-    e.add_argument("--dump-dtype", default="float32")
+    e.add_argument("--dump-dtype")
     e.add_argument("--mapping")
     e.set_defaults(func=cmd_explain)
 

@@ -79,10 +79,13 @@ def read_mapping(path) -> dict:
     return {v: k for k, v in m.items()}
 
 
-def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str = "float32") -> Dump:
+def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> Dump:
     """Read a device dump and match its tensors to `bundle`'s (a refimpl.bundle.Bundle).
-    mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's)."""
+    mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's); default
+    float32 (qnn-net-run), native when the dump is itself a refimpl bundle (has a manifest.json)."""
     path = Path(path)
+    if dtype is None:
+        dtype = "native" if (path / "manifest.json").is_file() else "float32"
     if dtype != "native" and dtype not in DTYPES:
         raise InputError(f"dump dtype {dtype!r} is not 'native' or one of {', '.join(DTYPES)}")
     if not path.exists():
@@ -121,8 +124,9 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str = "float3
 
 def _directory(root: Path):
     """(path parts, source, loader) for every file under root; parts = step / role hints and the name."""
+    bundle_files = {"manifest.json", "input_list.txt", "bundle.npz", "bundle.safetensors"}
     for f in sorted(root.rglob("*")):
-        if not f.is_file():
+        if not f.is_file() or (f.parent == root and f.name in bundle_files):  # a bundle's own files: not tensors
             continue
         rel = f.relative_to(root).parts
         if f.suffix not in SUFFIXES:

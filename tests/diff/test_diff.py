@@ -189,6 +189,9 @@ def test_cli_exit_codes_json_and_html(case, tmp_path, capsys):
     model, bundle, root, clean = case
     assert main(["diff", str(bundle.path), str(clean)]) == 0
     assert "PASS" in capsys.readouterr().out
+    assert main(["diff", str(bundle.path), str(bundle.path)]) == 0   # a bundle against itself: native dtypes
+    out = capsys.readouterr().out
+    assert "PASS" in out and "unknown file" not in out
     dump = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "rope", F.interleaved_rope())
     html = tmp_path / "report.html"
     assert main(["diff", str(bundle.path), str(dump), "--json", str(tmp_path / "m.json"), "--html", str(html)]) == 1
