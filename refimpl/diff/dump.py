@@ -124,9 +124,9 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
 
 def _directory(root: Path):
     """(path parts, source, loader) for every file under root; parts = step / role hints and the name."""
-    bundle_files = {"manifest.json", "input_list.txt", "bundle.npz", "bundle.safetensors"}
+    bundle = (root / "manifest.json").is_file()  # a refimpl bundle as the dump: only its steps/ hold tensors
     for f in sorted(root.rglob("*")):
-        if not f.is_file() or (f.parent == root and f.name in bundle_files):  # a bundle's own files: not tensors
+        if not f.is_file() or (bundle and f.relative_to(root).parts[0] != "steps"):
             continue
         rel = f.relative_to(root).parts
         if f.suffix not in SUFFIXES:
