@@ -92,8 +92,3 @@ def test_cli_bad_arguments_exit_2(args, message, tmp_path):
     proc = _cli("golden", "--input-ids", "1,2,3,4,5,6,7,8,9,10", *args, "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "b").exists()
-
-
-def test_cli_prompt_text_needs_a_tokenizer(tmp_path):
-    proc = _cli("golden", "--prompt", "hello", "--out", str(tmp_path / "b"))
-    assert proc.returncode == 2 and "tokenizer" in proc.stderr

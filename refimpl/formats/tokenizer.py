@@ -256,6 +256,7 @@ def _atomic_write(path: Path, text: str):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)      # mkstemp makes it private; the cache is as readable as any other file
         os.replace(tmp, path)
     except OSError:
         pass  # an unwritable cache only costs the conversion next time
