@@ -8,7 +8,7 @@ import refimpl
 from helpers import scaled
 from refimpl.errors import InputError
 from refimpl.generate import (SamplingParams, choose, distribution, draw, greedy, log_softmax_at, min_p_count,
-                              repetition_penalty, top_k_order, top_p_count)
+                              repetition_penalty, sample, top_k_order, top_p_count)
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
 from refimpl.models.presets import PRESETS, random_weights
@@ -150,6 +150,23 @@ def test_an_independent_reading_of_the_docstring_picks_the_same_tokens(rng):
                 break
         token, u_used = choose(logits, history, params, np.random.Generator(np.random.PCG64(trial)))
         assert (token, u_used) == (expected, u), trial
+
+
+@pytest.mark.parametrize("V", [50, 1025, 20000])
+def test_the_lazy_sampler_equals_the_literal_procedure(rng, V):
+    """sample() sorts only a growing prefix of the order; it picks what distribution() + draw() pick."""
+    settings = [dict(temperature=1.0), dict(temperature=0.5, top_p=0.9), dict(temperature=2.0, top_p=0.999),
+                dict(temperature=1.0, min_p=0.3), dict(temperature=3.0, min_p=0.01, top_p=0.95),
+                dict(temperature=1.0, top_k=1024), dict(temperature=1.0, top_k=1025, top_p=0.5),
+                dict(temperature=0.8, top_k=7, min_p=0.2)]
+    for trial in range(40):
+        scale = [0.01, 1.0, 8.0][trial % 3]                       # flat, medium and peaked distributions
+        logits = np.round(rng.standard_normal(V) * scale, 2)      # rounding makes ties
+        for kw in settings:
+            params = SamplingParams(**kw)
+            # (u within rounding of 1 would pick among tail ids of probability ~1e-27 by rounding alone)
+            for u in (0.0, float(rng.random()), 0.999):
+                assert sample(logits, params, u) == draw(*distribution(logits, params), u), (trial, kw, u)
 
 
 def test_batch_rows_finish_on_eos_and_equal_each_row_alone(models):
