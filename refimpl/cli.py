@@ -137,9 +137,10 @@ def cmd_generate(args) -> int:
 
     from . import load
     from .formats.tokenizer import load_tokenizer
-    from .generate import generate
+    from .generate import SamplingParams, generate
     from .models.presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty).check()  # early
     if args.input_ids is None and args.prompt is None:
         raise InputError("give the prompt as --prompt TEXT or --input-ids 1,2,3")
     if args.input_ids is not None and (args.chat or args.system):

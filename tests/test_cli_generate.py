@@ -60,10 +60,20 @@ def test_generate_without_a_tokenizer_prints_ids(tmp_path, capsys):
     (["--prompt", "x", "--tokenizer", "nowhere"], "not a preset"),
     (["--model", "nowhere", "--input-ids", "1", "--ids"], "not a preset"),
 ])
-def test_generate_bad_arguments_exit_2_with_one_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "refimpl.cli", "generate", *args], capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and proc.stdout == ""
+def test_generate_bad_arguments_exit_2_with_one_line(args, message, capsys):
+    try:
+        status = main(["generate", *args])
+    except SystemExit as e:          # argparse's own errors
+        status = e.code
+    out, err = capsys.readouterr()
+    assert status == 2 and message in err, err
+    assert err.count("\n") == 1 and err.startswith("refimpl: error: ") and out == ""
+
+
+def test_generate_bad_arguments_in_a_subprocess():
+    for args in (["--prompt", "x", "--temperature", "-1"], ["--prompt", "x", "--top-k", "x"]):
+        proc = subprocess.run([sys.executable, "-m", "refimpl.cli", "generate", *args], capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
 def test_golden_prompt_text_uses_the_models_tokenizer(tmp_path, capsys):

