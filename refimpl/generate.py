@@ -220,9 +220,7 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     B = len(prompts)
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    params = SamplingParams(float(temperature) if _real(temperature) else temperature, top_k,
-                            float(top_p) if _real(top_p) else top_p, float(min_p) if _real(min_p) else min_p,
-                            float(repetition_penalty) if _real(repetition_penalty) else repetition_penalty).check()
+    params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty).check()
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} "
@@ -243,7 +241,8 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     for step in range(max_new_tokens):
         keep, fed = [], []
         for i, b in enumerate(active):
-            token, u = choose(logits[i], out.prompts[b] + out.tokens[b], params, rngs[b])
+            history = out.prompts[b] + out.tokens[b] if params.repetition_penalty != 1 else ()
+            token, u = choose(logits[i], history, params, rngs[b])
             out.tokens[b].append(token)
             out.logprobs[b].append(log_softmax_at(logits[i], token))
             if u is not None:

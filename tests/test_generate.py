@@ -121,6 +121,23 @@ def test_repetition_penalty_hand_computed():
     assert choose(l, [3], SamplingParams(repetition_penalty=1.2), None) == (3, None)   # 2.5 still wins
 
 
+def test_repetition_penalty_in_the_loop_covers_prompt_and_generated_ids(models):
+    model = models["tiny-qwen3"]
+    plain = refimpl.generate(model, PROMPT, max_new_tokens=12, eos_token_id=()).tokens[0]
+    assert len(set(plain)) < 12                                           # this model repeats itself
+    r = refimpl.generate(model, PROMPT, max_new_tokens=12, eos_token_id=(), repetition_penalty=1e9).tokens[0]
+    assert len(set(r)) == 12 and not set(r) & set(PROMPT)
+    ids, expected = list(PROMPT), []                                      # the same, by hand
+    for _ in range(4):
+        l = model.forward(np.array([ids]), logits_to_keep=1)[0, -1].astype(np.float64)
+        seen = sorted(set(ids))
+        l[seen] = np.where(l[seen] > 0, l[seen] / 1.5, l[seen] * 1.5)
+        expected.append(int(np.argmax(l)))
+        ids.append(expected[-1])
+    assert refimpl.generate(model, PROMPT, max_new_tokens=4, eos_token_id=(), repetition_penalty=1.5).tokens[0] \
+        == expected != plain[:4]
+
+
 def test_an_independent_reading_of_the_docstring_picks_the_same_tokens(rng):
     """The module doc's procedure, re-implemented in plain Python loops, agrees with the sampler."""
     params = SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.05, repetition_penalty=1.3)
