@@ -203,7 +203,8 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     """Generate up to max_new_tokens per row, sampling as the module doc describes (greedy at temperature 0).
 
     prompt_ids: [T], [B, T], or a list of B id lists of different lengths (left-padded here). With a [B, T] array,
-      attention_mask [B, T] of 1/0 marks left padding (pads before the real tokens).
+      attention_mask [B, T] of 1/0 marks left padding (pads before the real tokens). A str (or a list of str) is
+      encoded with `tokenizer`.
     eos_token_id: an id or ids that end a row (kept as its last token); None: the config's eos_token_id;
       () or []: never stop early.
     stop: strings that end a row once the decoded generated text contains one (needs `tokenizer`); the token that
@@ -216,6 +217,12 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     Rows that finish leave the batch (their cache rows are dropped), so a row's tokens equal its tokens alone.
     """
     cfg = model.config
+    texts = [prompt_ids] if isinstance(prompt_ids, str) else prompt_ids if isinstance(prompt_ids, (list, tuple)) \
+        and prompt_ids and all(isinstance(p, str) for p in prompt_ids) else None
+    if texts is not None:
+        if tokenizer is None:
+            raise InputError("a text prompt needs a tokenizer (tokenizer=refimpl.load_tokenizer(...))")
+        prompt_ids = [tokenizer.encode(t) for t in texts]
     prompts = _prompts(prompt_ids, attention_mask, cfg.vocab_size)
     B = len(prompts)
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:

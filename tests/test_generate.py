@@ -237,6 +237,16 @@ def test_stop_strings_end_a_row_and_keep_the_completing_token(models):
     assert r.texts[0].endswith(stop)
 
 
+def test_text_prompts_are_encoded_with_the_tokenizer(models):
+    model = models["tiny-qwen3"]
+    tok = refimpl.load_tokenizer("tiny-qwen3")
+    a = refimpl.generate(model, ["Hello world", "你好"], max_new_tokens=3, tokenizer=tok, eos_token_id=())
+    b = refimpl.generate(model, [tok.encode("Hello world"), tok.encode("你好")], max_new_tokens=3, eos_token_id=())
+    assert a.tokens == b.tokens and a.prompts[0] == [9707, 1879] and a.texts == [tok.decode(t) for t in a.tokens]
+    with pytest.raises(InputError, match="text prompt needs a tokenizer"):
+        refimpl.generate(model, "Hello")
+
+
 def test_streaming_callback_sees_every_token_in_order(models):
     seen = []
     r = refimpl.generate(models["tiny-qwen3"], [[1, 2], [3]], max_new_tokens=5, eos_token_id=(),
