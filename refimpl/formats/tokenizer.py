@@ -174,14 +174,14 @@ def load_tokenizer(source) -> Tokenizer:
 
 
 def _model_source(model) -> str:
-    src = model.config.source or model.weights.source
+    """Where a loaded model came from (its weights' source: preset, checkpoint directory or file); a model built
+    in memory gets the vocabulary of its architecture."""
+    src = model.weights.source
     if src.startswith("preset:"):
         return src[len("preset:"):]
-    if src.endswith("config.json"):
-        return str(Path(src).parent)
-    if src:
+    if src != "<memory>" and Path(src).exists():
         return src
-    if model.config.model_type in MODEL_VOCAB:   # built in memory: the vocabulary of its architecture
+    if model.config.model_type in MODEL_VOCAB:
         return MODEL_VOCAB[model.config.model_type]
     raise InputError("this model does not say where it came from; call load_tokenizer with a source")
 
