@@ -19,11 +19,14 @@ Per row and step, from the model's last-position logits l [V] (taken to float64)
   (`distribution` + `draw` compute this literally; `sample` gets the same token sorting only the part of the
   order that top-p and the draw reach, because a full sort of a 248k vocabulary costs ~40 ms a step.)
 
-The generator of row b is numpy's `Generator(PCG64(seed_b))`, with seed_b = seed + b for an int seed (or the
-b-th entry of a list of seeds), and u = generator.random() = (next 64-bit output >> 11) * 2^-53; a row draws
+The generator of row b is numpy's `Generator(PCG64(seed_b))` (PCG64 seeded through numpy's SeedSequence), with
+seed_b = seed + b for an int seed (or the b-th entry of a list of seeds), and u = generator.random() =
+(next 64-bit output >> 11) * 2^-53; a row draws
 exactly one u per sampled step. The draws are returned (`Generation.uniforms`), so a device sampler can be fed
 the same u and must then pick the same token. Log-probabilities are log_softmax(l)[token] of the model's raw
 logits (before the penalty and the warpers), in float64.
+Where transformers differs: its top-k keeps every id tied with the k-th value (here exactly k, by the order), and
+its repetition penalty also counts pad tokens of a padded batch (here a row's history is its real tokens only).
 """
 
 import dataclasses
