@@ -81,3 +81,14 @@ def test_golden_prompt_text_uses_the_models_tokenizer(tmp_path, capsys):
                  "--out", str(tmp_path / "b")]) == 0
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["prompt_ids"] == refimpl.load_tokenizer("tiny-qwen3").encode("Hello world") == [9707, 1879]
+
+
+def test_generate_stop_string_and_ignore_eos(capsys):
+    assert main(["generate", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--max-new-tokens", "5"]) == 0
+    full = capsys.readouterr().out
+    assert len(full) > 4
+    stop = full[1:3]
+    assert main(["generate", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--max-new-tokens", "5",
+                 "--stop", stop, "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert "stopped by stop" in err and stop in out and full.startswith(out.rstrip("\n")) and len(out) < len(full)
