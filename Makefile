@@ -14,6 +14,8 @@ $(VENV)/.runtime: pyproject.toml
 
 $(VENV)/.dev: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+		|| echo "chromium could not be installed: the HTML report's browser test will skip"
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,oracle]'
 	touch $(VENV)/.runtime $@

@@ -1,5 +1,5 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
-`refimpl generate --prompt TEXT ...`.
+`refimpl generate --prompt TEXT ...`, `refimpl diff BUNDLE DUMP`, `refimpl replay`, `refimpl explain`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -39,9 +39,30 @@ def _positive(text: str) -> int:
     return value
 
 
-def cmd_info(args) -> int:
+def _load(args, source=None):
+    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings."""
     from . import load
-    model = load(args.model, dtype=args.dtype)
+    from .precision import Policy
+    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv}
+    if args.encodings:
+        if args.weights not in (None, "encodings"):
+            raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
+        fields.update(weights="encodings", encodings=args.encodings)
+    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields))
+
+
+def _precision_flags(p) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--precision", choices=["float32", "float64", "bf16", "fp16"],
+                   help="activation precision; bf16 / fp16 are emulated by rounding at transformers' cast points")
+    p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
+                                     "{qnn|onnx} (default: the activation precision)")
+    p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
+    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
+
+
+def cmd_info(args) -> int:
+    model = _load(args)
     cfg, w = model.config, model.weights
     n_params = sum(int(np.prod(a.shape)) for a in w.stored.values())
     print(f"model        {args.model}")
@@ -58,6 +79,9 @@ def cmd_info(args) -> int:
               + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""))
     print(f"parameters   {n_params:,} ({w.nbytes() / 2**20:.1f} MiB stored)"
           f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
+    p = model.precision
+    print(f"precision    activations {p.activations}, weights {p.weight_format}"
+          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:
@@ -67,8 +91,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from . import load
-    model = load(args.model, dtype=args.dtype)
+    model = _load(args)
     logits = model.forward(args.input_ids, logits_to_keep=1)[0, -1].astype(np.float64)
     p = np.exp(logits - logits.max())
     p /= p.sum()
@@ -82,7 +105,6 @@ def cmd_run(args) -> int:
 def cmd_golden(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
-    from . import load
     from .golden import write_golden
     from .models.presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
@@ -105,7 +127,7 @@ def cmd_golden(args) -> int:
         if flag not in flags:
             raise InputError(f"--{flag.replace('_', '-')} does not apply to --convention {args.convention}")
         params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
-    model = load(source, dtype=args.dtype)
+    model = _load(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, transient=True, disable=args.quiet) as bar:
         task = bar.add_task(f"{args.convention} golden: computing {source}", total=None)
@@ -117,7 +139,7 @@ def cmd_golden(args) -> int:
                             exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
                             overwrite=args.overwrite, progress=progress)
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
-          f"{args.decode_steps} decode steps)")
+          f"{args.decode_steps} decode steps, {model.precision.activations} activations)")
     return 0
 
 
@@ -135,7 +157,6 @@ def _prompt_ids(tok, text: str, chat: bool = False, system: str | None = None) -
 def cmd_generate(args) -> int:
     import time
 
-    from . import load
     from .formats.tokenizer import load_tokenizer
     from .generate import SamplingParams, generate
     from .models.presets import DEFAULT_PRESET
@@ -157,7 +178,7 @@ def cmd_generate(args) -> int:
                 raise
     ids = _prompt_ids(tok, args.prompt, args.chat, args.system) if args.prompt is not None \
         else args.input_ids[0].tolist()
-    model = load(source, dtype=args.dtype)
+    model = _load(args, source)
     eos = ()
     if not args.ignore_eos:
         cfg_eos = model.config.eos_token_id
@@ -201,14 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     info = sub.add_parser("info", help="print a model's config and parameter count")
     info.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
-    info.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    _precision_flags(info)
     info.add_argument("-v", "--verbose", action="store_true", help="print every config field")
     info.set_defaults(func=cmd_info)
     run = sub.add_parser("run", help="one forward pass; print the top next tokens")
     run.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
     run.add_argument("--input-ids", type=_ids, required=True, help="comma-separated token ids, e.g. 1,2,3")
     run.add_argument("--top", type=_positive, default=5)
-    run.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    _precision_flags(run)
     run.set_defaults(func=cmd_run)
 
     g = sub.add_parser("golden", help="write a golden bundle: every graph call's inputs, outputs and taps")
@@ -232,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--taps", default=".", help="regex of the trace taps to record per step (default: all of "
                                                "them; e.g. 'layers\\.0\\.'); see docs/taps.md")
     g.add_argument("--no-taps", dest="taps", action="store_const", const=None, help="record no taps")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    _precision_flags(g)
     g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
     g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
     g.add_argument("--out", required=True, help="bundle directory to create")
@@ -260,8 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn / eos tokens")
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    _precision_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from .diff.commands import add_commands
+    add_commands(sub)
     return parser
 
 

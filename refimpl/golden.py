@@ -83,7 +83,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
         "refimpl_version": __version__,
         "model": {"source": source, "config": model.config.to_dict(), "weights_sha256": model.weights.sha256()},
         "convention": {"name": convention, "params": dataclasses.asdict(opts)},
-        "precision": {"dtype": model.dtype.name, "blas_threads": 1},
+        "precision": {**model.precision.to_dict(), "blas_threads": 1},
         "prompt_ids": prompt,
         "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
         "generation": generation_record(result, n_prompt),

@@ -12,6 +12,9 @@ def test_info(capsys):
     assert main(["info", "tiny-qwen3-moe"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "8 x 32, top-2" in out and "parameters" in out
+    assert "activations float32, weights float32" in out
+    assert main(["info", "tiny-qwen3", "--precision", "bf16", "--kv", "fp16"]) == 0
+    assert "activations bf16, weights bf16, kv fp16" in capsys.readouterr().out
 
 
 def test_run_prints_top_tokens(capsys):
@@ -28,8 +31,30 @@ def test_run_prints_top_tokens(capsys):
     (["run", "tiny-qwen3", "--input-ids", "99999999999999999999"], "token ids in"),
     (["run", "tiny-qwen3", "--input-ids", "1", "--top", "0"], "positive integer"),
     (["frobnicate"], "invalid choice"),
+    (["run", "tiny-qwen3", "--input-ids", "1", "--dtype", "float64", "--precision", "bf16"], "contradicts"),
+    (["run", "tiny-qwen3", "--input-ids", "1", "--weights", "int5-per-channel-qnn"], "precision weights"),
+    (["run", "tiny-qwen3", "--input-ids", "1", "--encodings", "no/such.json"], "not an encodings JSON"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "refimpl.cli", *argv], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_golden_records_the_precision_policy(tmp_path, capsys):
+    import json
+
+    import ml_dtypes
+    import numpy as np
+
+    from refimpl.bundle import read_bundle
+    out = tmp_path / "b"
+    assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--precision", "bf16", "--kv", "int8",
+                 "--weights", "int8-per-channel-qnn", "--out", str(out), "--no-taps", "-q"]) == 0
+    assert "bf16 activations" in capsys.readouterr().out
+    b = read_bundle(out)
+    p = b.manifest["precision"]
+    assert (p["activations"], p["weights"], p["kv"], p["blas_threads"]) == ("bf16", "int8-per-channel-qnn", "int8", 1)
+    assert p["cast_points"] and json.loads((out / "manifest.json").read_text())["precision"] == p
+    logits = b.tensor(0, "output", "logits")
+    assert np.array_equal(logits, logits.astype(ml_dtypes.bfloat16).astype(logits.dtype))

@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from ..models.cache import Cache, KVCache, LinearAttentionState
 from ..trace import trace
 from .genie import Call, prompt_list
 
@@ -52,3 +53,20 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         calls.append(Call("prefill" if step == 0 else "decode", tokens, inputs, outputs, axes, {},
                           {n: tr[n] for n in tr.names()}))
     return calls
+
+
+def graph(model, inputs: dict) -> dict:
+    """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
+    cfg = model.config
+    ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)
+    cache = model.new_cache()
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention" and f"past_conv_state.{i}" in inputs:
+            cache.layers[i] = LinearAttentionState(inputs[f"past_conv_state.{i}"].copy(),
+                                                   inputs[f"past_recurrent_state.{i}"].copy())
+        elif f"past_key_values.{i}.key" in inputs:
+            k, v = inputs[f"past_key_values.{i}.key"], inputs[f"past_key_values.{i}.value"]
+            cache.layers[i] = KVCache(k.copy(), v.copy(), k.shape[2])
+            cache.mask = np.ones((1, k.shape[2]), np.int64)
+    logits = model.forward(ids, cache=cache, position_ids=positions)
+    return {"logits": logits, **_state(cache, cfg, "present")}

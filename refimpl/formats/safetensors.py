@@ -25,8 +25,10 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """name -> read-only memory-mapped array, after checking the header against the file size."""
+def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str, np.ndarray]:
+    """name -> read-only memory-mapped array, after checking the header against the file size.
+    With a `problems` dict, a bad or truncated tensor entry is recorded there (name -> message) and the
+    others are still returned (device dumps); without one it raises FormatError."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -51,18 +53,27 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     arrays = {}
     for name, info in header.items():
         try:
-            dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path}: tensor {name!r}: bad header entry {info!r}") from None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise FormatError(f"{path}: tensor {name!r}: header offsets [{begin}, {end}) do not fit "
-                              f"shape {list(shape)} of {info['dtype']} ({nbytes} bytes)")
-        if end > data_len:
-            raise FormatError(f"{path}: truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data "
-                              f"section but the file holds {data_len}")
-        arrays[name] = mm[data_start + begin:data_start + end].view(dtype).reshape(shape)
+            arrays[name] = _entry(path, mm, data_start, data_len, name, info)
+        except FormatError as e:
+            if problems is None:
+                raise
+            problems[name] = str(e)
     return arrays
+
+
+def _entry(path, mm, data_start: int, data_len: int, name: str, info) -> np.ndarray:
+    try:
+        dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise FormatError(f"{path}: tensor {name!r}: bad header entry {info!r}") from None
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != nbytes or begin < 0:
+        raise FormatError(f"{path}: tensor {name!r}: header offsets [{begin}, {end}) do not fit "
+                          f"shape {list(shape)} of {info['dtype']} ({nbytes} bytes)")
+    if end > data_len:
+        raise FormatError(f"{path}: truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data "
+                          f"section but the file holds {data_len}")
+    return mm[data_start + begin:data_start + end].view(dtype).reshape(shape)
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], list[Path]]:

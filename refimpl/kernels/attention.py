@@ -29,8 +29,12 @@ def causal_mask(Lq: int, Lk: int, *, offset: int | None = None, sliding_window: 
     return np.where(allowed, dtype(0), np.finfo(dtype).min).astype(dtype)
 
 
+def _same(x):
+    return x
+
+
 def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-         scale: float | None = None, mask_floor: float | None = None, return_weights: bool = False):
+         scale: float | None = None, mask_floor: float | None = None, return_weights: bool = False, rnd=_same):
     """o = softmax(q k^T * scale + M) v, with grouped-query attention.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mask [B|1, Hq|1, Lq, Lk] additive.
@@ -38,6 +42,8 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
     instead of repeating K and V. scale defaults to D^-1/2 and multiplies the product after the matmul.
     mask_floor clamps the mask from below (max(M, floor)), as graphs with a finite "-inf" do.
     Softmax runs in at least float32; probabilities are cast back to q's dtype before the value product.
+    rnd (identity by default) is the activation cast of reduced-precision emulation, applied where transformers'
+    eager attention casts: after q k^T, after the scale, after the mask add, the probabilities, the output.
     Returns o [B, Hq, Lq, Dv], or (o, scores, probs) with scores/probs [B, Hq, Lq, Lk] if return_weights.
     """
     B, Hq, Lq, D = q.shape
@@ -45,14 +51,28 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
     n_rep = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     qg = q.reshape(B, Hkv, n_rep, Lq, D)
-    scores = (qg @ k[:, :, None].swapaxes(-1, -2)) * q.dtype.type(scale)  # [B, Hkv, n_rep, Lq, Lk]
+    scores = rnd(rnd(qg @ k[:, :, None].swapaxes(-1, -2)) * q.dtype.type(scale))  # [B, Hkv, n_rep, Lq, Lk]
     if mask is not None:
         if mask_floor is not None:
             mask = np.maximum(mask, mask.dtype.type(mask_floor))
         heads = mask.shape[1]
-        scores = scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk)
-    probs = softmax(scores.astype(compute_dtype(scores), copy=False)).astype(q.dtype, copy=False)
-    o = (probs @ v[:, :, None]).reshape(B, Hq, Lq, v.shape[-1])
+        scores = rnd(scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk))
+    probs = attention_probs(scores, q.dtype, rnd=rnd)
+    o = attend(probs, v, rnd=rnd)
     if return_weights:
         return o, scores.reshape(B, Hq, Lq, Lk), probs.reshape(B, Hq, Lq, Lk)
     return o
+
+
+def attention_probs(scores: np.ndarray, dtype, *, rnd=_same) -> np.ndarray:
+    """p = softmax(scores) over the key axis, in at least float32, cast to `dtype` (the value product's)."""
+    return rnd(softmax(scores.astype(compute_dtype(scores), copy=False)).astype(dtype, copy=False))
+
+
+def attend(probs: np.ndarray, v: np.ndarray, *, rnd=_same) -> np.ndarray:
+    """o = p v with GQA.  probs [B, Hq, Lq, Lk] or grouped [B, Hkv, Hq/Hkv, Lq, Lk], v [B, Hkv, Lk, Dv]
+    -> o [B, Hq, Lq, Dv]; query head h reads kv head h // (Hq/Hkv)."""
+    B, Hkv, Lk, Dv = v.shape
+    Lq = probs.shape[-2]
+    probs = probs.reshape(B, Hkv, -1, Lq, Lk)
+    return rnd(probs @ v[:, :, None]).reshape(B, -1, Lq, Dv)

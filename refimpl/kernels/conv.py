@@ -21,7 +21,11 @@ from ..errors import InputError
 from .activation import silu
 
 
-def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None):
+def _same(x):
+    return x
+
+
+def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=_same):
     """Causal depthwise conv1d + activation over T new tokens, continuing from `state`.
 
     x [B, C, T]; weight [C, Kc]; state [B, C, S] with S >= Kc - 1, or None (zero left context).
@@ -30,7 +34,8 @@ def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None):
     Returns y [B, C, T] in x's dtype and the new state [B, C, state_len] in x's dtype (raw inputs, exact).
 
     Computes in x's and weight's dtype promoted to at least float32, summing the Kc taps oldest first; transformers
-    runs the conv in the weight dtype (e.g. bf16) and casts y to x's dtype.
+    runs the conv in the weight dtype (e.g. bf16) and casts y to x's dtype: `rnd` (identity by default) emulates
+    that, rounding the conv output and the activation's output.
     """
     if x.ndim != 3 or weight.ndim != 2 or weight.shape[0] != x.shape[1]:
         raise InputError(f"causal_conv1d: x must be [B, C, T] and weight [C, Kc]; got x {x.shape}, "
@@ -57,8 +62,9 @@ def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None):
     y = w[:, 0, None] * X[:, :, 0:T]  # [B, C, T]
     for j in range(1, Kc):
         y += w[:, j, None] * X[:, :, j:j + T]  # y[t] += w[j] * x[t - (Kc-1) + j]
+    y = rnd(y)
     if activation is not None:
-        y = silu(y)
+        y = rnd(silu(y))
 
     if history.shape[2] < state_len:  # a longer state than the history: left-pad with zeros
         history = np.concatenate([np.zeros((B, C, state_len - history.shape[2]), x.dtype), history], axis=2)

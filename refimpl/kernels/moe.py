@@ -11,32 +11,38 @@ import numpy as np
 from .activation import compute_dtype, sigmoid, softmax
 
 
-def route(logits: np.ndarray, top_k: int, renormalize: bool):
+def _same(x):
+    return x
+
+
+def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=_same):
     """logits [N, E] -> probs [N, E] (float32+), weights [N, k] (logits dtype), experts [N, k] int64.
 
     Experts are ordered by descending probability; exact ties go to the lower expert id (torch.topk on CPU
-    breaks exact ties differently; the `selected_experts` tap records the choice).
+    breaks exact ties differently; the `selected_experts` tap records the choice). rnd: the activation cast of
+    the weights (reduced-precision emulation; identity by default).
     """
     probs = softmax(logits.astype(compute_dtype(logits), copy=False))
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, experts, axis=-1)
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
-    return probs, weights.astype(logits.dtype, copy=False), experts
+    return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
 
 
-def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn) -> np.ndarray:
+def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=_same) -> np.ndarray:
     """x [N, H], experts/weights [N, k], expert_fn(e, x_e [n_e, H]) -> [n_e, H]  ->  out [N, H].
 
-    Each term is weighted after the expert's down projection and added in ascending expert id.
+    Each term is weighted after the expert's down projection and added in ascending expert id; in emulated
+    bf16 / fp16 the weighted term and the running sum are rounded (transformers' index_add_ in that dtype).
     """
     out = np.zeros_like(x)
     for e in np.unique(experts):
-        token, slot = np.nonzero(experts == e)
-        out[token] += expert_fn(int(e), x[token]) * weights[token, slot, None]
+        token, slot = np.nonzero(experts == e)  # a token picks an expert at most once: no repeated rows
+        out[token] = rnd(out[token] + rnd(expert_fn(int(e), x[token]) * weights[token, slot, None]))
     return out
 
 
-def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray) -> np.ndarray:
+def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray, *, rnd=_same) -> np.ndarray:
     """Per-token scalar gate sigmoid(x . w_sg).  x [N, H], gate_weight [1, H] -> [N, 1]."""
-    return sigmoid(x @ gate_weight.T)
+    return rnd(sigmoid(rnd(x @ gate_weight.T)))

@@ -1,7 +1,8 @@
 """RMSNorm variants of the Qwen3 family, with transformers' cast points.
 
 nu(x) = x * 1/sqrt(mean(x^2) + eps), computed in float32 (or wider); eps inside the root, added to the mean.
-In a float32 or float64 run the casts are no-ops; they matter for reduced-precision emulation.
+In a float32 or float64 run the casts are no-ops; they matter for reduced-precision emulation, where `rnd`
+(refimpl/precision.py) rounds to the emulated activation dtype at each cast. rnd defaults to the identity.
 """
 
 import numpy as np
@@ -16,23 +17,27 @@ def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
     return x * (1 / np.sqrt(variance + eps))  # torch's rsqrt on CPU is 1/sqrt
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False) -> np.ndarray:
+def _same(x):
+    return x
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False, rnd=_same) -> np.ndarray:
     """RMSNorm over the last axis.  x [..., n], weight [n] -> [..., n] in x's dtype.
 
-    plain (Qwen3, Qwen3-MoE):          w * cast(nu(x))          cast before the weight multiply
+    plain (Qwen3, Qwen3-MoE):          cast(w * cast(nu(x)))    cast before the weight multiply, and after it
     zero-centred (Qwen3-Next / 3.5):   cast(nu(x) * (1 + w))    multiply in float32, cast after
     """
     n = _normalized(x, eps)
     if zero_centered:
-        return (n * (1 + weight.astype(n.dtype))).astype(x.dtype, copy=False)
-    return (weight * n.astype(x.dtype, copy=False)).astype(x.dtype, copy=False)
+        return rnd((n * (1 + weight.astype(n.dtype))).astype(x.dtype, copy=False))
+    return rnd((weight * rnd(n.astype(x.dtype, copy=False))).astype(x.dtype, copy=False))
 
 
-def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, *, rnd=_same) -> np.ndarray:
     """Gated RMSNorm of the GDN output: norm first, then the plain weight, then * silu(gate).
 
-    x, gate [..., n], weight [n] -> cast( (w * cast(nu(x))) * silu(float32(gate)) )
+    x, gate [..., n], weight [n] -> cast( cast(w * cast(nu(x))) * silu(float32(gate)) )
     """
     n = _normalized(x, eps)
-    m = weight * n.astype(x.dtype, copy=False)
-    return (m * silu(gate.astype(n.dtype, copy=False))).astype(x.dtype, copy=False)
+    m = rnd(weight * rnd(n.astype(x.dtype, copy=False)))
+    return rnd((m * silu(gate.astype(n.dtype, copy=False))).astype(x.dtype, copy=False))

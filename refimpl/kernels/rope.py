@@ -129,18 +129,24 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, attention_scaling: 
     return cos, sin
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def _same(x):
+    return x
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=_same) -> np.ndarray:
     """Half-split rotation of the first rot channels of every head; channels rot..D pass through.
 
     x [B, T, H, D], cos/sin [B, T, rot/2] (broadcast over heads), h = rot/2:
       y[:h]    = x[:h] * cos - x[h:rot] * sin
       y[h:rot] = x[h:rot] * cos + x[:h] * sin      (= x*cos + rotate_half(x)*sin with duplicated tables)
       y[rot:]  = x[rot:]
+    rnd rounds each product and each sum, as transformers' elementwise ops do in bf16 / fp16 (identity default).
     """
     h = cos.shape[-1]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2, rest = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype, copy=False)
+    y1, y2 = rnd(rnd(x1 * c) - rnd(x2 * s)), rnd(rnd(x2 * c) + rnd(x1 * s))
+    return np.concatenate([y1, y2, rest], axis=-1).astype(x.dtype, copy=False)
 
 
 def mrope_interleaved_tables(positions_thw: np.ndarray, inv_freq: np.ndarray, mrope_section, attention_scaling=1.0):

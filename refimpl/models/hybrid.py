@@ -10,6 +10,10 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
   beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
   o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
   out     = out_proj( rms_norm_gated(o, z) )
+
+Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
+output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
+(its recurrent state included) stay float32, as transformers computes them.
 """
 
 import numpy as np
@@ -19,7 +23,7 @@ from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.linear import linear
 from ..kernels.norm import rms_norm_gated
-from ..trace import tap
+from ..trace import override, tap
 from . import qwen3
 from .cache import LinearAttentionState
 
@@ -37,55 +41,58 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg):
+def projections(w, p: str, x: np.ndarray, cfg, put=lambda name, value: value, r=lambda x: x):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
-    b and a [B, T, Hv], and the raw projection outputs by tap name; from Qwen3.5's split projections or
-    Qwen3-Next's fused ones."""
+    b and a [B, T, Hv]; from Qwen3.5's split projections or Qwen3-Next's fused ones. put(name, value) taps
+    each raw projection output and returns what the block continues with; r rounds each projection's output
+    (the activation cast)."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
-    r = Hv // Hk
+    n = Hv // Hk
     if f"{p}.in_proj_qkvz.weight" in w:
-        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
-        qkvz = linear(x, w[f"{p}.in_proj_qkvz.weight"]).reshape(B, T, Hk, 2 * Dk + 2 * r * Dv)
-        ba = linear(x, w[f"{p}.in_proj_ba.weight"]).reshape(B, T, Hk, 2 * r)
-        raw = {"in_proj_qkvz": qkvz.reshape(B, T, -1), "in_proj_ba": ba.reshape(B, T, -1)}
-        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+        # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
+        qkvz = put("in_proj_qkvz", r(linear(x, w[f"{p}.in_proj_qkvz.weight"]))).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
+        ba = put("in_proj_ba", r(linear(x, w[f"{p}.in_proj_ba.weight"]))).reshape(B, T, Hk, 2 * n)
+        q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + n * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
-        b, a = ba[..., :r].reshape(B, T, Hv), ba[..., r:].reshape(B, T, Hv)   # value head h = kh * r + j
-        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
-    mixed_qkv = linear(x, w[f"{p}.in_proj_qkv.weight"])
-    z = linear(x, w[f"{p}.in_proj_z.weight"])
-    b, a = linear(x, w[f"{p}.in_proj_b.weight"]), linear(x, w[f"{p}.in_proj_a.weight"])
-    raw = {"in_proj_qkv": mixed_qkv, "in_proj_z": z, "in_proj_b": b, "in_proj_a": a}
-    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a, raw
+        b, a = ba[..., :n].reshape(B, T, Hv), ba[..., n:].reshape(B, T, Hv)   # value head h = kh * n + j
+        return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
+    mixed_qkv = put("in_proj_qkv", r(linear(x, w[f"{p}.in_proj_qkv.weight"])))
+    z = put("in_proj_z", r(linear(x, w[f"{p}.in_proj_z.weight"])))
+    b = put("in_proj_b", r(linear(x, w[f"{p}.in_proj_b.weight"])))
+    a = put("in_proj_a", r(linear(x, w[f"{p}.in_proj_a.weight"])))
+    return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
 
 
-def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None):
-    """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], taps, new state)."""
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put, r):
+    """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], new state).
+    put(name, value) taps an intermediate and returns what the block continues with (refimpl.trace.tap);
+    r is the activation cast (ctx.round)."""
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim = Hk * Dk
-    mixed_qkv, z, b, a, raw = projections(w, p, x, cfg)
+    mixed_qkv, z, b, a = projections(w, p, x, cfg, put, r)
+    mixed_qkv = put("mixed_qkv", mixed_qkv)
     conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
-                                         None if state is None else state.conv)      # [B, conv_dim, T]
-    conv_out = conv_out.transpose(0, 2, 1)                                             # [B, T, conv_dim]
+                                         None if state is None else state.conv, rnd=r)  # [B, conv_dim, T]
+    conv_out = put("conv1d", conv_out.transpose(0, 2, 1))                              # [B, T, conv_dim]
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    q = l2_normalize(q.reshape(B, T, Hk, Dk))                                          # [B, T, Hk, Dk]
-    k = l2_normalize(k.reshape(B, T, Hk, Dk))
-    v = v.reshape(B, T, -1, Dv)                                                        # [B, T, Hv, Dv]
-    beta = sigmoid(b)                                                                  # [B, T, Hv]
-    g = -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"])                     # [B, T, Hv], < 0
+    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk)))                                # [B, T, Hk, Dk]
+    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk)))
+    v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
+    z = put("z", z)
+    beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
+    g = put("g", -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
-    normed = rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps)          # [B, T, Hv, Dv]
-    out = linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])
-    taps = {**raw, "mixed_qkv": mixed_qkv, "conv1d": conv_out, "q": q, "k": k, "v": v, "z": z, "beta": beta, "g": g,
-            "core": core, "norm": normed, "out_proj": out}
-    return out, taps, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
+    core = put("core", r(core))                                                        # float32 core, cast out
+    normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))  # [B, T, Hv, Dv]
+    out = put("out_proj", r(linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])))
+    return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
 
 def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray:
@@ -95,7 +102,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     cache = ctx.cache
     state = cache.layers[layer] if cache is not None else None
     if ctx.linear_mask is None:
-        out, taps, new_state = _gdn(w, p, x, cfg, state)
+        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value), ctx.round)
     else:
         B, T, _ = x.shape
         out, taps, rows = np.zeros_like(x), {}, []
@@ -106,16 +113,20 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
             if len(real) == 0:
                 rows.append(row_state)
                 continue
-            o, t, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state)
-            out[row, real] = o[0]
-            for name, value in t.items():
+
+            def put(name, value, row=row, real=real):  # the row's real tokens of each tap, taps written below
                 taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
+                given = override(f"{p}.{name}")
+                return value if given is None else np.asarray(given)[row:row + 1, real].astype(value.dtype)
+
+            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put, ctx.round)
+            out[row, real] = o[0]
             rows.append(s)
         rows = [s or zero_state(cfg, x.dtype) for s in rows]  # a fresh row that was all padding: zero state
         new_state = LinearAttentionState(np.concatenate([s.conv for s in rows]),
                                          np.concatenate([s.recurrent for s in rows]))
-    for name, value in taps.items():
-        tap(p, name, value)
+        for name, value in taps.items():
+            tap(p, name, value)
     tap(p, "conv_state", new_state.conv), tap(p, "recurrent_state", new_state.recurrent)
     if cache is not None:
         cache.layers[layer] = new_state

@@ -11,12 +11,18 @@ from .weights import Weights
 DTYPES = ("float32", "float64")
 
 
-def load(source: str | Path, dtype: str = "float32") -> Model:
+def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
+    """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
+    Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree."""
+    from ..precision import policy, weight_transform
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    p = policy(precision if precision is not None else dtype)
+    if dtype == "float64" and p.dtype != "float64":
+        raise InputError(f"dtype 'float64' contradicts precision {p.activations!r}; give one of them")
     from . import presets
     if str(source) in presets.PRESETS:
-        return presets.build(str(source), dtype=dtype)
+        return presets.build(str(source), precision=p)
     path = Path(source)
     if path.suffix == ".gguf":
         raise InputError(f"{path}: GGUF checkpoints are not supported yet")
@@ -26,4 +32,5 @@ def load(source: str | Path, dtype: str = "float32") -> Model:
         raise InputError(f"{path}: expected an HF checkpoint directory (config.json + *.safetensors)")
     config = load_config(path)
     arrays, _ = read_checkpoint(path)
-    return Model(config, Weights(arrays, dtype=dtype, source=str(path)))
+    return Model(config, Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p)),
+                 precision=p)

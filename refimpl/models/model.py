@@ -8,6 +8,7 @@ from ..errors import InputError
 from ..kernels.attention import causal_mask
 from ..kernels.linear import embedding, linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
+from ..precision import Policy, policy
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
@@ -25,6 +26,11 @@ class Context:
     linear_mask: np.ndarray | None  # [B, T] 0/1 for linear-attention layers, None when nothing is padded
     mask_floor: float | None = None  # device graphs clamp the additive mask from below (-50, -100, -1000)
     k_prescale: bool = False         # scores as q . (k / sqrt(D)) instead of (q . k) / sqrt(D), as some graphs do
+    precision: Policy = Policy()     # set by Model.run from the model's policy
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        """An activation cast point (refimpl/precision.py): the identity in float32 / float64."""
+        return self.precision.round(x)
 
 
 def _architecture(cfg: ModelConfig):
@@ -36,10 +42,11 @@ def _architecture(cfg: ModelConfig):
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: Weights):
+    def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
         self.config = config
         self.weights = weights
-        self.dtype = weights.dtype
+        self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
+        self.precision = precision or policy(weights.dtype.name)
         expected, mixer = _architecture(config)
         weights.check(expected(config))
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
@@ -102,18 +109,18 @@ class Model:
         """The layers over checked ids [B, T] with a prepared context (positions' cos/sin, masks, cache):
         what `forward` runs, and what a device convention runs on the inputs its graph receives."""
         cfg, w = self.config, self.weights
+        ctx.precision = self.precision
         x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
-        tap("model.embed_tokens", None, x)
+        x = tap("model.embed_tokens", None, x)
         for i, mixer in enumerate(self._mixers):
             x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
-        x = qwen3.norm(w, "model.norm", x, cfg)
-        tap("model.norm", None, x)
+        x = qwen3.norm(w, "model.norm", x, cfg, ctx)
+        x = tap("model.norm", None, x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-        logits = linear(x, lm_head)                                         # [B, T, V]
-        tap("lm_head", None, logits)
-        return logits
+        logits = ctx.round(linear(x, lm_head))                              # [B, T, V]
+        return tap("lm_head", None, logits)
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)

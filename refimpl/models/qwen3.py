@@ -2,13 +2,14 @@
 
 One pre-norm layer:  h = x + attention(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h)).
 Every function reads its weights by checkpoint name under `p` (e.g. "model.layers.3.self_attn") and taps
-its intermediates under the same path.
+its intermediates under the same path. `r = ctx.round` marks each point where transformers casts to the
+activation dtype (refimpl/precision.py); it is the identity in float32 and float64.
 """
 
 import numpy as np
 
 from ..kernels.activation import ACTIVATIONS, sigmoid
-from ..kernels.attention import sdpa
+from ..kernels.attention import attend, attention_probs, sdpa
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route, shared_expert_gate
 from ..kernels.norm import rms_norm
@@ -16,9 +17,9 @@ from ..kernels.rope import apply_rope
 from ..trace import tap, tracing
 
 
-def norm(w, name: str, x: np.ndarray, cfg) -> np.ndarray:
+def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """The model's RMSNorm: plain weight (Qwen3) or zero-centred (1 + w) (Qwen3-Next / 3.5)."""
-    return rms_norm(x, w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms)
+    return rms_norm(x, w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms, rnd=ctx.round)
 
 
 def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = False) -> np.ndarray:
@@ -30,99 +31,108 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     """
     B, T, _ = x.shape
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    r = ctx.round
     bias = (lambda name: w[f"{p}.{name}.bias"]) if cfg.attention_bias else (lambda name: None)
-    q = linear(x, w[f"{p}.q_proj.weight"], bias("q_proj"))
-    k = linear(x, w[f"{p}.k_proj.weight"], bias("k_proj"))
-    v = linear(x, w[f"{p}.v_proj.weight"], bias("v_proj"))
-    tap(p, "q_proj", q), tap(p, "k_proj", k), tap(p, "v_proj", v)
+    q = r(linear(x, w[f"{p}.q_proj.weight"], bias("q_proj")))
+    k = r(linear(x, w[f"{p}.k_proj.weight"], bias("k_proj")))
+    v = r(linear(x, w[f"{p}.v_proj.weight"], bias("v_proj")))
+    q, k, v = tap(p, "q_proj", q), tap(p, "k_proj", k), tap(p, "v_proj", v)
     if gated:
         q, gate = np.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)      # [B, T, Hq, D] each
         gate = gate.reshape(B, T, Hq * D)
-        tap(p, "gate", gate)
-    q = norm(w, f"{p}.q_norm", q.reshape(B, T, Hq, D), cfg)             # [B, T, Hq, D]
-    k = norm(w, f"{p}.k_norm", k.reshape(B, T, Hkv, D), cfg)            # [B, T, Hkv, D]
-    tap(p, "q_norm", q), tap(p, "k_norm", k)
-    q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-    tap(p, "q_rope", q), tap(p, "k_rope", k)
+        gate = tap(p, "gate", gate)
+    q = norm(w, f"{p}.q_norm", q.reshape(B, T, Hq, D), cfg, ctx)        # [B, T, Hq, D]
+    k = norm(w, f"{p}.k_norm", k.reshape(B, T, Hkv, D), cfg, ctx)       # [B, T, Hkv, D]
+    q, k = tap(p, "q_norm", q), tap(p, "k_norm", k)
+    cos, sin = r(ctx.cos), r(ctx.sin)                                  # transformers casts the tables too
+    q, k = apply_rope(q, cos, sin, rnd=r), apply_rope(k, cos, sin, rnd=r)
+    q, k = tap(p, "q_rope", q), tap(p, "k_rope", k)
     q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
+    if ctx.precision.kv is not None:  # KV dtype emulation: attention reads what the cache holds
+        k, v = ctx.precision.store_kv(k), ctx.precision.store_kv(v)
     if ctx.cache is not None:
         k, v = ctx.cache.append_kv(layer, k, v)                          # [B, Hkv, P+T, D]
-    mask = ctx.masks[cfg.layer_types[layer]]
+    mask = ctx.precision.mask(ctx.masks[cfg.layer_types[layer]])
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
-        k, scale = k * k.dtype.type(D ** -0.5), 1.0
+        k, scale = r(k * k.dtype.type(D ** -0.5)), 1.0
     if tracing():
-        o, scores, probs = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, return_weights=True)
-        tap(p, "attn_scores", scores), tap(p, "attn_probs", probs)
+        o, scores, probs = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, return_weights=True, rnd=r)
+        given = tap(p, "attn_scores", scores)
+        if given is not scores:  # teacher-forced scores: the reference's softmax of them
+            probs = attention_probs(given, q.dtype, rnd=r)
+        given_probs = tap(p, "attn_probs", probs)
+        if given is not scores or given_probs is not probs:
+            o = attend(given_probs, v, rnd=r)
     else:
-        o = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor)  # [B, Hq, T, D]
+        o = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r)  # [B, Hq, T, D]
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
-    tap(p, "attn_output", o)
+    o = tap(p, "attn_output", o)
     if gated:
-        o = o * sigmoid(gate)
-        tap(p, "gated_output", o)
-    out = linear(o, w[f"{p}.o_proj.weight"], bias("o_proj"))
-    tap(p, "o_proj", out)
-    return out
+        o = r(o * r(sigmoid(gate)))
+        o = tap(p, "gated_output", o)
+    out = r(linear(o, w[f"{p}.o_proj.weight"], bias("o_proj")))
+    return tap(p, "o_proj", out)
 
 
-def mlp(w, p: str, x: np.ndarray, cfg) -> np.ndarray:
+def mlp(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """SwiGLU:  down( act(gate(x)) * up(x) ).  x [..., H] -> [..., H]."""
-    act = ACTIVATIONS[cfg.hidden_act]
-    gate = linear(x, w[f"{p}.gate_proj.weight"])
-    up = linear(x, w[f"{p}.up_proj.weight"])
-    tap(p, "gate_proj", gate), tap(p, "up_proj", up)
-    hidden = act(gate) * up
-    tap(p, "hidden", hidden)
-    out = linear(hidden, w[f"{p}.down_proj.weight"])
-    tap(p, "down_proj", out)
-    return out
+    act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
+    gate = r(linear(x, w[f"{p}.gate_proj.weight"]))
+    up = r(linear(x, w[f"{p}.up_proj.weight"]))
+    gate, up = tap(p, "gate_proj", gate), tap(p, "up_proj", up)
+    hidden = r(r(act(gate)) * up)
+    hidden = tap(p, "hidden", hidden)
+    out = r(linear(hidden, w[f"{p}.down_proj.weight"]))
+    return tap(p, "down_proj", out)
 
 
-def moe(w, p: str, x: np.ndarray, cfg) -> np.ndarray:
+def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """Sparse MoE block: router softmax -> top-k -> (renormalise) -> experts summed in ascending id;
     plus, where the checkpoint has one, the shared expert scaled by sigmoid(shared_expert_gate(x))."""
     B, T, H = x.shape
-    act = ACTIVATIONS[cfg.hidden_act]
+    act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
-    logits = linear(xs, w[f"{p}.gate.weight"])                          # [N, E]
-    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    tap(p, "gate", logits.reshape(B, T, -1)), tap(p, "router_probs", probs.reshape(B, T, -1))
-    tap(p, "selected_experts", experts.reshape(B, T, -1)), tap(p, "routing_weights", weights.reshape(B, T, -1))
+    logits = r(linear(xs, w[f"{p}.gate.weight"]))                       # [N, E]
+    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
+    router_logits = logits.reshape(B, T, -1)
+    given = tap(p, "gate", router_logits)
+    if given is not router_logits:  # teacher-forced router logits: route them
+        probs, weights, experts = route(given.reshape(B * T, -1), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                        rnd=r)
+    tap(p, "router_probs", probs.reshape(B, T, -1))
+    experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
+    weights = tap(p, "routing_weights", weights.reshape(B, T, -1)).reshape(B * T, -1)
 
     def expert(e: int, xe: np.ndarray) -> np.ndarray:
         gate, up, down = w.expert(f"{p}.experts", e)
-        return linear(act(linear(xe, gate)) * linear(xe, up), down)
+        return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
 
-    out = mix_experts(xs, experts, weights, expert)
-    tap(p, "experts", out.reshape(B, T, H))
+    out = mix_experts(xs, experts, weights, expert, rnd=r)
+    out = tap(p, "experts", out.reshape(B, T, H)).reshape(B * T, H)
     if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
-        shared = mlp(w, f"{p}.shared_expert", x, cfg).reshape(B * T, H)
-        gate = shared_expert_gate(xs, w[f"{p}.shared_expert_gate.weight"])
-        tap(p, "shared_expert_gate", gate.reshape(B, T, 1))
-        out = out + gate * shared
-    out = out.reshape(B, T, H)
-    tap(p, None, out)
-    return out
+        shared = mlp(w, f"{p}.shared_expert", x, cfg, ctx).reshape(B * T, H)
+        gate = shared_expert_gate(xs, w[f"{p}.shared_expert_gate.weight"], rnd=r)
+        gate = tap(p, "shared_expert_gate", gate.reshape(B, T, 1)).reshape(B * T, 1)
+        out = r(out + r(gate * shared))
+    return tap(p, None, out.reshape(B, T, H))
 
 
-def feed_forward(w, i: int, x: np.ndarray, cfg) -> np.ndarray:
+def feed_forward(w, i: int, x: np.ndarray, cfg, ctx) -> np.ndarray:
     p = f"model.layers.{i}.mlp"
-    return moe(w, p, x, cfg) if cfg.is_moe_layer(i) else mlp(w, p, x, cfg)
+    return moe(w, p, x, cfg, ctx) if cfg.is_moe_layer(i) else mlp(w, p, x, cfg, ctx)
 
 
 def decoder_layer(w, i: int, x: np.ndarray, cfg, ctx, mixer) -> np.ndarray:
     """Pre-norm residual layer around `mixer` (attention or, in hybrids, Gated DeltaNet) and the MLP."""
     p = f"model.layers.{i}"
-    h = norm(w, f"{p}.input_layernorm", x, cfg)
-    tap(p, "input_layernorm", h)
-    h = x + mixer(w, i, h, cfg, ctx)
-    tap(p, "attn_residual", h)
-    m = norm(w, f"{p}.post_attention_layernorm", h, cfg)
-    tap(p, "post_attention_layernorm", m)
-    out = h + feed_forward(w, i, m, cfg)
-    tap(p, None, out)
-    return out
+    h = norm(w, f"{p}.input_layernorm", x, cfg, ctx)
+    h = tap(p, "input_layernorm", h)
+    h = ctx.round(x + mixer(w, i, h, cfg, ctx))
+    h = tap(p, "attn_residual", h)
+    m = norm(w, f"{p}.post_attention_layernorm", h, cfg, ctx)
+    m = tap(p, "post_attention_layernorm", m)
+    return tap(p, None, ctx.round(h + feed_forward(w, i, m, cfg, ctx)))
 
 
 def self_attention_mixer(w, i, x, cfg, ctx):

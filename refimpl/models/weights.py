@@ -1,7 +1,7 @@
 """Weights: HF checkpoint name -> array in the compute dtype, loaded lazily.
 
 Stored arrays (memory maps, or in-memory arrays for presets) are converted to the compute dtype on first use
-and kept; a float32 checkpoint in float32 mode is used in place, with no copy at all.
+(then rounded or fake-quantised when a precision policy emulates bf16 / fp16 / integer weights) and kept; a float32 checkpoint in float32 mode is used in place, with no copy at all.
 Names are the checkpoint's own; the multimodal prefix `model.language_model.` is mapped to `model.`, and
 `mtp.*` (multi-token prediction) and `model.visual.*` tensors are set aside, not loaded.
 """
@@ -18,9 +18,10 @@ _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 
 
 class Weights:
-    def __init__(self, stored: dict[str, np.ndarray], dtype="float32", source: str = "<memory>"):
+    def __init__(self, stored: dict[str, np.ndarray], dtype="float32", source: str = "<memory>", transform=None):
         self.dtype = np.dtype(dtype)
         self.source = source
+        self.transform = transform  # (name, array) -> array: weight emulation of a precision policy, or None
         self.stored: dict[str, np.ndarray] = {}
         self.set_aside: list[str] = []
         for name, array in stored.items():
@@ -43,6 +44,8 @@ class Weights:
             except KeyError:
                 raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
             out = raw if raw.dtype == self.dtype else np.asarray(raw).astype(self.dtype)
+            if self.transform is not None:
+                out = self.transform(name, out)
             self._converted[name] = out
         return out
 

@@ -1,0 +1,200 @@
+"""CLI commands of the diff tool: `refimpl diff`, `refimpl replay`, `refimpl explain`.
+
+Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError
+
+
+def add_commands(sub) -> None:
+    d = sub.add_parser("diff", help="compare a device dump with a golden bundle: metrics, first divergence, report")
+    d.add_argument("bundle", help="golden bundle directory")
+    d.add_argument("device", nargs="?", help="device dump: qnn-net-run output dir, dir of .raw/.npy, .npz or "
+                                             ".safetensors (omit with --rejudge)")
+    d.add_argument("--dtype", help="device compute dtype for default thresholds and ULPs: fp32 (default), fp16, bf16")
+    d.add_argument("--policy", help="JSON policy file: per-tensor criteria, declared layouts, ignored tensors")
+    d.add_argument("--dump-dtype", default="float32",
+                   help="dtype of raw dump files: float32 (qnn-net-run default), native (the bundle's), float16, ...")
+    d.add_argument("--mapping", help="JSON {golden name: device name} for names sanitising does not explain")
+    d.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER",
+                   help="declare a dump layout: transposed, nhwc or aimet (e.g. '.=aimet', 'past_key_.*=transposed')")
+    d.add_argument("--emulated", help="bundle of the same case at the device's precision: three-way judging "
+                                      "(device error within k x the emulation's)")
+    d.add_argument("--k", type=float, help="k of three-way judging (default 4)")
+    d.add_argument("--json", help="write raw metrics (re-judge later with --rejudge)")
+    d.add_argument("--html", help="write the HTML report with plots")
+    d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
+    d.add_argument("--top", type=int, default=20, help="rows of the terminal table (0: all)")
+    d.set_defaults(func=cmd_diff)
+
+    r = sub.add_parser("replay", help="run the reference on the device's own inputs of a layer or tensor: "
+                                      "inherited vs added error")
+    r.add_argument("bundle")
+    r.add_argument("device")
+    which = r.add_mutually_exclusive_group(required=True)
+    which.add_argument("--layer", type=int, help="layer index")
+    which.add_argument("--tensor", help="tap or output name")
+    r.add_argument("--step", type=int, help="only this step (default: all)")
+    r.add_argument("--model", help="model source (default: the bundle's)")
+    r.add_argument("--dtype", help="device compute dtype for the verdict: fp32 (default), fp16, bf16")
+    r.add_argument("--policy")
+    r.add_argument("--dump-dtype", default="float32")
+    r.add_argument("--mapping")
+    r.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER")
+    r.set_defaults(func=cmd_replay)
+
+    e = sub.add_parser("explain", help="one element line by line: op, formula, inputs, intermediate values")
+    e.add_argument("bundle")
+    e.add_argument("element", help="NAME[i,j,...], e.g. 'model.layers.3.self_attn.q_norm[0,5,2,17]'")
+    e.add_argument("--step", type=int, help="step (default: the first that has the tensor)")
+    e.add_argument("--model", help="model source (default: the bundle's)")
+    e.add_argument("--device", help="a device dump: show its values beside the reference's")
+    e.add_argument("--dump-dtype", default="float32")
+    e.add_argument("--mapping")
+    e.set_defaults(func=cmd_explain)
+
+
+def _policy(args):
+    from .compare import load_policy, make_policy
+    policy = load_policy(args.policy, args.dtype)
+    for item in args.layout:
+        pattern, sep, adapter = item.rpartition("=")
+        if not sep:
+            raise InputError(f"--layout expects REGEX=ADAPTER, got {item!r}")
+        policy.layouts.insert(0, make_policy({"layouts": {pattern: adapter}}, policy.dtype, "--layout").layouts[0])
+    if getattr(args, "k", None) is not None:
+        if not args.k > 0:
+            raise InputError(f"--k must be positive, got {args.k}")
+        policy.three_way_k = args.k
+    return policy
+
+
+def _dump(args, bundle):
+    from .dump import read_dump, read_mapping
+    return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
+                     dtype=args.dump_dtype)
+
+
+def _bundle(path):
+    from ..bundle import read_bundle
+    return read_bundle(path, verify=False)
+
+
+def _model(bundle, source=None):
+    from ..models.load import load
+    from ..precision import from_manifest
+    m = bundle.manifest["model"]
+    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {})))
+    if model.weights.sha256() != m.get("weights_sha256"):
+        raise InputError(f"model {source or m['source']!r}: weights differ from the bundle's "
+                         f"(sha256 {model.weights.sha256()[:12]} vs {str(m.get('weights_sha256'))[:12]}); give --model")
+    return model
+
+
+def _atomic_json(path, data) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def cmd_diff(args) -> int:
+    from . import compare as C
+    from .report import print_report, write_html
+    policy = _policy(args)
+    if args.rejudge:
+        report = C.rejudge(C.load_metrics(args.rejudge), policy)
+        first_error = None
+    else:
+        if args.device is None:
+            raise InputError("diff: give a device dump (or --rejudge METRICS_JSON)")
+        bundle = _bundle(args.bundle)
+        dump = _dump(args, bundle)
+        emulated = _bundle(args.emulated) if args.emulated else None
+        report = C.compare(bundle, dump, policy, emulated)
+        first_error = _first_error(bundle, dump, report, policy)
+    print_report(report, top=args.top)
+    if args.json:
+        C.save_metrics(report, args.json)
+    if args.html:
+        write_html(report, args.html, first_error)
+    return report.exit_code
+
+
+def _first_error(bundle, dump, report, policy):
+    """device - golden over the valid region of the earliest first divergence (for the histogram)."""
+    from ..bundle import valid_mask
+    from .compare import _candidates
+    keys = [k for k in report.first_divergence.values() if k]
+    if not keys:
+        return None
+    rec = bundle.manifest["tensors"][keys[0]]
+    item = dump.items[keys[0]]
+    result = next(r for r in report.results if r.key == keys[0])
+    cands = dict(_candidates(item, rec, result.layout))
+    device = cands.get(result.layout)
+    if device is None:
+        return None
+    golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
+    mask = valid_mask(golden.shape, rec["valid"])
+    return (device.astype(np.float64) - golden.astype(np.float64))[mask]
+
+
+def cmd_replay(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from .report import _fmt
+    from .replay import replay
+    bundle = _bundle(args.bundle)
+    policy = _policy(args)
+    dump = _dump(args, bundle)
+    rows = replay(bundle, dump, _model(bundle, args.model), layer=args.layer, tensor=args.tensor, step=args.step,
+                  policy=policy)
+    if not rows:
+        raise InputError("replay: the dump holds none of the replayed tensors")
+    t = Table(title=f"replay {'layer ' + str(args.layer) if args.layer is not None else args.tensor}: "
+                    "SQNR dB (total = inherited + added)")
+    for col in ("step", "tensor", "total", "inherited", "added", "verdict"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r.step), r.name, _fmt(r.total["sqnr_db"], "sqnr_db"), _fmt(r.inherited["sqnr_db"], "sqnr_db"),
+                  _fmt(r.added["sqnr_db"], "sqnr_db"),
+                  "ADDS ERROR: " + "; ".join(r.failures) if r.adds_error else "inherited only",
+                  style="red" if r.adds_error else None)
+    Console().print(t)
+    lacking = sorted({(r.step, n) for r in rows for n in r.golden_inputs if r.step > 0})
+    if lacking:
+        print(f"note: {len(lacking)} graph inputs of later steps are not in the dump (e.g. step {lacking[0][0]} "
+              f"{lacking[0][1]}); the replay used the golden's, so error carried in by the device's cache and "
+              f"state counts as added there")
+    return 1 if any(r.adds_error for r in rows) else 0
+
+
+def cmd_explain(args) -> int:
+    from .explain import explain, parse
+    bundle = _bundle(args.bundle)
+    model = _model(bundle, args.model)
+    device = None
+    if args.device:
+        name, _ = parse(args.element)
+        dump = _dump(args, bundle)
+        from .compare import Policy
+        from .replay import _device
+        steps = [args.step] if args.step is not None else range(bundle.steps)
+        for k in steps:
+            for role in ("tap", "output", "input"):
+                d = _device(bundle, dump, k, role, name, Policy())
+                if d is not None:
+                    device = {name: d}
+                    break
+            if device:
+                break
+    print(explain(bundle, model, args.element, step=args.step, device=device))
+    return 0

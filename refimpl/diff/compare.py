@@ -1,0 +1,545 @@
+"""Compare a device dump with a golden bundle: metrics per tensor, judging, first divergence, error curves.
+
+    report = compare(read_bundle(b), read_dump(d, bundle), load_policy(None))
+    report.first_divergence[k]            # step k's first tensor that fails while everything it reads passes
+    report.results                        # every compared tensor in execution order, with metrics and status
+    save_metrics(report, "diff.json"); rejudge(load_metrics("diff.json"), new_policy)
+
+Judging (a policy, default by the device's compute dtype; spec device_conventions.md §9):
+  float tensors pass when  nmse <= max_nmse  or  max_abs <= atol  (a floor for tensors that are ~0), with no
+  NaN / Inf where the golden is finite; integer tensors (ids, chosen experts) must be equal.
+      dtype      max_nmse   (SQNR)    atol
+      float32    1e-9       90 dB     1e-6    reordered float32 sums stay near 1e-12; fp16 rounding alone is ~1e-7
+      float16    1e-5       50 dB     1e-3
+      bfloat16   1e-4       40 dB     1e-2
+  A policy file overrides any of these per tensor (regex) with max_<metric> / min_<metric> criteria over the
+  metrics of refimpl.diff.metrics; three-way judging replaces max_nmse by k^2 times the error an emulated-
+  precision run of the reference shows on the same tensor (error within k x the emulation's, in RMS).
+
+Status of a tensor: pass | fail | layout (matches the golden only when read in another layout, e.g. an
+untransposed key cache) | error (unreadable, truncated, wrong shape) | missing (a graph output not dumped).
+A failing tensor whose inputs all pass *adds* error; one with a failing input *inherits* it. The first
+divergence of a step is its first adding failure in execution order (coremltools' rule, over the layer DAG
+of refimpl.diff.dataflow); graph inputs of a later step read the previous step's outputs.
+"""
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import ROLES, valid_mask
+from ..errors import InputError
+from ..models.config import config_from_dict
+from .dataflow import producer
+from .metrics import logits_metrics, sqnr_db, tensor_metrics
+
+DEFAULTS = {
+    "float32": {"max_nmse": 1e-9, "atol": 1e-6},
+    "float16": {"max_nmse": 1e-5, "atol": 1e-3},
+    "bfloat16": {"max_nmse": 1e-4, "atol": 1e-2},
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FAILING = ("fail", "layout", "error")
+
+
+# ------------------------------------------------------------------------------------------------ policy
+
+@dataclasses.dataclass
+class Policy:
+    """How tensors are judged. rules: [(regex over the tensor name, {criterion: value})], later rules win
+    key by key; layouts: [(regex, adapter)] declared dump layouts; ignore: regexes of tensors not scored;
+    three_way_k: k of three-way judging."""
+    dtype: str = "float32"
+    rules: list = dataclasses.field(default_factory=list)
+    layouts: list = dataclasses.field(default_factory=list)
+    ignore: list = dataclasses.field(default_factory=list)
+    three_way_k: float = 4.0
+
+    def criteria(self, name: str, integer: bool) -> dict:
+        c = {"exact": True} if integer else dict(DEFAULTS[self.dtype])
+        c.update({"max_n_nan": 0, "max_n_inf": 0})
+        for pattern, rule in self.rules:
+            if re.search(pattern, name):
+                c.update(rule)
+        return c
+
+    def layout(self, name: str) -> str | None:
+        for pattern, adapter in self.layouts:
+            if re.search(pattern, name):
+                return adapter
+        return None
+
+    def ignored(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.ignore)
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.dtype, "tensors": [{"match": p, **r} for p, r in self.rules],
+                "layouts": {p: a for p, a in self.layouts}, "ignore": self.ignore, "three_way_k": self.three_way_k}
+
+
+def make_policy(spec: dict | None = None, dtype: str | None = None, where: str = "policy") -> Policy:
+    """A Policy from a JSON-style dict:
+        {"dtype": "float16", "three_way_k": 4,
+         "tensors": [{"match": "mlp\\\\.down_proj$", "max_nmse": 1e-4, "min_cosine": 0.999}, ...],
+         "layouts": {"past_key_.*_out": "transposed"}, "ignore": ["attn_scores$"]}"""
+    spec = dict(spec or {})
+    unknown = set(spec) - {"dtype", "tensors", "layouts", "ignore", "three_way_k"}
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; expected dtype, tensors, layouts, ignore, "
+                         f"three_way_k")
+    d = dtype or spec.get("dtype", "float32")
+    d = _ALIASES.get(d, d)
+    if d not in DEFAULTS:
+        raise InputError(f"{where}: dtype {d!r} is not one of {', '.join(DEFAULTS)} (or fp32 / fp16 / bf16)")
+    rules = []
+    for i, r in enumerate(spec.get("tensors", [])):
+        if not isinstance(r, dict) or not isinstance(r.get("match"), str):
+            raise InputError(f"{where}: tensors[{i}] must be an object with a 'match' regex")
+        crit = {k: v for k, v in r.items() if k != "match"}
+        for k, v in crit.items():
+            if not (k in ("exact", "atol") or re.fullmatch(r"(max|min)_\w+", k)):
+                raise InputError(f"{where}: tensors[{i}]: criterion {k!r} is not max_<metric>, min_<metric>, "
+                                 f"atol or exact")
+            if not isinstance(v, (int, float)):
+                raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {v!r}")
+        rules.append((_regex(r["match"], where), crit))
+    layouts = [(_regex(p, where), a) for p, a in spec.get("layouts", {}).items()]
+    for _, a in layouts:
+        if a not in ADAPTERS:
+            raise InputError(f"{where}: layout {a!r} is not one of {', '.join(ADAPTERS)}")
+    return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])],
+                  float(spec.get("three_way_k", 4.0)))
+
+
+def _regex(p, where):
+    try:
+        re.compile(p)
+    except (re.error, TypeError) as e:
+        raise InputError(f"{where}: bad regex {p!r} ({e})") from None
+    return p
+
+
+def load_policy(path=None, dtype: str | None = None) -> Policy:
+    if path is None:
+        return make_policy(None, dtype)
+    try:
+        spec = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: policy file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: policy file is not JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise InputError(f"{path}: policy must be a JSON object")
+    return make_policy(spec, dtype, str(path))
+
+
+def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str]:
+    """The criteria a tensor fails (empty: it passes). metrics / logits: refimpl.diff.metrics dicts."""
+    if metrics is None:
+        return ["not compared"]
+    if metrics["n"] == 0:  # nothing valid to score (e.g. an empty cache window)
+        return []
+    values = {**metrics, **(logits or {})}
+    failed = []
+    if criteria.get("exact"):
+        if not metrics["max_abs"] == 0 or metrics["n_nan"] or metrics["n_inf"]:
+            failed.append(f"exact: values differ (max abs {metrics['max_abs']:.3g})")
+        return failed
+    floor = criteria.get("atol")
+    within_floor = floor is not None and metrics["max_abs"] <= floor and not metrics["n_nan"] and not metrics["n_inf"]
+    for key, limit in criteria.items():
+        if key in ("exact", "atol"):
+            continue
+        kind, metric = key.split("_", 1)
+        value = values.get(metric)
+        if value is None:
+            continue  # e.g. a logits criterion on a tensor that is not logits
+        ok = (value <= limit) if kind == "max" else (value >= limit)
+        if isinstance(value, float) and math.isnan(value):
+            ok = False
+        if not ok and not (within_floor and metric not in ("n_nan", "n_inf")):
+            failed.append(f"{metric} {value:.3g} {'>' if kind == 'max' else '<'} {limit:g}")
+    return failed
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+def _swap_last(shape):
+    return (*shape[:-2], shape[-1], shape[-2]) if len(shape) >= 2 else None
+
+
+def _aimet_shape(shape, axes):
+    s = shape if (axes or "").split(",")[0] == "b" else (1, *shape)
+    return (s[0], s[2], s[3], s[1]) if len(s) == 4 else s
+
+
+def _aimet_inverse(a, shape, axes):
+    if a.ndim == 4:
+        a = a.transpose(0, 3, 1, 2)
+    return a if (axes or "").split(",")[0] == "b" else a[0]
+
+
+# adapter -> (device shape from the golden shape/axes, device array -> golden layout, description)
+ADAPTERS = {
+    "transposed": (lambda s, ax: _swap_last(s), lambda a, s, ax: a.swapaxes(-1, -2),
+                   "last two axes swapped (e.g. key cache [.., t, d] for [.., d, t], state [dv, dk] for [dk, dv])"),
+    "nhwc": (lambda s, ax: (s[0], s[2], s[3], s[1]) if len(s) == 4 else None,
+             lambda a, s, ax: a.transpose(0, 3, 1, 2), "NHWC for NCHW (4-D)"),
+    "aimet": (_aimet_shape, _aimet_inverse, "AIMET layer-output layout (batch axis added, 4-D as NHWC)"),
+}
+
+
+def _candidates(item, rec, declared: str | None):
+    """[(adapter or None, array in the golden layout)] to try, the declared / as-is reading first."""
+    shape, axes, a = tuple(rec["shape"]), rec.get("axes"), item.array
+    flat = a.ndim == 1 and len(shape) != 1
+    out = []
+    names = [declared] if declared else [None, *ADAPTERS]
+    for name in names:
+        if name is None:
+            if flat or a.shape == shape or (a.size == math.prod(shape)
+                                            and [n for n in a.shape if n != 1] == [n for n in shape if n != 1]):
+                out.append((None, a.reshape(shape)))
+            continue
+        dev_shape, inverse, _ = ADAPTERS[name]
+        ds = dev_shape(shape, axes)
+        if ds is None or math.prod(ds) != math.prod(shape):
+            continue
+        if flat or a.shape == tuple(ds):
+            g = inverse(a.reshape(ds), shape, axes)
+            if g.shape == shape:
+                out.append((name, g))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ comparing
+
+@dataclasses.dataclass
+class Result:
+    key: str
+    step: int
+    role: str
+    name: str
+    status: str                      # pass | fail | layout | error | missing
+    op: str | None = None
+    layer: int | None = None
+    metrics: dict | None = None
+    logits: dict | None = None
+    failures: list = dataclasses.field(default_factory=list)
+    layout: str | None = None        # adapter the dump was read with (declared or detected)
+    problem: str | None = None
+    positions: dict | None = None    # absolute token position -> SQNR dB of that row
+    origin: str | None = None        # for failures: "added" (all inputs pass) or "inherited"
+    reference: dict | None = None    # three-way: the emulated run's metrics on this tensor
+    source: str | None = None
+
+
+@dataclasses.dataclass
+class Report:
+    bundle: str
+    dump: str
+    policy: dict
+    results: list
+    first_divergence: dict           # step -> key (or None)
+    unknown: list
+    absent: int                      # taps / inputs the dump does not hold (not scored)
+    notes: list
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.results if r.status in FAILING]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report:
+    """Score every dumped tensor of `bundle` (refimpl.bundle.Bundle) against `dump` (refimpl.diff.dump.Dump).
+    emulated: an optional Bundle of the same case run at the device's precision (three-way judging)."""
+    policy = policy or Policy()
+    cfg = _config(bundle)
+    results, absent = [], 0
+    starts = _step_starts(bundle.manifest)
+    for rec in bundle.records():
+        key = f"{rec['step']}/{rec['role']}/{rec['name']}"
+        if policy.ignored(rec["name"]):
+            continue
+        node = producer(cfg, rec["name"]) if cfg is not None else None
+        r = Result(key, rec["step"], rec["role"], rec["name"], "missing", node and node.op, node and node.layer)
+        item = dump.items.get(key)
+        if item is None:
+            if rec["role"] == "output":
+                r.problem = "not in the dump"
+                results.append(r)
+            else:
+                absent += 1
+            continue
+        r.source = item.source
+        if item.problem:
+            r.status, r.problem = "error", item.problem
+            results.append(r)
+            continue
+        _score(r, rec, item, bundle, policy, emulated, starts[rec["step"]])
+        results.append(r)
+    report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {}, dump.unknown, absent, [])
+    _localise(report, cfg, bundle.steps)
+    report.notes = _notes(report)
+    return report
+
+
+def _config(bundle):
+    try:
+        return config_from_dict(bundle.manifest["model"]["config"])
+    except Exception:  # a bundle from elsewhere: compare without the layer DAG
+        return None
+
+
+def _step_starts(manifest) -> list[int]:
+    """Absolute position of each step's first real token (tokens of earlier steps)."""
+    starts, n = [], 0
+    for s in manifest["steps"]:
+        starts.append(n)
+        n += len(s.get("tokens") or [])
+    return starts
+
+
+def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int) -> None:
+    golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
+    integer = not np.issubdtype(golden.dtype, np.floating) and golden.dtype.name != "bfloat16"
+    criteria = policy.criteria(rec["name"], integer)
+    if emulated is not None and not integer:
+        r.reference = _emulated_metrics(emulated, rec, golden, policy)
+        if r.reference is not None:
+            criteria["max_nmse"] = policy.three_way_k ** 2 * max(r.reference["nmse"], DEFAULTS["float32"]["max_nmse"])
+    declared = policy.layout(rec["name"])
+    candidates = _candidates(item, rec, declared)
+    if not candidates:
+        r.status = "error"
+        r.problem = (f"shape {list(item.array.shape)} where the bundle has {rec['shape']}"
+                     + (f" (declared layout {declared})" if declared else ""))
+        return
+    best = None
+    for adapter, device in candidates:
+        m, lm = _metrics(golden, device, rec, policy.dtype)
+        failures = judge(m, lm, criteria)
+        if best is None:
+            best = (adapter, device, m, lm, failures)
+        if not failures:
+            best = (adapter, device, m, lm, failures)
+            break
+    adapter, device, r.metrics, r.logits, r.failures = best
+    r.layout = adapter
+    if r.failures:
+        r.status = "fail"
+    elif adapter is not None and adapter != declared:
+        r.status = "layout"
+        r.problem = f"matches the golden only when read as '{adapter}': {ADAPTERS[adapter][2]}"
+    else:
+        r.status = "pass"
+    if integer:
+        r.metrics["integer"] = True
+    r.positions = _positions(rec, golden, device, bundle, start)
+
+
+def _metrics(golden, device, rec, dtype):
+    m = tensor_metrics(golden, device, rec["valid"], dtype)
+    lm = None
+    if rec["name"] == "logits" and golden.ndim >= 2 and golden.shape[-1] >= 2:
+        rows = valid_mask(golden.shape, rec["valid"]).any(axis=-1)
+        lm = logits_metrics(golden, device, rows)
+    return m, lm
+
+
+def _emulated_metrics(emulated, rec, golden, policy):
+    try:
+        e = emulated.tensor(rec["step"], rec["role"], rec["name"])
+    except InputError:
+        return None
+    if e.shape != golden.shape:
+        return None
+    return tensor_metrics(golden, e, rec["valid"], policy.dtype)
+
+
+def _token_axis(rec: dict, T: int) -> int | None:
+    name, shape = rec["name"], rec["shape"]
+    if rec["role"] == "tap":
+        if name.endswith(("conv_state", "recurrent_state")):
+            return None
+        axis = 2 if name.endswith(("attn_scores", "attn_probs")) else 1
+    else:
+        axes = (rec.get("axes") or "").split(",")
+        if "t" not in axes:
+            return None
+        axis = axes.index("t")
+    return axis if len(shape) > axis and shape[axis] == T else None
+
+
+def _positions(rec, golden, device, bundle, start: int) -> dict | None:
+    """SQNR dB of each real token row, keyed by absolute position."""
+    step = bundle.manifest["steps"][rec["step"]]
+    ids = bundle.manifest["tensors"].get(f"{rec['step']}/input/input_ids")
+    T = ids["shape"][-1] if ids else len(step.get("tokens") or [])
+    axis = _token_axis(rec, T)
+    if axis is None:
+        return None
+    mask = valid_mask(golden.shape, rec["valid"])
+    rows = [t for t in range(T) if np.take(mask, t, axis=axis).any()]
+    out = {}
+    for j, t in enumerate(rows):
+        m = np.take(mask, t, axis=axis)
+        g = np.take(golden, t, axis=axis)[m].astype(np.float64)
+        d = np.take(device, t, axis=axis)[m].astype(np.float64)
+        ok = np.isfinite(g) & np.isfinite(d)
+        out[start + j] = sqnr_db(g[ok], d[ok]) if ok.all() else -math.inf
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ localising
+
+def _localise(report: Report, cfg, n_steps: int) -> None:
+    """Mark each failure added / inherited and pick each step's first divergence."""
+    by_key = {r.key: r for r in report.results if r.status != "missing"}
+    for k in range(n_steps):
+        report.first_divergence[k] = None
+    memo = {}
+    for r in report.results:
+        if r.status not in FAILING:
+            continue
+        deps = _compared_ancestors(cfg, r.step, r.name, by_key, memo) if cfg is not None else []
+        r.origin = "inherited" if any(by_key[d].status in FAILING for d in deps) else "added"
+        if r.origin == "added" and report.first_divergence[r.step] is None:
+            report.first_divergence[r.step] = r.key
+
+
+def _compared_ancestors(cfg, step: int, name: str, by_key: dict, memo: dict, depth: int = 0) -> list[str]:
+    """Keys of the nearest compared tensors that `name` (at `step`) reads, through uncompared ones."""
+    if (step, name) in memo:
+        return memo[step, name]
+    node = producer(cfg, name)
+    found = []
+    for dep in (node.inputs if node else ()):
+        s, n = (step - 1, dep[5:]) if dep.startswith("prev:") else (step, dep)
+        if s < 0:
+            continue
+        hit = next((f"{s}/{role}/{n}" for role in ROLES if f"{s}/{role}/{n}" in by_key), None)
+        if hit:
+            found.append(hit)
+        elif depth < 64 and producer(cfg, n) is not None and s == step:
+            found += _compared_ancestors(cfg, s, n, by_key, memo, depth + 1)
+    memo[step, name] = found
+    return found
+
+
+def _notes(report: Report) -> list[str]:
+    """Patterns worth a sentence: state drift over steps, cliffs along positions, where divergence starts."""
+    notes = []
+    fd = [(k, v) for k, v in report.first_divergence.items() if v]
+    if fd:
+        k, key = fd[0]
+        notes.append(f"first divergence: step {k}, {key.split('/', 2)[2]}")
+    series = {}
+    for r in report.results:
+        if r.role == "output" and r.metrics and r.name != "logits":
+            series.setdefault(r.name.rsplit("_", 1)[0], []).append((r.step, r.metrics["sqnr_db"]))
+    for name, pts in series.items():
+        vals = [v for _, v in sorted(pts) if math.isfinite(v)]
+        if len(vals) >= 3 and all(b < a for a, b in zip(vals, vals[1:])):
+            notes.append(f"{name}: SQNR falls every step ({vals[0]:.1f} -> {vals[-1]:.1f} dB): state drift")
+    curve = position_curve(report, "logits")
+    for (p0, v0), (p1, v1) in zip(curve, curve[1:]):
+        if math.isfinite(v0) and v0 - v1 > 20:
+            notes.append(f"logits: SQNR drops {v0 - v1:.0f} dB from position {p0} to {p1}")
+            break
+    return notes
+
+
+# ------------------------------------------------------------------------------------------------ curves
+
+def layer_curve(report: Report, step: int | None = None) -> dict:
+    """layer -> worst SQNR dB among its compared tensors (KV and GDN state outputs included)."""
+    out = {}
+    for r in report.results:
+        if r.layer is None or r.metrics is None or (step is not None and r.step != step):
+            continue
+        out[r.layer] = min(out.get(r.layer, math.inf), r.metrics["sqnr_db"])
+    return dict(sorted(out.items()))
+
+
+def position_curve(report: Report, name: str) -> list[tuple[int, float]]:
+    """(absolute position, SQNR dB) of tensor `name`'s real rows over all steps."""
+    pts = {}
+    for r in report.results:
+        if r.name == name and r.positions:
+            pts.update(r.positions)
+    return sorted(pts.items())
+
+
+def step_curve(report: Report, names=None) -> dict:
+    """step -> worst SQNR dB over outputs (logits, KV, states) or over the given tensor names."""
+    out = {}
+    for r in report.results:
+        if r.metrics is None or (names is None and r.role != "output") or (names is not None and r.name not in names):
+            continue
+        out[r.step] = min(out.get(r.step, math.inf), r.metrics["sqnr_db"])
+    return dict(sorted(out.items()))
+
+
+# ------------------------------------------------------------------------------------------------ saving
+
+def save_metrics(report: Report, path) -> None:
+    """Raw metrics as JSON (Infinity / NaN as Python writes them), to re-judge later under another policy."""
+    data = dataclasses.asdict(report)
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+def load_metrics(path) -> Report:
+    try:
+        data = json.loads(Path(path).read_text())
+        results = [Result(**r) for r in data.pop("results")]
+        data["results"] = results
+        data["first_divergence"] = {int(k): v for k, v in data["first_divergence"].items()}
+        for r in results:
+            if r.positions:
+                r.positions = {int(k): v for k, v in r.positions.items()}
+        return Report(**data)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such metrics file") from None
+    except (json.JSONDecodeError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not a refimpl diff metrics file ({e})") from None
+
+
+def rejudge(report: Report, policy: Policy, cfg=None) -> Report:
+    """Judge saved metrics again under `policy` (no dump or bundle needed). Layout and error statuses stay."""
+    for r in report.results:
+        if r.metrics is None or r.status in ("error", "missing"):
+            continue
+        if policy.ignored(r.name):
+            r.status = "ignored"
+            continue
+        integer = bool(r.metrics.get("integer"))
+        criteria = policy.criteria(r.name, integer)
+        if r.reference is not None and not integer:
+            criteria["max_nmse"] = policy.three_way_k ** 2 * max(r.reference["nmse"], DEFAULTS["float32"]["max_nmse"])
+        r.failures = judge(r.metrics, r.logits, criteria)
+        r.status = "fail" if r.failures else ("layout" if r.status == "layout" else "pass")
+    report.policy = policy.to_dict()
+    if cfg is not None:
+        _localise(report, cfg, len(report.first_divergence))
+    else:
+        _localise_saved(report)
+    report.notes = _notes(report)
+    return report
+
+
+def _localise_saved(report: Report) -> None:
+    cfg = None
+    try:
+        cfg = config_from_dict(json.loads((Path(report.bundle) / "manifest.json").read_text())["model"]["config"])
+    except Exception:
+        pass
+    _localise(report, cfg, len(report.first_divergence))

@@ -1,0 +1,247 @@
+"""Reading a device's dump and matching it to a golden bundle's tensors.
+
+    dump = read_dump("output/", bundle)                 # qnn-net-run: output/Result_<k>/<name>.raw
+    dump = read_dump("dump.npz", bundle)                # keys "<k>/<role>/<name>", "<k>/<name>" or "<name>"
+    dump.items["0/output/logits"].array, dump.unknown
+
+Accepted layouts:
+- a qnn-net-run output directory: Result_<k>/<name>.raw, k = line k of the input list = bundle step k; with
+  --debug, intermediate tensors too (names with "/" become subdirectories);
+- a directory in the bundle's own layout (steps/<k>/{inputs,outputs,taps}/<name>.raw|.npy), or of
+  <k>/<name>.raw|.npy, or flat <name>.raw|.npy files for a one-step bundle;
+- the AIMET layer-output layout (outputs/layer_outputs_<k>/<name>.raw);
+- one .npz or .safetensors file with the same key forms.
+
+Raw files are headerless: float32 unless told (qnn-net-run writes dequantised float32; pass dtype="native" for
+--use_native_output_files, or a dtype name). Their shape is the bundle's; layout adapters (transposed key
+cache, NHWC, AIMET) are tried by refimpl.diff.compare so a layout mix-up is reported as one.
+
+Names: the device toolchain rewrites ':', '/' and '-' to '_'; some also '.'. A name is matched exactly, then
+after that rewriting, then with every non-alphanumeric character as '_' (if that is unambiguous). A mapping
+{golden name: device name} (QAIRT's tensor_mapping.json direction) covers the rest. Files that match nothing
+are listed in `unknown`, never fatal; an unreadable or truncated file becomes an item with a `problem`.
+"""
+
+import dataclasses
+import json
+import re
+import zipfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..bundle import DTYPES, ROLES
+from ..errors import FormatError, InputError
+from ..formats.safetensors import read_safetensors
+
+SUFFIXES = (".raw", ".npy", ".bin")
+_ROLE_DIRS = {**{v: k for k, v in ROLES.items()}, **{k: k for k in ROLES}}  # "inputs" or "input" -> "input"
+_STEP_DIR = re.compile(r"(?:Result_|layer_outputs_)?(\d+)$")
+
+
+@dataclasses.dataclass
+class Item:
+    key: str                        # the bundle key "<step>/<role>/<name>" it matched
+    source: str                     # file path (or container key) it came from
+    array: np.ndarray | None        # as stored: 1-D for raw files (shape comes from the bundle)
+    problem: str | None = None      # unreadable, truncated, ... (then array is None)
+    device_name: str = ""
+
+
+@dataclasses.dataclass
+class Dump:
+    path: Path
+    items: dict                     # bundle key -> Item
+    unknown: list                   # sources matching no bundle tensor, with the reason
+    raw_dtype: str
+
+
+def sanitize(name: str) -> str:
+    """The device toolchain's rewriting: ':', '/' and '-' become '_'."""
+    return re.sub(r"[:/\-]", "_", name)
+
+
+def _loose(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", name)
+
+
+def read_mapping(path) -> dict:
+    """A {golden name: device name} JSON file (QAIRT tensor_mapping.json) -> {device name: golden name}."""
+    try:
+        m = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: mapping file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: mapping file is not JSON ({e})") from None
+    if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
+        raise InputError(f"{path}: mapping must be a JSON object {{golden name: device name}}")
+    return {v: k for k, v in m.items()}
+
+
+def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str = "float32") -> Dump:
+    """Read a device dump and match its tensors to `bundle`'s (a refimpl.bundle.Bundle).
+    mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's)."""
+    path = Path(path)
+    if dtype != "native" and dtype not in DTYPES:
+        raise InputError(f"dump dtype {dtype!r} is not 'native' or one of {', '.join(DTYPES)}")
+    if not path.exists():
+        raise InputError(f"{path}: no such dump file or directory")
+    matcher = _Matcher(bundle.manifest, mapping or {})
+    dump = Dump(path, {}, [], dtype)
+    if path.is_dir():
+        entries = _directory(path)
+    elif path.suffix == ".npz":
+        entries = _npz(path)
+    elif path.suffix == ".safetensors":
+        entries = _safetensors(path)
+    else:
+        raise InputError(f"{path}: a dump must be a directory, a .npz or a .safetensors file")
+    for parts, source, load in entries:
+        key, why = matcher.match(parts)
+        if key is None:
+            dump.unknown.append(f"{source} ({why})")
+            continue
+        if key in dump.items:
+            dump.unknown.append(f"{source} (duplicate of {dump.items[key].source} for {key})")
+            continue
+        rec = bundle.manifest["tensors"][key]
+        try:
+            array, problem = load(rec, dtype), None
+        except FormatError as e:
+            array, problem = None, str(e)
+        dump.items[key] = Item(key, source, array, problem, parts[-1])
+    if not dump.items:
+        raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
+                         f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")
+    return dump
+
+
+# --------------------------------------------------------------------------------------------- containers
+
+def _directory(root: Path):
+    """(path parts, source, loader) for every file under root; parts = step / role hints and the name."""
+    for f in sorted(root.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = f.relative_to(root).parts
+        if f.suffix not in SUFFIXES:
+            yield (*rel[:-1], f.name), str(f), _unsupported(f)
+            continue
+        yield (*rel[:-1], f.name[:-len(f.suffix)]), str(f), _file_loader(f)
+
+
+def _unsupported(f: Path):
+    def load(rec, dtype):
+        raise FormatError(f"{f}: not a .raw / .npy file")
+    return load
+
+
+def _file_loader(f: Path):
+    def load(rec, dtype):
+        if f.suffix == ".npy":
+            try:
+                return _from_npy(np.load(f, allow_pickle=False), rec)
+            except (ValueError, OSError, EOFError) as e:
+                raise FormatError(f"{f}: corrupt .npy ({e})") from None
+        return _from_raw(f.read_bytes(), rec, dtype, str(f))
+    return load
+
+
+def _npz(path: Path):
+    try:
+        z = zipfile.ZipFile(path)
+        names = z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise FormatError(f"{path}: corrupt .npz ({e})") from None
+    for member in names:
+        key = member[:-4] if member.endswith(".npy") else member
+
+        def load(rec, dtype, member=member):
+            try:
+                with z.open(member) as fh:
+                    return _from_npy(np.lib.format.read_array(fh, allow_pickle=False), rec)
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+                raise FormatError(f"{path}[{member}]: corrupt member ({e})") from None
+        yield tuple(key.split("/")), f"{path}[{key}]", load
+
+
+def _safetensors(path: Path):
+    problems = {}
+    arrays = read_safetensors(path, problems)
+    for key in [*arrays, *problems]:
+        def load(rec, dtype, key=key):
+            if key in problems:
+                raise FormatError(problems[key])
+            return _from_npy(np.asarray(arrays[key]), rec)
+        yield tuple(key.split("/")), f"{path}[{key}]", load
+
+
+def _from_npy(a: np.ndarray, rec: dict) -> np.ndarray:
+    if rec["dtype"] == "bfloat16" and a.dtype == np.uint16:  # bf16 stored as its bits (NumPy has no bf16)
+        return a.view(ml_dtypes.bfloat16)
+    return a
+
+
+def _from_raw(data: bytes, rec: dict, dtype: str, where: str) -> np.ndarray:
+    dt = DTYPES[rec["dtype"] if dtype == "native" else dtype]
+    n = int(np.prod(rec["shape"], dtype=np.int64))
+    if len(data) != n * dt.itemsize:
+        hint = [name for name, d in DTYPES.items() if len(data) == n * d.itemsize and d.itemsize != dt.itemsize]
+        hint = f"; the size fits {' / '.join(hint)} (--dump-dtype)" if hint else ""
+        raise FormatError(f"{where}: {len(data)} bytes, expected {n * dt.itemsize} for {dt.name} {rec['shape']} "
+                          f"(truncated or corrupt{hint})")
+    return np.frombuffer(data, dt)
+
+
+# --------------------------------------------------------------------------------------------- matching
+
+class _Matcher:
+    """Resolves (directory parts..., name) to a bundle key "<k>/<role>/<name>"."""
+
+    def __init__(self, manifest: dict, mapping: dict):
+        self.steps, self.mapping = manifest["steps"], mapping
+        self.by_step = []
+        for s in self.steps:
+            exact, loose = {}, {}
+            for role in ("output", "tap", "input"):  # preference when a name is both (device dumps outputs)
+                for n in s[ROLES[role]]:
+                    exact.setdefault(n, []).append(role)
+                    loose.setdefault(_loose(n), []).append((role, n))
+            self.by_step.append((exact, loose))
+
+    def match(self, parts: tuple) -> tuple[str | None, str]:
+        *dirs, name = parts
+        step, role = None, None
+        for i, d in enumerate(dirs):  # the first Result_<k> / layer_outputs_<k> / <k> directory is the step
+            m = _STEP_DIR.fullmatch(d)
+            if m:
+                step, rest = int(m[1]), dirs[i + 1:]
+                role = _ROLE_DIRS.get(rest[0]) if rest else None
+                name = "/".join([*rest[1 if role else 0:], name])  # names with "/" become subdirectories
+                break
+        else:
+            name = "/".join([*dirs, name])
+        if step is None:
+            if len(self.steps) != 1:
+                return None, "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
+            step = 0
+        if step >= len(self.steps):
+            return None, f"step {step}, the bundle has {len(self.steps)}"
+        exact, loose = self.by_step[step]
+        golden = self.mapping.get(name) or self.mapping.get(sanitize(name))
+        for candidate in (golden, name, sanitize(name)):
+            roles = exact.get(candidate) if candidate else None
+            if roles:
+                r = role if role in roles else roles[0]
+                return f"{step}/{r}/{candidate}", ""
+        hits = loose.get(_loose(name), [])
+        if role:
+            hits = [h for h in hits if h[0] == role] or hits
+        names = {n for _, n in hits}
+        if len(names) == 1:
+            r, n = hits[0]
+            return f"{step}/{r}/{n}", ""
+        if len(names) > 1:
+            return None, f"ambiguous: matches {sorted(names)}; give a mapping file"
+        return None, f"no tensor of step {step} is named like it"

@@ -1,0 +1,197 @@
+"""The diff's two faces: a terminal table (worst first, first divergence highlighted) and a self-contained
+HTML report with plots (error vs layer, vs token position, vs decode step; histogram of the first failing
+tensor's error). Plots are PNGs rendered with matplotlib (Agg) and embedded as data URIs: one file to mail.
+"""
+
+import base64
+import html
+import io
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from .compare import FAILING, Report, layer_curve, position_curve, step_curve
+
+_COLUMNS = ("sqnr_db", "nmse", "cosine", "max_abs", "rel_p99", "not_close_frac", "ulp_max")
+
+
+def _fmt(v, key="") -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if key == "not_close_frac":
+            return f"{100 * v:.2f}%"
+        if key in ("sqnr_db",):
+            return f"{v:.1f}"
+        if key == "cosine":
+            return f"{v:.6f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def ordered(report: Report) -> list:
+    """Failures first (first divergences on top, then by SQNR, lowest first), then the rest by SQNR."""
+    first = set(report.first_divergence.values())
+
+    def key(r):
+        s = r.metrics["sqnr_db"] if r.metrics else -math.inf
+        return (r.status not in FAILING, r.key not in first, r.step if r.key in first else 0,
+                s if not math.isnan(s) else -math.inf)
+    return sorted(report.results, key=key)
+
+
+def print_report(report: Report, console: Console | None = None, top: int = 20) -> None:
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    first = set(report.first_divergence.values())
+    t = Table(title=f"refimpl diff: {report.dump} vs {report.bundle}", show_lines=False)
+    for col in ("step", "tensor", "status", "origin", "SQNR dB", "NMSE", "cosine", "max abs", "rel@p99",
+                "not-close", "ULP max", "NaN/Inf", "note"):
+        t.add_column(col, overflow="fold")
+    rows = ordered(report)
+    for r in rows[:top] if top else rows:
+        m = r.metrics or {}
+        style = "bold red" if r.key in first else ("red" if r.status in FAILING else None)
+        note = r.problem or "; ".join(r.failures)
+        nonfinite = f"{m.get('n_nan', 0)}/{m.get('n_inf', 0)}" if m else ""
+        t.add_row(str(r.step), ("* " if r.key in first else "") + f"{r.name} ({r.role})", r.status, r.origin or "",
+                  *(_fmt(m.get(c), c) for c in _COLUMNS), nonfinite, note, style=style)
+    console.print(t)
+    counts = {}
+    for r in report.results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    console.print(f"{len(report.results)} tensors compared: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                  + f"; {report.absent} taps / inputs not in the dump; dtype {report.policy['dtype']}")
+    by_key = {r.key: r for r in report.results}
+    for k, key in report.first_divergence.items():
+        if key:
+            r = by_key[key]
+            where = f"layer {r.layer}, " if r.layer is not None else ""
+            console.print(f"[bold red]first divergence, step {k}:[/] {r.name} ({r.role}; {where}op {r.op}) "
+                          f"{r.problem or '; '.join(r.failures)}")
+    for note in report.notes[1:]:
+        console.print(f"note: {note}")
+    for u in report.unknown:
+        console.print(f"unknown file: {u}")
+    verdict = "[bold red]MISMATCH[/]" if report.exit_code else "[bold green]PASS[/]"
+    console.print(verdict)
+
+
+# ------------------------------------------------------------------------------------------------ HTML
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _clip(v):
+    return 200.0 if math.isinf(v) and v > 0 else (-50.0 if not math.isfinite(v) else v)
+
+
+def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
+    """title -> PNG data URI."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    out = {}
+    steps = sorted({r.step for r in report.results})
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for k in steps:
+        c = layer_curve(report, k)
+        if c:
+            ax.plot(list(c), [_clip(v) for v in c.values()], marker="o", label=f"step {k}")
+    ax.set_xlabel("layer"), ax.set_ylabel("worst SQNR dB (200 = exact)"), ax.grid(alpha=.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(steps) <= 12:
+        ax.legend(fontsize=7)
+    out["Error vs layer (worst tensor of each layer, KV and GDN state included)"] = _png(fig)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = ["logits"] + sorted({r.name for r in report.results if r.positions and r.role == "tap"
+                                 and r.name.count(".") == 2 and r.name.startswith("model.layers.")},
+                                key=lambda n: int(n.split(".")[2]))[-1:]
+    for n in names:
+        c = position_curve(report, n)
+        if c:
+            ax.plot([p for p, _ in c], [_clip(v) for _, v in c], marker=".", label=n)
+    ax.set_xlabel("token position"), ax.set_ylabel("SQNR dB"), ax.grid(alpha=.3), ax.legend(fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    out["Error vs token position"] = _png(fig)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    groups = {"logits": ["logits"]}
+    for r in report.results:
+        if r.role == "output" and r.name != "logits":
+            kind = "KV cache" if "key" in r.name or "value" in r.name else "GDN state"
+            groups.setdefault(kind, []).append(r.name)
+    for label, names in groups.items():
+        c = step_curve(report, set(names))
+        if c:
+            ax.plot(list(c), [_clip(v) for v in c.values()], marker="o", label=label)
+    ax.set_xlabel("step (graph call)"), ax.set_ylabel("worst SQNR dB"), ax.grid(alpha=.3), ax.legend(fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    out["Error vs decode step (outputs)"] = _png(fig)
+    if first_error is not None and first_error.size:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        e = first_error[np.isfinite(first_error)]
+        ax.hist(e, bins=60, color="#b33")
+        ax.set_yscale("log"), ax.set_xlabel("device - golden"), ax.set_ylabel("elements")
+        out["Histogram of the first failing tensor's error"] = _png(fig)
+    return out
+
+
+def write_html(report: Report, path, first_error: np.ndarray | None = None) -> Path:
+    """Write the HTML report atomically (temporary file + rename)."""
+    path = Path(path)
+    by_key = {r.key: r for r in report.results}
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>refimpl diff</title><style>",
+             "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #ccc;padding:2px 6px}tr.fail{background:#fdd}tr.first{background:#f99;"
+             "font-weight:bold}img{max-width:100%}.pass{color:#070}.bad{color:#b00}</style></head><body>",
+             f"<h1>refimpl diff</h1><p>device <code>{html.escape(report.dump)}</code> vs golden "
+             f"<code>{html.escape(report.bundle)}</code>; device dtype {report.policy['dtype']}</p>"]
+    verdict = "<b class='bad'>MISMATCH</b>" if report.exit_code else "<b class='pass'>PASS</b>"
+    parts.append(f"<p>Verdict: {verdict}. {len(report.results)} tensors compared, {len(report.failed)} failing, "
+                 f"{report.absent} not in the dump, {len(report.unknown)} unknown files.</p><h2>First divergence</h2><ul>")
+    for k, key in report.first_divergence.items():
+        if key:
+            r = by_key[key]
+            parts.append(f"<li>step {k}: <b>{html.escape(r.name)}</b> ({r.role}, layer {r.layer}, op "
+                         f"{html.escape(str(r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
+    if not any(report.first_divergence.values()):
+        parts.append("<li>none</li>")
+    parts.append("</ul>")
+    if report.notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>")
+    parts.append("<h2>Plots</h2>")
+    for title, uri in plots(report, first_error).items():
+        parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='{uri}'>")
+    parts.append("<h2>Tensors (worst first)</h2><table><tr><th>step</th><th>tensor</th><th>role</th><th>status</th>"
+                 "<th>origin</th>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "<th>note</th></tr>")
+    first = set(report.first_divergence.values())
+    for r in ordered(report):
+        cls = "first" if r.key in first else ("fail" if r.status in FAILING else "")
+        m = r.metrics or {}
+        parts.append(f"<tr class='{cls}'><td>{r.step}</td><td>{html.escape(r.name)}</td><td>{r.role}</td>"
+                     f"<td>{r.status}</td><td>{r.origin or ''}</td>"
+                     + "".join(f"<td>{_fmt(m.get(c), c)}</td>" for c in _COLUMNS)
+                     + f"<td>{html.escape(r.problem or '; '.join(r.failures))}</td></tr>")
+    parts.append("</table>")
+    if report.unknown:
+        parts.append("<h2>Unknown files</h2><ul>" + "".join(f"<li>{html.escape(u)}</li>" for u in report.unknown)
+                     + "</ul>")
+    parts.append("</body></html>")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("\n".join(parts))
+    os.replace(tmp, path)
+    return path

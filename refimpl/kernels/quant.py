@@ -1,0 +1,152 @@
+"""Integer quantisation arithmetic in the two conventions device toolchains use (device_conventions.md §8).
+
+QNN (QnnTypes.h):  q unsigned in [0, 2^bw - 1],   x = (q + offset) * scale,   offset <= 0 (= -zero_point)
+                   q = clip(round(x / scale) - offset, 0, 2^bw - 1)
+                   (signed: SFIXED_POINT, q in [-2^(bw-1), 2^(bw-1) - 1], offset 0 for symmetric encodings)
+ONNX:              q signed or unsigned,           x = (q - zero_point) * scale
+                   q = saturate(round(x / scale) + zero_point)   (QuantizeLinear)
+
+round is round-half-to-even in both (ONNX specifies it; for QNN it is an assumption, as AIMET's torch.round).
+Granularity is given by the shape of scale / offset:
+  per tensor:   scalars
+  per channel:  1-D [x.shape[axis]], one per index along `axis`
+  per block:    x's rank, with x.shape[axis] replaced by ceil(n / block_size) (ONNX blocked QuantizeLinear):
+                element i along `axis` uses block i // block_size; the last block may be short.
+Everything is computed in float64 and returned in float32 (dequantised) or int32 (integer codes); a dequantised
+value is (q + offset) * scale evaluated once in float32, as a device's float32 dequantise does.
+"""
+
+import numpy as np
+
+from ..errors import InputError
+
+ONNX_RANGES = {"int4": (-8, 7), "uint4": (0, 15), "int8": (-128, 127), "uint8": (0, 255),
+               "int16": (-32768, 32767), "uint16": (0, 65535)}
+
+
+def expand(p, shape: tuple, axis: int | None = None, block_size: int | None = None) -> np.ndarray:
+    """Broadcast a scale / offset to x's shape.  scalar | [n_axis] | blocked (see module doc) -> shape."""
+    p = np.asarray(p)
+    if p.ndim == 0:
+        return np.broadcast_to(p, shape)
+    axis = axis % len(shape)
+    n = shape[axis]
+    if block_size is None:
+        if p.shape != (n,):
+            raise InputError(f"per-channel parameters must have shape [{n}] (axis {axis}), got {list(p.shape)}")
+        return np.broadcast_to(p.reshape([n if a == axis else 1 for a in range(len(shape))]), shape)
+    blocks = -(-n // block_size)
+    want = tuple(blocks if a == axis else s for a, s in enumerate(shape))
+    if p.shape != want:
+        raise InputError(f"block parameters must have shape {list(want)} (block {block_size} on axis {axis}), "
+                         f"got {list(p.shape)}")
+    return np.repeat(p, block_size, axis=axis).take(np.arange(n), axis=axis)
+
+
+def qnn_quantize(x, scale, offset, bitwidth: int, axis=None, block_size=None, signed: bool = False) -> np.ndarray:
+    """q = clip(round_half_even(x / scale) - offset, 0, 2^bw - 1)  -> int32, x's shape;
+    signed: clipped to [-2^(bw-1), 2^(bw-1) - 1] instead."""
+    s, o = (expand(np.asarray(a, np.float64), x.shape, axis, block_size) for a in (scale, offset))
+    q = np.rint(np.asarray(x, np.float64) / s) - o
+    lo, hi = (-2 ** (bitwidth - 1), 2 ** (bitwidth - 1) - 1) if signed else (0, 2 ** bitwidth - 1)
+    return np.clip(q, lo, hi).astype(np.int32)
+
+
+def qnn_dequantize(q, scale, offset, axis=None, block_size=None) -> np.ndarray:
+    """x = (q + offset) * scale  -> float32, q's shape (offset is QNN's, <= 0)."""
+    s, o = (expand(np.asarray(a, np.float32), q.shape, axis, block_size) for a in (scale, offset))
+    return (np.asarray(q, np.float32) + o) * s
+
+
+def onnx_quantize(x, scale, zero_point, dtype: str = "int8", axis=None, block_size=None) -> np.ndarray:
+    """QuantizeLinear: q = saturate(round_half_even(x / scale) + zero_point) to dtype's range  -> int32."""
+    if dtype not in ONNX_RANGES:
+        raise InputError(f"ONNX quantised dtype must be one of {', '.join(ONNX_RANGES)}, got {dtype!r}")
+    lo, hi = ONNX_RANGES[dtype]
+    s, z = (expand(np.asarray(a, np.float64), x.shape, axis, block_size) for a in (scale, zero_point))
+    return np.clip(np.rint(np.asarray(x, np.float64) / s) + z, lo, hi).astype(np.int32)
+
+
+def onnx_dequantize(q, scale, zero_point, axis=None, block_size=None) -> np.ndarray:
+    """DequantizeLinear: x = (q - zero_point) * scale  -> float32."""
+    s, z = (expand(np.asarray(a, np.float32), q.shape, axis, block_size) for a in (scale, zero_point))
+    return (np.asarray(q, np.float32) - z) * s
+
+
+def qnn_fake_quant(x, scale, offset, bitwidth: int, axis=None, block_size=None, signed: bool = False) -> np.ndarray:
+    """x -> qnn_dequantize(qnn_quantize(x)): the value on the device's grid nearest x (clipped to the range)."""
+    q = qnn_quantize(x, scale, offset, bitwidth, axis, block_size, signed)
+    return qnn_dequantize(q, scale, offset, axis, block_size)
+
+
+def onnx_fake_quant(x, scale, zero_point, dtype: str = "int8", axis=None, block_size=None) -> np.ndarray:
+    """x -> DequantizeLinear(QuantizeLinear(x))."""
+    return onnx_dequantize(onnx_quantize(x, scale, zero_point, dtype, axis, block_size), scale, zero_point, axis,
+                           block_size)
+
+
+def qnn_encoding_from_range(lo, hi, bitwidth: int) -> tuple[np.ndarray, np.ndarray]:
+    """QNN encoding of a range (arrays for per-channel / per-block ranges):
+    the range is widened to include 0 and to at least 1e-4; scale = (max - min) / (2^bw - 1);
+    offset = round(min / scale) (<= 0), so 0.0 is exactly representable ("nudged")."""
+    lo = np.minimum(np.asarray(lo, np.float64), 0)
+    hi = np.maximum(np.asarray(hi, np.float64), 0)
+    hi = np.maximum(hi, lo + 1e-4)
+    scale = (hi - lo) / (2 ** bitwidth - 1)
+    return scale.astype(np.float32), np.rint(lo / scale).astype(np.int32)
+
+
+def onnx_params_from_range(lo, hi, dtype: str = "int8") -> tuple[np.ndarray, np.ndarray]:
+    """Asymmetric ONNX (scale, zero_point) of a range over dtype's integer range: the range is widened to
+    include 0 (and to >= 1e-4); scale = (max - min) / (qmax - qmin); zero_point = qmin - round(min / scale)."""
+    qmin, qmax = ONNX_RANGES[dtype]
+    lo = np.minimum(np.asarray(lo, np.float64), 0)
+    hi = np.maximum(np.maximum(np.asarray(hi, np.float64), 0), lo + 1e-4)
+    scale = (hi - lo) / (qmax - qmin)
+    return scale.astype(np.float32), np.clip(qmin - np.rint(lo / scale), qmin, qmax).astype(np.int32)
+
+
+def block_range(x: np.ndarray, block_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(min, max) over the last axis (per channel: [..., 1] dropped) or over its blocks ([..., ceil(n/bs)])."""
+    if block_size is None:
+        return x.min(axis=-1), x.max(axis=-1)
+    n = x.shape[-1]
+    blocks = -(-n // block_size)
+    pad = blocks * block_size - n
+    lo = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=np.inf)
+    hi = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-np.inf)
+    shape = (*x.shape[:-1], blocks, block_size)
+    return lo.reshape(shape).min(-1), hi.reshape(shape).max(-1)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes along the last axis, two per byte, the FIRST value in the LOW nibble (QNN's order).
+
+    q [..., n] int in [-8, 7] or [0, 15] -> uint8 [..., ceil(n/2)]; byte j = (q[2j] & 0xF) | (q[2j+1] & 0xF) << 4;
+    an odd row is padded with a zero nibble. Signed codes are stored as two's-complement nibbles.
+    """
+    q = np.asarray(q)
+    if q.size and (q.min() < -8 or q.max() > 15):
+        raise InputError(f"int4 codes must lie in [-8, 15], got [{q.min()}, {q.max()}]")
+    nib = (q.astype(np.int64) & 0xF).astype(np.uint8)
+    if nib.shape[-1] % 2:
+        nib = np.concatenate([nib, np.zeros((*nib.shape[:-1], 1), np.uint8)], axis=-1)
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, n: int, signed: bool) -> np.ndarray:
+    """Inverse of pack_int4.  uint8 [..., ceil(n/2)] -> int32 [..., n]; signed nibbles are sign-extended
+    (nibble v >= 8 means v - 16), an assumption the QNN sources leave open (spec §8.1)."""
+    packed = np.asarray(packed, np.uint8)
+    if packed.shape[-1] != -(-n // 2):
+        raise InputError(f"{n} int4 values need {-(-n // 2)} bytes per row, got {packed.shape[-1]}")
+    nib = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)[..., :n].astype(np.int32)
+    return np.where(nib >= 8, nib - 16, nib) if signed else nib
+
+
+def lpbq_dequantize(q, channel_scale, block_scale, offset, block_size: int) -> np.ndarray:
+    """QNN blockwise expansion (LPBQ): x = (q + offset) * (channel_scale[c] * block_scale[c, b]), a float
+    per-channel scale times a small integer per-block scale.  q [C, n], channel_scale [C],
+    block_scale [C, ceil(n / block_size)] (blocks along the input axis) -> float32 [C, n]."""
+    s = np.asarray(channel_scale, np.float32)[:, None] * np.asarray(block_scale, np.float32)
+    return qnn_dequantize(q, s, offset, axis=1, block_size=block_size)

@@ -1,0 +1,305 @@
+"""Precision policies: what refimpl rounds, where, and to what (device_conventions.md §8.3).
+
+    refimpl.load(src)                                   # float32 (default)
+    refimpl.load(src, precision="bf16")                 # bf16 activations and weights, as transformers in bf16
+    refimpl.load(src, precision=Policy(activations="fp16", weights="int8-per-channel-qnn", kv="int8"))
+
+activations  float32 | float64 (the oracle) | bf16 | fp16. Reduced precision is *emulated*: arrays stay float32,
+             and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op boundaries where
+             transformers casts when the model runs in that dtype: every nn.Linear output, each elementwise op
+             of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after the scale,
+             after the mask), the probabilities, the norms' outputs (computed in float32 inside), the MoE
+             routing weights and each expert's contribution, the conv output and its silu, the GDN core output.
+             Between boundaries the arithmetic is float32 (matmuls accumulate in float32, as CPU/NPU kernels do);
+             the GDN core and its recurrent state stay float32, g is float32 (transformers computes both so).
+weights      float32 | float64 | bf16 | fp16, or integer fake-quantisation of every matrix (ndim >= 2) except
+             the embedding table and the depthwise conv:  int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}
+             (ranges from the weights' own min/max per row or per block of the input axis: a stand-in when no
+             encodings exist), or "encodings": the scales and offsets of an AIMET / QNN encodings JSON
+             (`encodings=path`), applied exactly; tensors the file does not name stay float.
+             Default: the activation dtype (bf16 weights for bf16 activations, as a bf16 checkpoint).
+kv           None (keys/values as the activations leave them) | bf16 | fp16 | int8: what the KV cache holds.
+             int8 is symmetric per (token, head) over head_dim: s = max|x| / 127, x -> round_half_even(x/s) * s.
+             The current call's attention reads the cache, so it sees the stored values too.
+
+float32 and float64 make every hook the identity: the float32 path is bit-identical to a run without policies.
+"""
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .errors import FormatError, InputError
+from .kernels import quant
+
+ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+FLOAT_WEIGHTS = ("float32", "float64", "bf16", "fp16")
+KV = (None, "bf16", "fp16", "int8")
+_INT_WEIGHTS = re.compile(r"^int(4|8)-(per-tensor|per-channel|block(\d+))-(qnn|onnx)$")
+CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts); recorded in bundle manifests
+    "linear outputs (every projection, router, lm_head)", "norm outputs (float32 inside)",
+    "rope tables and each rope product and sum", "attention scores after q.k, after the scale, after the mask",
+    "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
+    "residual adds", "moe routing weights, each weighted expert term and the running sum",
+    "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
+
+
+def _identity(x):
+    return x
+
+
+def rounder(dtype_name: str | None):
+    """x -> x rounded to dtype (round-to-nearest-even) and returned in x's own dtype; the identity for
+    float32 / float64 / None."""
+    target = ACTIVATIONS.get(dtype_name) if dtype_name else None
+    if target is None:
+        return _identity
+
+    def round_to(x):
+        x = np.asarray(x)
+        return x.astype(target).astype(x.dtype)
+    return round_to
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    activations: str = "float32"
+    weights: str | None = None        # None: the activation dtype
+    kv: str | None = None
+    encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings")
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise InputError(f"precision activations {self.activations!r} is not one of {', '.join(ACTIVATIONS)}")
+        w = self.weights
+        if w is not None and w not in FLOAT_WEIGHTS and w != "encodings" and not _INT_WEIGHTS.match(w):
+            raise InputError(f"precision weights {w!r} is not one of {', '.join(FLOAT_WEIGHTS)}, encodings or "
+                             "int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}")
+        if (w == "encodings") != (self.encodings is not None):
+            raise InputError("precision: weights='encodings' and an encodings file go together")
+        if self.kv not in KV:
+            raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
+        if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
+            raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
+
+    @property
+    def dtype(self) -> str:
+        """The container dtype of every array: float64 in the oracle mode, float32 otherwise."""
+        return "float64" if self.activations == "float64" else "float32"
+
+    @property
+    def weight_format(self) -> str:
+        return self.weights or self.activations
+
+    @property
+    def emulated(self) -> bool:
+        return self.activations in ("bf16", "fp16")
+
+    def round(self, x):
+        """An activation boundary: x rounded to the activation dtype (identity in float32 / float64)."""
+        return _ROUNDERS[self.activations](x)
+
+    def mask(self, m: np.ndarray) -> np.ndarray:
+        """An additive mask as transformers builds it in the activation dtype: its "-inf" is that dtype's
+        finfo.min (float32's min would overflow to -inf when rounded to bf16 / fp16)."""
+        if not self.emulated:
+            return m
+        return np.maximum(m, m.dtype.type(ml_dtypes.finfo(ACTIVATIONS[self.activations]).min))
+
+    def store_kv(self, x: np.ndarray) -> np.ndarray:
+        """Keys / values [B, Hkv, T, D] as the KV cache holds them."""
+        if self.kv == "int8":
+            return int8_kv(x)
+        return rounder(self.kv)(x)
+
+    def to_dict(self) -> dict:
+        """The policy as recorded in a golden bundle's manifest (the encodings file by name and sha256)."""
+        encodings = None
+        if self.encodings is not None:
+            encodings = {"file": Path(self.encodings).name,
+                         "sha256": hashlib.sha256(Path(self.encodings).read_bytes()).hexdigest()}
+        rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
+        return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
+                "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
+                "cast_points": list(CAST_POINTS) if self.emulated else []}
+
+
+_ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
+
+
+def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
+    """The policy a bundle manifest's `precision` records (older bundles: just {"dtype"}). An encodings policy
+    needs the file again (the manifest keeps its name and sha256), which must match."""
+    activations = recorded.get("activations", recorded.get("dtype", "float32"))
+    weights, kv = recorded.get("weights"), recorded.get("kv")
+    if weights != "encodings":
+        return Policy(activations, None if weights == activations else weights, kv)
+    want = (recorded.get("encodings") or {}).get("sha256")
+    if encodings is None:
+        raise InputError(f"the bundle's weights come from an encodings file "
+                         f"({(recorded.get('encodings') or {}).get('file')}); give it again")
+    got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
+    if want is not None and got != want:
+        raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
+    return Policy(activations, "encodings", kv, str(encodings))
+
+
+def policy(precision) -> Policy:
+    """A Policy from a Policy, an activation dtype name ("float32", "bf16", ...) or a dict of its fields."""
+    if isinstance(precision, Policy):
+        return precision
+    if isinstance(precision, str):
+        return Policy(activations=precision)
+    if isinstance(precision, dict):
+        return Policy(**precision)
+    raise InputError(f"precision must be a Policy, a dtype name or a dict, got {type(precision).__name__}")
+
+
+def int8_kv(x: np.ndarray) -> np.ndarray:
+    """Symmetric int8 per (…, token) over the last axis: s = max|x| / 127 (1 where the row is zero),
+    x -> round_half_even(x / s) * s, in x's dtype."""
+    s = np.max(np.abs(x), axis=-1, keepdims=True) / 127
+    s = np.where(s > 0, s, 1).astype(x.dtype)
+    return (np.clip(np.rint(x / s), -127, 127) * s).astype(x.dtype)
+
+
+# --- weights ----------------------------------------------------------------------------------------------------
+
+def quantizable(name: str, array: np.ndarray) -> bool:
+    """Matrices a device stores as integers: every weight of ndim >= 2 but the embedding table (a gather) and
+    the depthwise conv [C, 1, Kc]."""
+    return array.ndim >= 2 and not name.endswith("embed_tokens.weight") and not name.endswith("conv1d.weight")
+
+
+def fake_quant_weight(w: np.ndarray, spec: str) -> np.ndarray:
+    """w [..., out, in] -> dequantised w, by spec int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}, from
+    the weights' own ranges (per tensor, per row = output channel, or per block of N along the input axis)."""
+    bits, gran, block, conv = _INT_WEIGHTS.match(spec).groups()
+    bits, block = int(bits), (int(block) if block else None)
+    x = w.reshape(-1, w.shape[-1]).astype(np.float32)                       # [rows, in]
+    if gran == "per-tensor":
+        lo, hi, kw = x.min(), x.max(), {}
+    else:
+        lo, hi = quant.block_range(x, block)                                # [rows] or [rows, blocks]
+        kw = {"axis": 0} if block is None else {"axis": 1, "block_size": block}
+    if conv == "qnn":
+        out = quant.qnn_fake_quant(x, *quant.qnn_encoding_from_range(lo, hi, bits), bits, **kw)
+    else:
+        out = quant.onnx_fake_quant(x, *quant.onnx_params_from_range(lo, hi, f"int{bits}"), f"int{bits}", **kw)
+    return out.reshape(w.shape).astype(w.dtype)
+
+
+@dataclasses.dataclass
+class Encoding:
+    """One tensor's QNN encoding: x = (q + offset) * scale, q in [0, 2^bitwidth - 1] (or, signed, in
+    [-2^(bitwidth-1), 2^(bitwidth-1) - 1]).
+    scale / offset: scalars (per tensor), [out] (per channel, axis 0), or with block_size: [out * blocks] or
+    [out, blocks] scales (blocks of block_size along the input axis; offsets per block or per channel).
+    LPBQ entries are expanded to per-block float scales on reading."""
+    bitwidth: int
+    scale: np.ndarray
+    offset: np.ndarray
+    block_size: int | None = None
+    signed: bool = False
+
+    def fake_quant(self, w: np.ndarray) -> np.ndarray:
+        """w [out, ...] -> (q + offset) * scale with q = clip(round(w / scale) - offset): the device's values."""
+        x = w.reshape(w.shape[0], -1) if w.ndim > 1 else w
+        scale, offset, kw = self.scale, self.offset, {}
+        if scale.ndim and self.block_size is None:
+            kw = {"axis": 0}
+        elif scale.ndim:
+            kw = {"axis": 1, "block_size": self.block_size}
+            blocks = -(-x.shape[1] // self.block_size)
+            if scale.size != x.shape[0] * blocks:
+                raise InputError(f"block encodings: {scale.size} scales for {x.shape[0]} channels x {blocks} "
+                                 f"blocks of {self.block_size}")
+            scale = scale.reshape(x.shape[0], blocks)
+            offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size == x.shape[0] else offset.reshape(
+                x.shape[0], blocks), scale.shape)
+        q = quant.qnn_quantize(x, scale, offset, self.bitwidth, signed=self.signed, **kw)
+        return quant.qnn_dequantize(q, scale, offset, **kw).reshape(w.shape).astype(w.dtype)
+
+
+def read_encodings(path) -> dict[str, Encoding]:
+    """param_encodings of an AIMET / QNN encodings JSON -> {tensor name: Encoding}.
+
+    Legacy (AIMET < 1.0):  {"param_encodings": {name: [{"bitwidth", "scale", "offset", "min", "max",
+                            "is_symmetric"}, ...]}}   one entry per tensor, or one per output channel.
+    1.0.0:                 {"version": "1.0.0", "param_encodings": [{"name", "enc_type": "PER_TENSOR" |
+                            "PER_CHANNEL" | "PER_BLOCK" | "LPBQ", "bw", "scale": [...], "offset": [...],
+                            "block_size", "per_block_int_scale": [...] (LPBQ)}, ...]}
+    Offsets are QNN's (<= 0, the negative zero point), over unsigned codes. A symmetric entry whose offsets are all
+    0 can only mean signed codes (an unsigned grid from 0 up is not symmetric), so it is read as SFIXED_POINT:
+    q in [-2^(bw-1), 2^(bw-1) - 1]. For LPBQ the float scale is per channel and the integer block scales
+    [out * blocks] multiply it (QNN blockwise expansion).
+    """
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+        params = doc["param_encodings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: not an encodings JSON with param_encodings ({e})") from None
+    out = {}
+    try:
+        if isinstance(params, dict):
+            for name, encs in params.items():
+                encs = encs if isinstance(encs, list) else [encs]
+                scale = np.array([e["scale"] for e in encs], np.float32)
+                offset = np.array([e["offset"] for e in encs], np.int32)
+                if len(encs) == 1:
+                    scale, offset = scale[0], offset[0]
+                sym = str(encs[0].get("is_symmetric", "False")).lower() == "true"
+                out[name] = Encoding(int(encs[0]["bitwidth"]), scale, offset, signed=sym and not offset.any())
+        else:
+            for e in params:
+                kind = e.get("enc_type", "PER_TENSOR")
+                scale = np.array(e["scale"], np.float32)
+                offset = np.array(e["offset"], np.int32)
+                block = e.get("block_size")
+                if kind == "PER_TENSOR":
+                    scale, offset, block = scale.reshape(()), offset.reshape(()), None
+                elif kind == "PER_CHANNEL":
+                    block = None
+                elif kind == "PER_BLOCK":
+                    block = int(block)  # flat [out * blocks]; shaped [out, blocks] when applied
+                elif kind == "LPBQ":
+                    ints = np.array(e["per_block_int_scale"], np.float32).reshape(len(scale), -1)
+                    scale, block = scale[:, None] * ints, int(block)
+                    offset = np.broadcast_to(offset.reshape(-1, 1), scale.shape)
+                else:
+                    raise FormatError(f"{path}: {e['name']}: unknown enc_type {kind!r}")
+                signed = bool(e.get("is_sym")) and not offset.any()
+                out[e["name"]] = Encoding(int(e["bw"]), scale, offset, block, signed)
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path}: malformed param encoding ({type(err).__name__}: {err})") from None
+    return out
+
+
+def weight_transform(p: Policy):
+    """The per-tensor weight emulation of a policy: (name, float array) -> array, or None (nothing to do)."""
+    fmt = p.weight_format
+    if fmt in ("float32", "float64"):
+        return None
+    if fmt in ("bf16", "fp16"):
+        r = rounder(fmt)
+        return lambda name, a: r(a)
+    rest = rounder(p.activations)  # tensors that are not quantised keep the activation dtype
+    if fmt == "encodings":
+        encs = read_encodings(p.encodings)
+
+        def from_file(name, a):
+            enc = encs.get(name)
+            if enc is None:
+                return rest(a)
+            try:
+                return enc.fake_quant(a)
+            except InputError as e:
+                raise FormatError(f"{p.encodings}: {name} {list(a.shape)}: {e}") from None
+        return from_file
+    return lambda name, a: fake_quant_weight(a, fmt) if quantizable(name, a) else rest(a)

@@ -1,0 +1,254 @@
+"""refimpl diff: reading dumps (formats, names, layouts, damage), policies and re-judging, the CLI, the HTML
+report in a headless browser, and explain."""
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import faults as F
+from refimpl.bundle import read_bundle
+from refimpl.cli import main
+from refimpl.diff.compare import compare, load_metrics, load_policy, make_policy, rejudge, save_metrics
+from refimpl.diff.dump import read_dump
+from refimpl.diff.explain import explain
+from refimpl.errors import InputError
+from refimpl.golden import write_golden
+
+PROMPT = [97, 11, 1879, 13, 42]
+PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    model, arrays = F.model_and_arrays("tiny-qwen3.5", vocab_size=2048, eos_token_id=2000)
+    root = tmp_path_factory.mktemp("diff")
+    path = write_golden(root / "golden", model, PROMPT, source="tiny-qwen3.5", convention="genie", params=PARAMS,
+                        decode_steps=1, taps=".", exports=("npz", "safetensors"), aimet=True)
+    clean = F.device_dump(model, PROMPT, PARAMS, 1, root / "clean")
+    return model, read_bundle(path), root, clean
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _status(report, key):
+    return next(r for r in report.results if r.key == key)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+def test_containers_npz_safetensors_and_bundle_layout_pass(case):
+    model, bundle, root, _ = case
+    for path in (bundle.path / "bundle.npz", bundle.path / "bundle.safetensors"):
+        report = compare(bundle, read_dump(path, bundle))
+        assert report.failed == [] and report.unknown == []
+        assert len(report.results) == len(bundle.manifest["tensors"])  # inputs too: every tensor scored
+
+
+def test_aimet_layout_is_detected_and_declared(case):
+    model, bundle, root, _ = case
+    aimet = bundle.path / "aimet" / "outputs"
+    report = compare(bundle, read_dump(aimet, bundle))
+    four_d = [r for r in report.results if r.status == "layout"]
+    assert four_d and all(r.layout in ("aimet", "nhwc") for r in four_d)  # read as is they fail; adapters match
+    assert all(r.status in ("pass", "layout") for r in report.results)
+    declared = compare(bundle, read_dump(aimet, bundle), make_policy({"layouts": {".": "aimet"}}))
+    assert declared.failed == [] and declared.exit_code == 0
+
+
+def test_sanitised_names_mapping_and_unknown_files(case, tmp_path):
+    model, bundle, root, clean = case
+    d = _copy(clean, tmp_path / "dump")
+    (d / "Result_0" / "model.layers.0.linear_attn.q.raw").rename(d / "Result_0" / "model.layers.0.linear_attn:q.raw")
+    (d / "Result_0" / "model.layers.0.linear_attn.k.raw").rename(d / "Result_0" / "model_layers_0_linear_attn_k.raw")
+    (d / "Result_0" / "model.layers.0.linear_attn.v.raw").rename(d / "Result_0" / "vvv.raw")
+    (d / "Result_0" / "garbage.raw").write_bytes(b"\0" * 12)
+    (d / "notes.txt").write_text("hello")
+    report = compare(bundle, read_dump(d, bundle))
+    assert _status(report, "0/tap/model.layers.0.linear_attn.q").status == "pass"      # ':' -> '_'... '.'
+    assert _status(report, "0/tap/model.layers.0.linear_attn.k").status == "pass"      # '.' -> '_'
+    assert not any(r.key == "0/tap/model.layers.0.linear_attn.v" for r in report.results)
+    assert any("vvv.raw" in u for u in report.unknown) and any("garbage.raw" in u for u in report.unknown)
+    assert any("notes.txt" in u for u in report.unknown) and report.failed == []
+    (tmp_path / "map.json").write_text(json.dumps({"model.layers.0.linear_attn.v": "vvv"}))
+    from refimpl.diff.dump import read_mapping
+    report = compare(bundle, read_dump(d, bundle, mapping=read_mapping(tmp_path / "map.json")))
+    assert _status(report, "0/tap/model.layers.0.linear_attn.v").status == "pass"
+
+
+def test_damaged_dump_reports_by_name_and_compares_the_rest(case, tmp_path):
+    model, bundle, root, clean = case
+    d = _copy(clean, tmp_path / "dump")
+    r0 = d / "Result_0"
+    data = (r0 / "model.layers.1.mlp.hidden.raw").read_bytes()
+    (r0 / "model.layers.1.mlp.hidden.raw").write_bytes(data[:-7])                  # truncated
+    (r0 / "recurrent_state_0_out.raw").unlink()                                     # missing output
+    (r0 / "model.layers.2.mlp.up_proj.raw").unlink()
+    np.save(r0 / "model.layers.2.mlp.up_proj.npy", np.zeros((3, 5), np.float32))     # wrong shape
+    a = np.fromfile(r0 / "model.layers.2.input_layernorm.raw", np.float32)
+    a[3], a[5] = np.nan, np.inf
+    a.tofile(r0 / "model.layers.2.input_layernorm.raw")                             # NaN / Inf
+    report = compare(bundle, read_dump(d, bundle))
+    hidden = _status(report, "0/tap/model.layers.1.mlp.hidden")
+    assert hidden.status == "error" and "truncated" in hidden.problem and "mlp.hidden" in hidden.problem
+    assert _status(report, "0/output/recurrent_state_0_out").status == "missing"
+    up = _status(report, "0/tap/model.layers.2.mlp.up_proj")
+    assert up.status == "error" and "shape [3, 5]" in up.problem
+    ln = _status(report, "0/tap/model.layers.2.input_layernorm")
+    assert ln.status == "fail" and ln.metrics["n_nan"] == 1 and ln.metrics["n_inf"] == 1
+    others = [r for r in report.results if r.status not in ("error", "missing") and r.key != ln.key]
+    assert len(others) > 200 and all(r.status == "pass" for r in others)
+    assert report.exit_code == 1
+
+
+def test_corrupt_containers(case, tmp_path):
+    model, bundle, root, _ = case
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(Exception, match="bad.npz"):
+        read_dump(bad, bundle)
+    st = tmp_path / "cut.safetensors"
+    data = (bundle.path / "bundle.safetensors").read_bytes()
+    st.write_bytes(data[:len(data) // 2])
+    report = compare(bundle, read_dump(st, bundle))
+    errors = [r for r in report.results if r.status == "error"]
+    assert errors and all("truncated" in r.problem for r in errors)
+    assert any(r.status == "pass" for r in report.results)
+    with pytest.raises(InputError, match="no file of the dump"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "x.raw").write_bytes(b"1234")
+        read_dump(tmp_path / "empty", bundle)
+
+
+def test_raw_dump_dtype_hint(case, tmp_path):
+    model, bundle, root, clean = case
+    d = _copy(clean, tmp_path / "dump")
+    a = np.fromfile(d / "Result_0" / "logits.raw", np.float32)
+    a.astype(np.float16).tofile(d / "Result_0" / "logits.raw")
+    report = compare(bundle, read_dump(d, bundle))
+    logits = _status(report, "0/output/logits")
+    assert logits.status == "error" and "float16" in logits.problem
+    report = compare(bundle, read_dump(d, bundle, dtype="float16"))  # every raw file read as fp16 now
+    assert _status(report, "0/output/logits").status in ("pass", "fail")
+
+
+# ------------------------------------------------------------------------------------------------ judging
+
+def test_policy_overrides_and_rejudge_roundtrip(case, tmp_path):
+    model, bundle, root, _ = case
+    dump = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "fp16", F.fp16_round("model.layers.1.mlp.down_proj"))
+    report = compare(bundle, read_dump(dump, bundle))
+    assert report.first_divergence[0] == "0/tap/model.layers.1.mlp.down_proj"
+    save_metrics(report, tmp_path / "m.json")
+    again = rejudge(load_metrics(tmp_path / "m.json"), load_policy())
+    assert [r.status for r in again.results] == [r.status for r in report.results]
+    assert again.first_divergence == report.first_divergence
+    relaxed = rejudge(load_metrics(tmp_path / "m.json"), load_policy(dtype="fp16"))
+    assert relaxed.failed == [] and relaxed.exit_code == 0     # fp16 rounding is within fp16 thresholds
+    (tmp_path / "p.json").write_text(json.dumps({"tensors": [{"match": r"\.mlp\.", "max_nmse": 1e-6}],
+                                                "ignore": ["^model\\.layers\\.[23]"]}))
+    custom = rejudge(load_metrics(tmp_path / "m.json"), load_policy(tmp_path / "p.json"))
+    mlp = _status(custom, "0/tap/model.layers.1.mlp.down_proj")
+    assert mlp.status == "pass"
+    assert _status(custom, "0/tap/model.layers.1").status == "fail"  # block output still at the fp32 bar
+    (tmp_path / "bad.json").write_text(json.dumps({"tensors": [{"match": "x", "max_nmse": "big"}]}))
+    with pytest.raises(InputError, match="must be a number"):
+        load_policy(tmp_path / "bad.json")
+    with pytest.raises(InputError, match="unknown key"):
+        make_policy({"tolerance": 1})
+
+
+def test_three_way_judging(case, tmp_path):
+    """Judged against an emulated run: the honest fp16-MLP run is the emulation itself and passes; a q_norm
+    fault on top of it still fails."""
+    model, bundle, root, _ = case
+    fault = F.fp16_round("model.layers.1.mlp.down_proj")
+    with fault:
+        emulated = write_golden(tmp_path / "emulated", model, PROMPT, source="x", convention="genie",
+                                params=PARAMS, decode_steps=1, taps=".")
+    emulated = read_bundle(emulated)
+    honest = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "honest", F.fp16_round("model.layers.1.mlp.down_proj"))
+    assert compare(bundle, read_dump(honest, bundle)).exit_code == 1        # fp32 bar: flagged
+    report = compare(bundle, read_dump(honest, bundle), emulated=emulated)
+    assert report.failed == []
+    _, arrays = F.model_and_arrays("tiny-qwen3.5", vocab_size=2048, eos_token_id=2000)
+    faulty = F.perturbed_weights(model, arrays, "model.layers.3.self_attn.q_norm.weight")
+    dump = F.device_dump(faulty, PROMPT, PARAMS, 1, tmp_path / "faulty", F.fp16_round("model.layers.1.mlp.down_proj"))
+    report = compare(bundle, read_dump(dump, bundle), emulated=emulated)
+    assert report.first_divergence[0] == "0/tap/model.layers.3.self_attn.q_norm"
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def test_cli_exit_codes_json_and_html(case, tmp_path, capsys):
+    model, bundle, root, clean = case
+    assert main(["diff", str(bundle.path), str(clean)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    dump = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "rope", F.interleaved_rope())
+    html = tmp_path / "report.html"
+    assert main(["diff", str(bundle.path), str(dump), "--json", str(tmp_path / "m.json"), "--html", str(html)]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence, step 0: model.layers.3.self_attn.q_rope" in out and "MISMATCH" in out
+    assert main(["diff", str(bundle.path), "--rejudge", str(tmp_path / "m.json"), "--dtype", "bf16"]) == 1
+    text = html.read_text()
+    assert text.count("<img") == 4 and "model.layers.3.self_attn.q_rope" in text
+    for argv, what in ((["diff", str(bundle.path), str(tmp_path / "nowhere")], "no such dump"),
+                       (["diff", str(bundle.path), str(clean), "--dtype", "fp8"], "dtype"),
+                       (["diff", str(bundle.path), str(clean), "--layout", "x=sideways"], "layout"),
+                       (["diff", str(tmp_path), str(clean)], "manifest.json"),
+                       (["replay", str(bundle.path), str(clean), "--layer", "9", "--model", "tiny-qwen3.5"], "")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("refimpl: error:") and what in err and err.count("\n") == 1
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_html_report_renders_in_headless_chromium(case, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (make test installs it)")
+    model, bundle, root, _ = case
+    dump = F.device_dump(model, PROMPT, PARAMS, 1, tmp_path / "conv", F.conv_state_shifted())
+    html = tmp_path / "report.html"
+    assert main(["diff", str(bundle.path), str(dump), "--html", str(html)]) == 1
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    # the DOM after load: every plot decoded (naturalWidth > 0), reported by a script into the title
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.read_text().replace(
+        "</body>", "<script>window.onload=()=>{const i=[...document.images];document.title='plots:'+"
+                   "i.filter(x=>x.complete&&x.naturalWidth>100).length+'/'+i.length}</script></body>"))
+    dom = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "<title>plots:4/4</title>" in dom
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1000,1600", html.as_uri()],
+                   capture_output=True, timeout=120)
+    import matplotlib.image as mpimg
+    img = mpimg.imread(shot)
+    assert img.shape[0] >= 1000 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 50  # not blank
+
+
+# ------------------------------------------------------------------------------------------------ explain
+
+def test_explain_rms_norm_element(case):
+    model, bundle, root, _ = case
+    text = explain(bundle, model, "model.layers.3.self_attn.q_norm[0,1,2,5]", step=0)
+    golden = bundle.tensor(0, "tap", "model.layers.3.self_attn.q_norm")[0, 1, 2, 5]
+    assert "op: rms_norm (layer 3)" in text and "mean(x^2)" in text and "(1 + w)" in text
+    recomputed = float(text.split("y = x * rsqrt * gain = ")[1].split()[0])
+    assert recomputed == pytest.approx(float(golden), rel=1e-5, abs=1e-6)
+    text = explain(bundle, model, "model.layers.3.self_attn.attn_probs[0,1,2,14]", step=1)
+    assert "softmax" in text and "p = exp" in text
+    text = explain(bundle, model, "model.layers.3.self_attn.q_rope[0,3,0,1]", step=0)
+    assert "partner x[d=" in text and "cos =" in text
+    with pytest.raises(InputError, match="does not fit"):
+        explain(bundle, model, "model.layers.3.self_attn.q_norm[0,9,2,5]")
+    with pytest.raises(InputError, match="expected NAME"):
+        explain(bundle, model, "q_norm(1)")

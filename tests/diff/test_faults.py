@@ -1,0 +1,152 @@
+"""Fault injection: `refimpl diff` must name the injected tensor as the first divergence; a clean dump passes;
+teacher-forced replay puts the added error on the faulty layer and only inherited error after it."""
+
+import numpy as np
+import pytest
+
+import faults as F
+from refimpl.bundle import read_bundle
+from refimpl.diff.compare import compare, load_policy
+from refimpl.diff.dump import read_dump
+from refimpl.diff.replay import replay
+from refimpl.golden import write_golden
+
+PROMPT = [97, 11, 1879, 13, 42, 7, 99]          # 2 chunks of AR=4: the second has one pad slot
+PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
+STEPS = 2                                        # greedy decode calls after the prompt
+
+
+def _case(tmp_path_factory, preset, params=PARAMS, prompt=PROMPT):
+    model, arrays = F.model_and_arrays(preset, vocab_size=2048, eos_token_id=2000)
+    root = tmp_path_factory.mktemp(preset)
+    path = write_golden(root / "golden", model, prompt, source=preset, convention="genie", params=params,
+                        decode_steps=STEPS, taps=".")
+    return model, arrays, read_bundle(path), root
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return _case(tmp_path_factory, "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return _case(tmp_path_factory, "tiny-qwen3.5-moe")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _case(tmp_path_factory, "tiny-qwen3")
+
+
+def _diff(case, name, fault=None, model=None, layout="qnn", params=PARAMS, prompt=PROMPT):
+    m, _, bundle, root = case
+    dump = F.device_dump(model or m, prompt, params, STEPS, root / name, fault, layout=layout)
+    return compare(bundle, read_dump(dump, bundle), load_policy()), dump
+
+
+def _first(report):
+    """(step, name) of the earliest first divergence."""
+    for k, key in sorted(report.first_divergence.items()):
+        if key:
+            return k, key.split("/", 2)[2]
+    return None
+
+
+FAULTS = {
+    # fault name: (case fixture, fault factory(model, arrays) -> (model or None, context or None), expected)
+    "q_norm weight +-1e-2": ("hybrid", lambda m, a: (F.perturbed_weights(m, a, "model.layers.3.self_attn.q_norm.weight"),
+                                                     None), (0, "model.layers.3.self_attn.q_norm")),
+    "interleaved RoPE": ("hybrid", lambda m, a: (None, F.interleaved_rope()), (0, "model.layers.3.self_attn.q_rope")),
+    "K cache untransposed": ("hybrid", lambda m, a: (None, F.key_cache_untransposed(3)), (0, "past_key_3_out")),
+    "conv state shifted by one": ("hybrid", lambda m, a: (None, F.conv_state_shifted()),
+                                  (0, "model.layers.0.linear_attn.conv_state")),
+    "recurrent state transposed": ("hybrid", lambda m, a: (None, F.recurrent_state_transposed(1)),
+                                   (0, "recurrent_state_1_out")),
+    "fp16 MLP output": ("hybrid", lambda m, a: (None, F.fp16_round("model.layers.2.mlp.down_proj")),
+                        (0, "model.layers.2.mlp.down_proj")),
+    "pad leaks into GDN": ("hybrid", lambda m, a: (None, F.pad_leaks_into_gdn()), (1, "model.layers.0.linear_attn.conv1d")),
+    "wrong expert": ("moe", lambda m, a: (None, F.wrong_expert(1, 2, 8)), (0, "model.layers.1.mlp.selected_experts")),
+    "dense q_norm weight +-1e-2": ("dense", lambda m, a: (F.perturbed_weights(m, a, "model.layers.1.self_attn.q_norm.weight"),
+                                                          None), (0, "model.layers.1.self_attn.q_norm")),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_is_the_first_divergence(fault, request):
+    case_name, make, expected = FAULTS[fault]
+    case = request.getfixturevalue(case_name)
+    model, context = make(case[0], case[1])
+    report, _ = _diff(case, fault.replace(" ", "_"), context, model)
+    assert _first(report) == expected, [r.key for r in report.failed][:5]
+    first = next(r for r in report.results if r.key == f"{expected[0]}/{'output' if '_out' in expected[1] else 'tap'}/"
+                 f"{expected[1]}")
+    assert first.origin == "added" and report.exit_code == 1
+    if fault in ("K cache untransposed", "recurrent state transposed"):
+        assert first.status == "layout" and first.layout == "transposed"  # a layout mix-up, reported as one
+    # nothing before the injected tensor fails in its step
+    step_results = [r for r in report.results if r.step == expected[0]]
+    index = step_results.index(first)
+    assert all(r.status == "pass" for r in step_results[:index] if r.role != "output")
+
+
+def test_mask_floor_at_long_context(tmp_path_factory):
+    """Golden with mask floor -1000 over CL=64; the device's host clamps at -50: the mask input is named."""
+    params = {"ar": 4, "cl": 64, "mask_floor": -1000.0}
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 2000, 40)]
+    case = _case(tmp_path_factory, "tiny-qwen3.5", params, prompt)
+    report, _ = _diff(case, "floor", None, None, "bundle", {**params, "mask_floor": -50.0}, prompt)
+    assert _first(report) == (0, "attention_mask")
+    scores = next(r for r in report.results if r.key == "0/tap/model.layers.3.self_attn.attn_scores")
+    assert scores.status == "fail" and scores.origin == "inherited"
+
+
+@pytest.mark.parametrize("layout", ["qnn", "bundle"])
+def test_clean_dump_passes(hybrid, layout):
+    report, _ = _diff(hybrid, f"clean-{layout}", layout=layout)
+    assert report.failed == [] and report.exit_code == 0 and report.unknown == []
+    assert len(report.results) > 300 and all(r.status == "pass" for r in report.results)
+
+
+def test_float64_rerun_passes_float32_thresholds(hybrid, tmp_path):
+    """An honest float32 device (here: the float64 reference, rounded to float32) passes the fp32 defaults."""
+    model, arrays, bundle, root = hybrid
+    from refimpl.models.model import Model
+    from refimpl.models.weights import Weights
+    m64 = Model(model.config, Weights(arrays, dtype="float64"))
+    dump = F.device_dump(m64, PROMPT, PARAMS, STEPS, tmp_path / "f64")
+    report = compare(bundle, read_dump(dump, bundle), load_policy())
+    assert report.failed == []
+    worst = min(r.metrics["sqnr_db"] for r in report.results if r.metrics)
+    assert worst > 100  # float32 rounding noise sits far above the 90 dB bar
+
+
+def test_replay_separates_added_from_inherited(hybrid):
+    model, _, bundle, root = hybrid
+    dump_path = F.device_dump(model, PROMPT, PARAMS, STEPS, root / "replay-fp16",
+                              F.fp16_round("model.layers.1.mlp.down_proj"), layout="bundle")  # with the inputs
+    dump = read_dump(dump_path, bundle)
+    verdict = {}
+    for layer in range(4):
+        rows = replay(bundle, dump, model, layer=layer)
+        block = [r for r in rows if r.name == f"model.layers.{layer}"]
+        assert len(block) == bundle.steps
+        verdict[layer] = any(r.adds_error for r in rows)
+        if layer > 1:  # downstream: real inherited error, nothing added
+            assert all(r.inherited["sqnr_db"] < 90 and r.total["sqnr_db"] < 90 for r in block)
+    assert verdict == {0: False, 1: True, 2: False, 3: False}
+    rows = replay(bundle, dump, model, tensor="model.layers.1.mlp.down_proj", step=0)
+    assert len(rows) == 1 and rows[0].adds_error and rows[0].inherited["sqnr_db"] == float("inf")
+
+
+def test_replay_on_weight_fault_blames_the_faulty_op(dense):
+    model, arrays, bundle, root = dense
+    device_model = F.perturbed_weights(model, arrays, "model.layers.1.self_attn.q_norm.weight")
+    dump = read_dump(F.device_dump(device_model, PROMPT, PARAMS, STEPS, root / "replay-qnorm", layout="bundle"),
+                     bundle)
+    rows = replay(bundle, dump, model, layer=1, step=0)
+    adding = [r.name for r in rows if r.adds_error]
+    assert adding[0] == "model.layers.1.self_attn.q_norm"
+    rows = replay(bundle, dump, model, layer=2, step=0)
+    assert not any(r.adds_error for r in rows)
+    assert min(r.inherited["sqnr_db"] for r in rows) < 60
