@@ -54,7 +54,7 @@ _QWEN35_ADDED = _QWEN3_ADDED + ("<|audio_start|>", "<|audio_end|>", "<tts_pad>",
                                 "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>")
 # control tokens (skipped by decode(skip_special_tokens=True)); tool / think / FIM markers stay text, as in Qwen3's
 # tokenizer.json
-_CONTROL = set(_QWEN3_ADDED[:14]) | {"<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"}
+_QWEN_CONTROL_TOKENS = set(_QWEN3_ADDED[:14]) | {"<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +330,7 @@ def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     hf.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    hf.add_tokens([AddedToken(t, special=t in _CONTROL, normalized=False) for t in added])
+    hf.add_tokens([AddedToken(t, special=t in _QWEN_CONTROL_TOKENS, normalized=False) for t in added])
     for k, t in enumerate(added):
         if hf.token_to_id(t) != first_added + k:   # ids are assigned in order after the base vocabulary
             raise FormatError(f"added token {t!r} got id {hf.token_to_id(t)}, expected {first_added + k}")
