@@ -1,5 +1,6 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
-`refimpl generate --prompt TEXT ...`, `refimpl diff BUNDLE DUMP`, `refimpl replay`, `refimpl explain`.
+`refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`,
+`refimpl replay`, `refimpl explain`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -217,6 +218,19 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def cmd_convert(args) -> int:
+    from . import load
+    from .formats.gguf import GGUFFile, tokenizer_metadata, write_gguf
+    model = load(args.model)
+    tokenizer = None
+    if str(args.model).endswith(".gguf") and "tokenizer.ggml.model" in (g := GGUFFile(args.model)).metadata:
+        tokenizer = tokenizer_metadata(g)   # re-quantising a GGUF keeps its vocabulary
+    path = write_gguf(args.out, model, args.type.upper(), tokenizer=tokenizer)
+    print(f"wrote {path} (GGUF {args.type.upper()}, {path.stat().st_size / 2**20:.1f} MiB"
+          f"{'' if tokenizer else ', no vocabulary'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="refimpl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -231,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top", type=_positive, default=5)
     _precision_flags(run)
     run.set_defaults(func=cmd_run)
+
+    conv = sub.add_parser("convert", help="write a model as a llama.cpp GGUF file")
+    conv.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
+    conv.add_argument("--to", choices=["gguf"], default="gguf")
+    conv.add_argument("--out", required=True, help="output .gguf file (written atomically)")
+    conv.add_argument("--type", default="f32", type=str.lower, choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    conv.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("golden", help="write a golden bundle: every graph call's inputs, outputs and taps")
     g.add_argument("--model", help="preset name, HF checkpoint directory or .gguf file (default: the built-in "

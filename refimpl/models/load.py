@@ -24,8 +24,10 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     if str(source) in presets.PRESETS:
         return presets.build(str(source), precision=p)
     path = Path(source)
-    if path.suffix == ".gguf":
-        raise InputError(f"{path}: GGUF checkpoints are not supported yet")
+    if path.suffix.lower() == ".gguf":
+        from ..formats.gguf import load_gguf
+        config, arrays = load_gguf(path)
+        return Model(config, Weights(arrays, dtype=dtype, source=str(path)))
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
     if not path.is_dir():

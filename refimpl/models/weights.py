@@ -43,7 +43,9 @@ class Weights:
                 raw = self.stored[name]
             except KeyError:
                 raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
-            out = raw if raw.dtype == self.dtype else np.asarray(raw).astype(self.dtype)
+            if not isinstance(raw, np.ndarray):   # a lazy tensor (GGUF: dequantised / transformed on first use)
+                raw = np.asarray(raw)
+            out = raw if raw.dtype == self.dtype else raw.astype(self.dtype)
             if self.transform is not None:
                 out = self.transform(name, out)
             self._converted[name] = out

@@ -178,3 +178,13 @@ def test_qwen3_vocabulary_passes_llamacpp_qwen2_vectors():
     assert len(texts) > 40
     for text, ids in zip(texts, expected, strict=True):
         assert tok.encode(text) == [int(t) for t in ids.split()], repr(text)
+
+
+def test_gguf_files_and_models_give_their_embedded_vocabulary():
+    path = Path(__file__).parent.parent / "fixtures" / "gguf" / "qwen3-f32.gguf"
+    if not path.exists():
+        pytest.skip("the GGUF fixtures are not in this tree")
+    tok = refimpl.load_tokenizer(path)
+    assert isinstance(tok, T.Tokenizer) and tok.vocab_size <= 320
+    assert tok.token_id("<|im_end|>") == 302 and refimpl.load_tokenizer(refimpl.load(path)).encode("a b") == \
+        tok.encode("a b")

@@ -1,0 +1,515 @@
+"""GGUF: files made by llama.cpp's own converter and quantiser (tests/fixtures/gguf, see make_fixtures.py) read back
+to the HF arrays; logits against llama.cpp's recorded ones; the writer against the converter; bad files.
+
+The HF checkpoints behind the fixtures are rebuilt from their seed (tests/gguf_cases.py). Exactness: every
+tensor comes back bit for bit except two that llama.cpp stores through a float32 function: zero-centred norms
+(stored 1 + w, so w = stored - 1 loses what 1 + w rounded away: |dw| <= 2^-24, and 1 + w itself is identical)
+and A_log (stored -exp(A_log); ln of it is within 2^-23 of A_log plus the final rounding).
+"""
+
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gguf_cases
+import refimpl
+from refimpl.errors import ConfigError, FormatError, WeightsError
+from refimpl.formats import gguf as G
+from refimpl.formats.tokenizer import tokenizer_from_gguf
+from refimpl.models.config import config_from_dict
+from refimpl.models.model import Model
+from refimpl.models.weights import Weights
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
+ARCHS = ["qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe"]
+IDS = np.array([gguf_cases.PROMPT])
+LLAMACPP = np.load(FIXTURES / "llamacpp_logits.npz")
+
+
+def f32_model(case: str) -> Model:
+    """The fixture's HF checkpoint as a refimpl model (the HF arrays, no GGUF involved)."""
+    return Model(config_from_dict(gguf_cases.CASES[case], source=case), Weights(gguf_cases.weights(case)))
+
+
+def zero_centred(name: str) -> bool:
+    return name.endswith("norm.weight") and ".linear_attn.norm" not in name
+
+
+@pytest.mark.parametrize("case", ARCHS)
+def test_f32_weights_are_the_hf_weights(case):
+    cfg, arrays = G.load_gguf(FIXTURES / f"{case}-f32.gguf")
+    hf = gguf_cases.weights(case)
+    assert sorted(arrays) == sorted(hf)
+    hybrid = cfg.is_hybrid
+    for name, expected in hf.items():
+        got = np.asarray(arrays[name])
+        assert got.dtype == np.float32 and got.shape == expected.shape, name
+        if hybrid and zero_centred(name):
+            np.testing.assert_array_equal(np.float32(1) + got, np.float32(1) + expected, err_msg=name)
+            assert np.abs(got - expected).max() <= 2.0 ** -24, name
+        elif name.endswith(".A_log"):
+            assert np.abs(got - expected).max() <= 2.0 ** -23 + 2.0 ** -22, name
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+@pytest.mark.parametrize("case", ARCHS + ["qwen3-h256"])
+def test_config_from_metadata_is_the_hf_config(case):
+    stem = f"{case}-f32" if case != "qwen3-h256" else "qwen3-h256-q8_0"
+    got = G.load_gguf(FIXTURES / f"{stem}.gguf")[0].to_dict()
+    expected = config_from_dict(gguf_cases.CASES[case]).to_dict()
+    for d in (got, expected):
+        d.pop("source")
+    assert got == expected
+
+
+def test_f32_tensors_are_used_in_place():
+    _, arrays = G.load_gguf(FIXTURES / "qwen3-f32.gguf")
+    w = arrays["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(w, np.ndarray) and not w.flags.owndata and not w.flags.writeable
+
+
+def test_only_the_tensor_asked_for_is_dequantised(monkeypatch):
+    calls = []
+    real = G.GGUFFile.array
+    monkeypatch.setattr(G.GGUFFile, "array",
+                        lambda self, name, index=None: calls.append(name) or real(self, name, index))
+    model = refimpl.load(FIXTURES / "qwen3-h256-q4_k.gguf")
+    assert calls and all(n.endswith("norm.weight") for n in calls)   # the F32 norms, as zero-copy views
+    calls.clear()
+    w = model.weights["model.layers.1.mlp.down_proj.weight"]
+    assert calls == ["blk.1.ffn_down.weight"] and w.shape == (256, 256) and np.isfinite(w).all()
+
+
+@pytest.mark.parametrize("stem", [k for k in sorted(LLAMACPP.files) if not k.startswith("preset-")])
+def test_logits_match_llamacpp(stem):
+    """llama.cpp's logits (f32 KV cache, CPU) over gguf_cases.PROMPT, recorded by make_fixtures.py. F32 files:
+    <= 1e-4 (measured <= 1.1e-5). Quantised files: llama.cpp's CPU matmuls quantise the activations to 8 bits
+    against quantised weights, refimpl multiplies the dequantised weights in float32; <= 0.5 at logits of
+    size 15 (measured 0.22-0.41), while the same file's F32 model is 0.3-3 away from llama.cpp."""
+    path = FIXTURES / f"{stem}.gguf"
+    if path.exists():
+        logits = refimpl.load(path).forward(IDS)[0]
+    else:  # the F32 source of the quantised files is not committed: the same arrays, built from the seed
+        logits = f32_model(stem.removesuffix("-f32")).forward(IDS)[0]
+    err = np.abs(logits - LLAMACPP[stem]).max()
+    assert np.isfinite(logits).all()
+    assert err <= (1e-4 if stem.endswith("-f32") else 0.5), err
+
+
+@pytest.mark.parametrize("stem", [k for k in sorted(LLAMACPP.files) if k.startswith("preset-")])
+def test_llamacpp_runs_the_files_refimpl_writes(stem, tmp_path):
+    """make_fixtures.py ran llama.cpp on the presets as refimpl's writer writes them (no vocabulary; the first
+    4096 logit columns kept). F32: <= 1e-4 at logits of size ~35 (measured <= 3.2e-5). Q8_0 / Q4_0: <= 1.0
+    (measured 0.59 / 0.71: llama.cpp quantises the activations), while the unquantised model is 0.86 / 11.6 away."""
+    preset, qtype = stem.removeprefix("preset-").rsplit("-", 1)
+    ids = np.array([[5, 17, 123, 9999, 151000, 42]])
+    model = refimpl.load(preset)
+    if qtype != "f32":
+        model = refimpl.load(G.write_gguf(tmp_path / "q.gguf", model, qtype.upper()))
+    err = np.abs(model.forward(ids)[0, :, :4096] - LLAMACPP[stem]).max()
+    assert err <= (1e-4 if qtype == "f32" else 1.0), err
+
+
+# measured max |logits - F32 model's logits| (logits of size ~15) and max per-matrix relative RMS weight error
+QUANT_BOUNDS = {"Q8_0": (0.4, 0.007), "Q6_K": (1.2, 0.022), "Q4_K": (4.0, 0.09), "Q4_0": (4.0, 0.10),
+                "IQ4_XS": (4.0, 0.09)}
+
+
+@pytest.mark.parametrize("qtype", gguf_cases.QUANT_TYPES)
+def test_quantised_files_load_close_to_the_f32_model(qtype):
+    """Measured: logits 0.28 (Q8_0), 0.90 (Q6_K), 2.9-3.1 (Q4_K, Q4_0, IQ4_XS) from the F32 model's (size 15);
+    per-matrix relative RMS weight error 0.5 %, 1.8 %, 7-9 % (Gaussian weights: ~ step / sqrt(12))."""
+    model = refimpl.load(FIXTURES / f"qwen3-h256-{qtype.lower()}.gguf")
+    logits = model.forward(IDS)
+    reference = f32_model("qwen3-h256")
+    logit_bound, weight_bound = QUANT_BOUNDS[qtype]
+    assert np.isfinite(logits).all()
+    assert np.abs(logits - reference.forward(IDS)).max() <= logit_bound
+    for name, w in reference.weights.stored.items():
+        if w.ndim == 2:
+            err = np.sqrt(np.mean((model.weights[name] - w) ** 2) / np.mean(w ** 2))
+            assert 0 < err <= weight_bound, (name, err)
+        else:   # llama.cpp keeps 1-D tensors (norms) in F32
+            np.testing.assert_array_equal(model.weights[name], w, err_msg=name)
+
+
+def test_every_block_type_dequantises_as_ggml_does():
+    """quant-types.gguf: a [4, 256] matrix quantised by ggml to each block type, beside ggml's own
+    dequantisation: gguf-py's (ours) is bit-identical for all 23 types it supports, whole or one row at a time
+    (the expert-slice path); Q1_0, which gguf-py 0.19 lacks, is a one-line WeightsError naming the tensor."""
+    g = G.GGUFFile(FIXTURES / "quant-types.gguf")
+    names = sorted(n[2:] for n in g.tensors if n.startswith("q."))
+    assert {"Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ3_S", "IQ4_NL", "TQ2_0",
+            "MXFP4"} <= set(names)
+    supported = [t for t in names if G.can_dequantize(g.tensors[f"q.{t}"].ggml_type)]
+    assert len(supported) == 23
+    for t in supported:
+        ref = g.array(f"ref.{t}")
+        np.testing.assert_array_equal(g.array(f"q.{t}"), ref, err_msg=t)
+        np.testing.assert_array_equal(g.array(f"q.{t}", 2), ref[2], err_msg=t)
+    for t in set(names) - set(supported):
+        with pytest.raises(WeightsError, match=rf"quant-types\.gguf: tensor 'q\.{t}' has type {t}, which gguf-py "
+                                               r"cannot dequantise"):
+            g.array(f"q.{t}")
+
+
+# ---------------------------------------------------------------------------------------------------- writer
+
+@pytest.mark.parametrize("case", ARCHS)
+def test_writer_reproduces_the_llamacpp_converter(case, tmp_path):
+    """Our writer on the HF arrays gives the converter's file: same tensors (names, shapes, types, values; ssm_a
+    within an ulp, as numpy's and torch's exp may differ) and the same metadata, but the file name and
+    full_attention_interval (the converter writes 4 whatever the model; recurrent_layers, written by both,
+    is what llama.cpp reads)."""
+    ref = G.GGUFFile(FIXTURES / f"{case}-f32.gguf")
+    path = G.write_gguf(tmp_path / "out.gguf", f32_model(case), "F32", tokenizer=G.tokenizer_metadata(ref))
+    out = G.GGUFFile(path)
+    assert sorted(out.tensors) == sorted(ref.tensors)
+    for name, t in ref.tensors.items():
+        a, b = out.array(name), ref.array(name)
+        assert (out.tensors[name].shape, out.tensors[name].ggml_type) == (t.shape, t.ggml_type), name
+        if name.endswith("ssm_a"):
+            np.testing.assert_array_max_ulp(a, b, maxulp=1)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    skip = {"general.name", "general.size_label", "general.type", f"{ref.architecture}.full_attention_interval"}
+    assert sorted(set(out.metadata) - skip) == sorted(set(ref.metadata) - skip)
+    for key in set(ref.metadata) - skip:
+        got, expected = out.metadata[key], ref.metadata[key]
+        assert (np.array_equal(got, expected) if isinstance(expected, np.ndarray) else list(got) == list(expected)
+                if isinstance(expected, G.StringArray) else got == expected), key
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5",
+                                    "tiny-qwen3.5-moe"])
+def test_preset_round_trip_f32(preset, tmp_path):
+    """Preset -> GGUF F32 -> refimpl: identical weights (zero-centred norms and A_log as above) and logits
+    (bit for bit for Qwen3 / Qwen3-MoE; hybrids <= 1e-5 of logits ~40, from those two float32 round trips)."""
+    model = refimpl.load(preset)
+    back = refimpl.load(G.write_gguf(tmp_path / f"{preset}.gguf", model, "F32"))
+    assert back.config.to_dict() | {"source": ""} == model.config.to_dict() | {"source": ""}
+    for name in model.weights.stored:
+        if name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name and name not in back.weights:
+            continue   # per-expert in the GGUF round trip: compared through expert() below
+        got, expected = back.weights[name], model.weights[name]
+        if model.config.is_hybrid and zero_centred(name):
+            np.testing.assert_array_equal(np.float32(1) + got, np.float32(1) + expected, err_msg=name)
+        elif name.endswith(".A_log"):
+            assert np.abs(got - expected).max() <= 2.0 ** -22, name
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+    for i in range(model.config.num_hidden_layers):
+        if model.config.is_moe_layer(i):
+            for e in range(model.config.num_experts):
+                for a, b in zip(back.weights.expert(f"model.layers.{i}.mlp.experts", e),
+                                model.weights.expert(f"model.layers.{i}.mlp.experts", e)):
+                    np.testing.assert_array_equal(a, b)
+    ids = np.array([[5, 17, 123, 9999, 151000]])
+    logits = model.forward(ids)
+    err = np.abs(back.forward(ids) - logits).max()
+    # hybrids: a few float32 ulps of the logits (measured 2.4e-7 - 3.3e-7 of max |logits|)
+    assert err == 0 if not model.config.is_hybrid else err <= 1e-6 * np.abs(logits).max()
+
+
+def _write_tensors(path: Path, model: Model, edit) -> Path:
+    """A GGUF of `model` with our metadata and its llama.cpp tensors passed through `edit` first."""
+    import gguf
+    tensors = G.hf_to_gguf_tensors(model.config, model.weights)
+    edit(tensors)
+    wr = gguf.GGUFWriter(path, G.MODEL_TYPE_TO_ARCH[model.config.model_type])
+    G._write_metadata(wr, model.config, "edited", "F32", None)
+    for name, a in tensors.items():
+        wr.add_tensor(name, a)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return path
+
+
+def test_older_and_fused_layouts_read_the_same(tmp_path):
+    """llama.cpp also loads a fused ffn_gate_up_exps ([E, 2Ie, H]; convert --fuse-gate-up-exps) and, for
+    Qwen3-Next, the unsplit grouped ssm_in of older conversions: both give the same HF arrays."""
+    def fuse(t):
+        for i in range(2):
+            t[f"blk.{i}.ffn_gate_up_exps.weight"] = np.concatenate(
+                [t.pop(f"blk.{i}.ffn_gate_exps.weight"), t.pop(f"blk.{i}.ffn_up_exps.weight")], axis=1)
+
+    def unsplit(t):
+        t["blk.0.ssm_in.weight"] = G.regroup_qkvz(t.pop("blk.0.attn_qkv.weight"), t.pop("blk.0.attn_gate.weight"),
+                                                  2, 16, 2 * 16)
+    for case, edit in (("qwen3moe", fuse), ("qwen35moe", fuse), ("qwen3next", unsplit)):
+        model = f32_model(case)
+        edited = refimpl.load(_write_tensors(tmp_path / f"{case}.gguf", model, edit))
+        assert "blk.0.ffn_gate_up_exps.weight" in G.GGUFFile(tmp_path / f"{case}.gguf").tensors or case == "qwen3next"
+        np.testing.assert_array_equal(edited.forward(IDS), refimpl.load(FIXTURES / f"{case}-f32.gguf").forward(IDS))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                   "rope_theta": 1e6, "beta_fast": 16.0, "attention_factor": 1.25}])
+def test_scaled_rope_round_trips(rope, tmp_path):
+    cfg = config_from_dict({**gguf_cases.CASES["qwen3"], "rope_parameters": rope})
+    model = Model(cfg, Weights(gguf_cases.weights("qwen3")))
+    back = refimpl.load(G.write_gguf(tmp_path / "r.gguf", model))
+    assert back.config.rope == cfg.rope
+    np.testing.assert_array_equal(back.forward(IDS), model.forward(IDS))
+
+
+def _block_bound(w: np.ndarray, qtype: str) -> np.ndarray:
+    """Per element, the largest error gguf-py's (= ggml's reference) quantiser can make, from its block's
+    amax: Q8_0 rounds to d = amax/127 (<= d/2); Q4_0 uses d = -max/8 over [-8d, 7d], so the value opposite the
+    max can be clipped (<= |d|); plus the f16 rounding of d times the largest code (127 or 8)."""
+    blocks = w.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True).astype(np.float64)
+    d, step, code = (amax / 127, 0.5, 127) if qtype == "Q8_0" else (amax / 8, 1.0, 8)
+    return np.broadcast_to(d * (step + code * 2.0 ** -11) + 1e-12, blocks.shape).reshape(w.shape)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("case", ARCHS)
+def test_writer_quantises_within_the_quantisers_bound(case, qtype, tmp_path):
+    """Every quantised element within its block's bound (the real check); the logits stay finite, and at
+    hidden 64 with Gaussian weights move by (measured) <= 2.7 % (Q8_0) and <= 56 % (Q4_0) of max |logits|."""
+    model = f32_model(case)
+    path = G.write_gguf(tmp_path / "q.gguf", model, qtype)
+    g = G.GGUFFile(path)
+    assert {G.type_name(t.ggml_type) for t in g.tensors.values()} == {"F32", qtype}
+    assert g.metadata["general.file_type"] == {"Q8_0": 7, "Q4_0": 2}[qtype]
+    expected = G.hf_to_gguf_tensors(model.config, model.weights)
+    for name, t in g.tensors.items():
+        got = g.array(name)
+        if G.type_name(t.ggml_type) == "F32":
+            np.testing.assert_array_equal(got, expected[name], err_msg=name)
+        else:
+            assert (np.abs(got - expected[name]) <= _block_bound(expected[name], qtype)).all(), name
+    back = refimpl.load(path)
+    if model.config.num_experts:   # one expert of a quantised stack is dequantised alone: the same values
+        for e in range(model.config.num_experts):
+            gate, up, down = back.weights.expert("model.layers.1.mlp.experts", e)
+            np.testing.assert_array_equal(down, g.array("blk.1.ffn_down_exps.weight")[e])
+            np.testing.assert_array_equal(up, g.array("blk.1.ffn_up_exps.weight")[e])
+    logits = back.forward(IDS)
+    assert np.isfinite(logits).all()
+    reference = model.forward(IDS)
+    assert np.abs(logits - reference).max() <= {"Q8_0": 0.04, "Q4_0": 0.75}[qtype] * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_writer_half_types_round_to_the_type(qtype, tmp_path):
+    import ml_dtypes
+    model = f32_model("qwen3")
+    back = refimpl.load(G.write_gguf(tmp_path / "h.gguf", model, qtype))
+    dtype = {"F16": np.float16, "BF16": ml_dtypes.bfloat16}[qtype]
+    for name, w in model.weights.stored.items():
+        expected = w if w.ndim == 1 else w.astype(dtype).astype(np.float32)
+        np.testing.assert_array_equal(back.weights[name], expected, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizer
+
+@pytest.fixture(scope="module")
+def vocab_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("vocab")
+    with tarfile.open(FIXTURES / "vocab-qwen.tar.xz") as tar:
+        for member in tar.getmembers():
+            assert member.isfile() and "/" not in member.name
+            (directory / member.name).write_bytes(tar.extractfile(member).read())
+    return directory
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen35"])
+def test_tokenizer_passes_llamacpp_test_vectors(vocab_dir, name):
+    """llama.cpp's models/ggml-vocab-{name}.gguf.inp / .out (made with the HF tokenizers): every case."""
+    tok = tokenizer_from_gguf(vocab_dir / f"ggml-vocab-{name}.gguf")
+    texts = (vocab_dir / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    expected = (vocab_dir / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) > 40
+    for text, ids in zip(texts, expected, strict=True):
+        assert tok.encode(text, add_special_tokens=False).ids == [int(t) for t in ids.split()], repr(text)
+
+
+def test_tokenizer_metadata_is_plain_data():
+    meta = G.tokenizer_metadata(FIXTURES / "qwen35-f32.gguf")
+    assert meta["model"] == "gpt2" and meta["pre"] == "qwen35" and meta["eos_token_id"] == 302
+    assert meta["pad_token_id"] == 300 and meta["bos_token_id"] is None and "<|im_start|>" in meta["chat_template"]
+    assert type(meta["tokens"]) is list and type(meta["merges"]) is list and type(meta["token_types"]) is list
+    assert len(meta["tokens"]) == gguf_cases.VOCAB and meta["tokens"][302] == "<|im_end|>"
+    assert meta["token_types"][302] == 3 and meta["token_types"][310] == 5   # control; unused padding
+
+
+def test_tokenizer_from_tiny_gguf_matches_its_tokenizer_json():
+    from tokenizers import Tokenizer
+    hf = Tokenizer.from_str(gguf_cases.tokenizer_json())
+    tok = tokenizer_from_gguf(G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf"))
+    for text in ["Hello world! It's 2026.", "  the  quick\n\nfox<|im_end|>", "Ünïcödé 123456 résumé"]:
+        assert tok.encode(text).ids == hf.encode(text).ids, text
+    assert tok.decode(tok.encode("Hello world!").ids) == "Hello world!"
+
+
+def test_tokenizer_adds_bos_and_eos_when_the_gguf_asks():
+    meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf")
+    plain = tokenizer_from_gguf(meta).encode("Hello world").ids
+    assert plain == tokenizer_from_gguf(meta | {"add_bos_token": False, "bos_token_id": 301}).encode("Hello world").ids
+    both = tokenizer_from_gguf(meta | {"add_bos_token": True, "bos_token_id": 301, "add_eos_token": True})
+    assert both.encode("Hello world").ids == [301, *plain, 302]
+    assert both.encode("Hello world", add_special_tokens=False).ids == plain
+
+
+def test_tokenizer_rejects_unknown_pre_tokenizer():
+    meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf") | {"pre": "llama-bpe"}
+    with pytest.raises(ConfigError, match="unsupported tokenizer.ggml.pre 'llama-bpe'"):
+        tokenizer_from_gguf(meta)
+
+
+def test_opening_a_250k_vocabulary_is_fast(tmp_path):
+    """The header of a 250k-token GGUF (tokens, types, 250k merges) parses in ~0.1 s (gguf-py's GGUFReader:
+    ~20 s); strings are decoded on first use (~0.1 s more)."""
+    V = 250_000
+
+    def string(text):
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    def strings(key, items):
+        return string(key) + struct.pack("<IIQ", 9, 8, len(items)) + b"".join(map(string, items))
+    header = b"".join([
+        b"GGUF", struct.pack("<IQQ", 3, 1, 6),
+        string("general.architecture") + struct.pack("<I", 8) + string("qwen35"),
+        string("tokenizer.ggml.model") + struct.pack("<I", 8) + string("gpt2"),
+        string("tokenizer.ggml.pre") + struct.pack("<I", 8) + string("qwen35"),
+        strings("tokenizer.ggml.tokens", [f"tok{i}" for i in range(V)]),
+        string("tokenizer.ggml.token_type") + struct.pack("<IIQ", 9, 5, V) + np.ones(V, "<i4").tobytes(),
+        strings("tokenizer.ggml.merges", [f"t{i} k{i}" for i in range(V)]),
+        string("token_embd.weight") + struct.pack("<I2QIQ", 2, 2, V, 0, 0)])
+    (tmp_path / "big.gguf").write_bytes(header + bytes(-len(header) % 32) + bytes(V * 2 * 4))
+    start = time.perf_counter()
+    g = G.GGUFFile(tmp_path / "big.gguf")
+    opened = time.perf_counter() - start
+    meta = G.tokenizer_metadata(g)
+    decoded = time.perf_counter() - start
+    assert meta["tokens"][123456] == "tok123456" and meta["merges"][-1] == f"t{V - 1} k{V - 1}"
+    assert opened < 1.0 and decoded < 2.0, (opened, decoded)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+def _patch(src: Path, dst: Path, old: bytes, new: bytes) -> Path:
+    data = src.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    dst.write_bytes(data.replace(old, new))
+    return dst
+
+
+@pytest.mark.parametrize("cut", [3, 30, 2000, 10000, -1000])
+def test_truncated_file_is_a_format_error(tmp_path, cut):
+    data = (FIXTURES / "qwen3-f32.gguf").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:cut])
+    with pytest.raises(FormatError, match=r"cut\.gguf: (truncated|not a GGUF)") as e:
+        refimpl.load(path)
+    assert "\n" not in str(e.value)
+    if cut == -1000:
+        assert "tensor 'output_norm.weight'" in str(e.value) or "tensor 'blk." in str(e.value)
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(FormatError, match=r"x\.gguf: not a GGUF file"):
+        refimpl.load(tmp_path / "x.gguf")
+
+
+def test_unknown_architecture_is_a_config_error(tmp_path):
+    key = b"general.architecture"
+    old = key + struct.pack("<IQ", 8, 5) + b"qwen3"
+    path = _patch(FIXTURES / "qwen3-f32.gguf", tmp_path / "arch.gguf", old, old[:-5] + b"llama")
+    with pytest.raises(ConfigError, match=r"arch\.gguf: unknown architecture 'llama'.*supported: qwen3, qwen3moe"):
+        refimpl.load(path)
+
+
+def test_unsupported_quant_type_is_a_weights_error(tmp_path):
+    """A tensor of a ggml type gguf-py cannot dequantise (Q8_1): named at load, before any forward pass."""
+    name = b"blk.1.attn_q.weight"
+    old = struct.pack("<Q", len(name)) + name + struct.pack("<I2QI", 2, 64, 128, 0)
+    path = _patch(FIXTURES / "qwen3-f32.gguf", tmp_path / "q81.gguf", old, old[:-4] + struct.pack("<I", 9))
+    with pytest.raises(WeightsError, match=r"q81\.gguf: tensor 'blk\.1\.attn_q\.weight' has type Q8_1, which gguf-py "
+                                           r"cannot dequantise"):
+        refimpl.load(path)
+
+
+def test_vocabulary_embedding_mismatch_is_a_weights_error(tmp_path, monkeypatch):
+    meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf")
+    meta["tokens"], meta["token_types"] = meta["tokens"][:-20], meta["token_types"][:-20]
+    with pytest.raises(WeightsError, match="tokenizer has 300 tokens but the embedding 'model.embed_tokens.weight' "
+                                          "has 320 rows"):
+        G.write_gguf(tmp_path / "v.gguf", f32_model("qwen3"), tokenizer=meta)
+    assert list(tmp_path.iterdir()) == []          # nothing written, no temporary file left
+    monkeypatch.setattr(G, "_check_tokenizer", lambda cfg, tokenizer: None)
+    path = G.write_gguf(tmp_path / "v.gguf", f32_model("qwen3"), tokenizer=meta)
+    with pytest.raises(WeightsError, match=r"v\.gguf: tensor 'token_embd\.weight' has 320 rows but "
+                                           r"tokenizer\.ggml\.tokens has 300 entries"):
+        refimpl.load(path)
+
+
+def test_missing_tensor_names_the_gguf_tensor(tmp_path):
+    name = b"blk.0.ffn_down.weight"
+    path = _patch(FIXTURES / "qwen3-f32.gguf", tmp_path / "m.gguf", name, b"blk.0.ffn_dowX.weight")
+    with pytest.raises(WeightsError, match=r"m\.gguf: missing tensor 'blk\.0\.ffn_down\.weight'"):
+        refimpl.load(path)
+
+
+def test_writer_leaves_no_partial_file(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(G, "encode_tensor", boom)
+    with pytest.raises(FormatError, match=r"p\.gguf: cannot write \(disk full\)"):
+        G.write_gguf(tmp_path / "p.gguf", f32_model("qwen3"), "Q8_0")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_rejects_unsupported_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"p\.gguf: unsupported GGUF type 'Q4_K'; supported: F32, F16, BF16, Q8_0, "
+                                          r"Q4_0"):
+        G.write_gguf(tmp_path / "p.gguf", f32_model("qwen3"), "q4_k")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "refimpl.cli", *argv], capture_output=True, text=True)
+
+
+def test_cli_runs_a_gguf_and_converts(tmp_path):
+    proc = _cli("info", str(FIXTURES / "qwen35moe-f32.gguf"))
+    assert proc.returncode == 0 and "qwen3_5_moe_text" in proc.stdout and "4 x 32, top-2" in proc.stdout
+    out = tmp_path / "t.gguf"
+    proc = _cli("convert", "tiny-qwen3", "--to", "gguf", "--out", str(out), "--type", "q8_0")
+    assert proc.returncode == 0, proc.stderr
+    assert G.type_name(G.GGUFFile(out).tensors["blk.0.attn_q.weight"].ggml_type) == "Q8_0"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["info", "{fixtures}/missing.gguf"], "missing.gguf: no such file"),
+    (["run", "{bad}", "--input-ids", "1"], "truncated"),
+    (["convert", "tiny-qwen3", "--to", "gguf", "--out", "{tmp}/o.gguf", "--type", "q4_k"], "invalid choice"),
+    (["convert", "nowhere", "--to", "gguf", "--out", "{tmp}/o.gguf"], "not a preset"),
+])
+def test_cli_bad_gguf_input_exits_2_with_one_line(tmp_path, argv, message):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes((FIXTURES / "qwen3-f32.gguf").read_bytes()[:5000])
+    argv = [a.format(fixtures=FIXTURES, bad=bad, tmp=tmp_path) for a in argv]
+    proc = _cli(*argv)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o.gguf").exists() and not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
+
+
+def test_wrong_tensor_shape_names_the_gguf_tensor(tmp_path):
+    def shrink(t):
+        t["blk.0.ssm_out.weight"] = t["blk.0.ssm_out.weight"][:, :32]
+    path = _write_tensors(tmp_path / "s.gguf", f32_model("qwen35"), shrink)
+    with pytest.raises(WeightsError, match=r"s\.gguf: tensor 'blk\.0\.ssm_out\.weight' has shape \[64, 32\], "
+                                           r"expected \[64, 64\]"):
+        refimpl.load(path)
