@@ -2,10 +2,13 @@
 
 from . import errors
 from .models.config import ModelConfig, config_from_dict, load_config
+from .formats.tokenizer import Tokenizer, load_tokenizer
+from .generate import Generation, generate
 from .models.load import load
 from .models.model import Model
 from .precision import Policy
 from .trace import trace
 
 __version__ = "0.1.0"
-__all__ = ["load", "trace", "Model", "Policy", "ModelConfig", "config_from_dict", "load_config", "errors", "__version__"]
+__all__ = ["load", "load_tokenizer", "generate", "Generation", "Tokenizer", "trace", "Model", "Policy", "ModelConfig",
+           "config_from_dict", "load_config", "errors", "__version__"]

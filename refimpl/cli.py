@@ -1,5 +1,6 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
-`refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`, `refimpl replay`, `refimpl explain`.
+`refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`,
+`refimpl replay`, `refimpl explain`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -107,11 +108,12 @@ def cmd_golden(args) -> int:
 
     from .golden import write_golden
     from .models.presets import DEFAULT_PRESET
-    if args.prompt is not None:
-        raise InputError("--prompt needs a tokenizer, which refimpl does not have yet; give --input-ids")
-    if args.input_ids is None:
-        raise InputError("give the prompt as --input-ids 1,2,3")
     source = args.model or DEFAULT_PRESET
+    if args.prompt is not None:
+        from .formats.tokenizer import load_tokenizer
+        args.input_ids = np.array([_prompt_ids(load_tokenizer(source), args.prompt)], dtype=np.int64)
+    if args.input_ids is None:
+        raise InputError("give the prompt as --prompt TEXT or --input-ids 1,2,3")
     if args.pad_id is not None and args.pad_id < 0:
         raise InputError(f"--pad-id must be a token id >= 0, got {args.pad_id}")
     # flag -> option of each convention; a flag the chosen convention does not use is an error, not ignored
@@ -140,6 +142,80 @@ def cmd_golden(args) -> int:
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
           f"{args.decode_steps} decode steps, {model.precision.activations} activations)")
     return 0
+
+
+def _prompt_ids(tok, text: str, chat: bool = False, system: str | None = None) -> list:
+    """Prompt text -> ids with the tokenizer; as a ChatML user turn (after an optional system turn) when chat."""
+    if chat:
+        text = tok.apply_chat_template(([{"role": "system", "content": system}] if system else [])
+                                       + [{"role": "user", "content": text}])
+    ids = tok.encode(text)
+    if not ids:
+        raise InputError("--prompt encodes to no tokens")
+    return ids
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from .formats.tokenizer import load_tokenizer
+    from .generate import SamplingParams, generate
+    from .models.presets import DEFAULT_PRESET
+    source = args.model or DEFAULT_PRESET
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty).check()  # early
+    if args.input_ids is None and args.prompt is None:
+        raise InputError("give the prompt as --prompt TEXT or --input-ids 1,2,3")
+    if args.input_ids is not None and (args.chat or args.system):
+        raise InputError("--chat and --system apply to --prompt text, not --input-ids")
+    if args.system and not args.chat:
+        raise InputError("--system needs --chat")
+    needs_text = args.prompt is not None or args.stop or args.tokenizer
+    tok = None          # ids in, ids out: the tokenizer is optional (a checkpoint directory may have none)
+    if needs_text or not args.ids:
+        try:
+            tok = load_tokenizer(args.tokenizer or source)
+        except RefimplError:
+            if needs_text:
+                raise
+    ids = _prompt_ids(tok, args.prompt, args.chat, args.system) if args.prompt is not None \
+        else args.input_ids[0].tolist()
+    model = _load(args, source)
+    eos = ()
+    if not args.ignore_eos:
+        cfg_eos = model.config.eos_token_id
+        eos = sorted({*([cfg_eos] if isinstance(cfg_eos, int) else cfg_eos or []), *(tok.stop_ids() if tok else [])})
+    stream = tok.stream(skip_special_tokens=True) if tok is not None and not args.ids else None
+
+    def show(row, token):
+        sys.stdout.write(stream.step(token) if stream is not None else f"{token} ")
+        sys.stdout.flush()
+    start = time.perf_counter()
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, eos_token_id=eos, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty, stop=args.stop or (), tokenizer=tok, callback=show)
+    seconds = time.perf_counter() - start
+    n = len(out.tokens[0])
+    sys.stdout.write("\n")
+    print(f"[{len(ids)} prompt tokens, {n} generated, stopped by {out.finish_reasons[0]}; {seconds:.2f} s, "
+          f"{n / seconds if seconds else 0:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def cmd_convert(args) -> int:
@@ -181,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="preset name, HF checkpoint directory or .gguf file (default: the built-in "
                                    "hybrid preset tiny-qwen3.5)")
     prompt = g.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
     g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 32); qeff: seq_len")
@@ -205,6 +281,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_golden)
+
+    gen = sub.add_parser("generate", help="generate text (or ids), streamed to stdout")
+    gen.add_argument("--model", help="preset name, HF checkpoint directory or .gguf file (default: tiny-qwen3.5)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the ChatML template "
+                                                         "and add the assistant generation prompt")
+    gen.add_argument("--system", help="with --chat: a system message first")
+    gen.add_argument("--tokenizer", help="tokenizer source if not the model's: preset, qwen3 | qwen3.5, HF "
+                                         "directory or tokenizer.json")
+    gen.add_argument("--max-new-tokens", type=_nonnegative, default=32)
+    gen.add_argument("--temperature", type=_number, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=_nonnegative, default=0, help="0: off")
+    gen.add_argument("--top-p", type=_number, default=1.0, help="1: off")
+    gen.add_argument("--min-p", type=_number, default=0.0, help="0: off")
+    gen.add_argument("--repetition-penalty", type=_number, default=1.0, help="1: off")
+    gen.add_argument("--seed", type=_nonnegative, default=0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn / eos tokens")
+    gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    _precision_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
     from .diff.commands import add_commands
     add_commands(sub)
     return parser

@@ -15,6 +15,7 @@ from . import __version__
 from .bundle import Tensor, write_bundle
 from .conventions import genie, hf, qeff
 from .errors import InputError
+from .generate import greedy, log_softmax_at
 
 CONVENTIONS = {"hf": hf, "genie": genie, "qeff": qeff}
 SCHEMA_VERSION = 1
@@ -48,6 +49,28 @@ def bundle_steps(result: list) -> list[list[Tensor]]:
     return steps
 
 
+def generation_record(result: list, n_prompt: int) -> dict:
+    """The host loop's token choices, one per call from the last prompt call on: the greedy token of that call's
+    logits at its last real position, and its log-probability. tokens[:-1] are the generated ids (fed back as the
+    next calls' inputs); the last one is what the final call predicts."""
+    steps, positions, tokens, logprobs = [], [], [], []
+    for k in range(n_prompt - 1, len(result)):
+        c = result[k]
+        logits = c.outputs["logits"][0]                                  # [T, V]
+        box = c.valid.get("logits")                                       # [[[0, 1], [lo, hi], [0, V]]] when padded
+        position = box[0][1][1] - 1 if box else logits.shape[0] - 1
+        token = greedy(logits[position])
+        steps.append(k)
+        positions.append(int(position))
+        tokens.append(token)
+        logprobs.append(log_softmax_at(logits[position], token))
+    fed = [t for c in result[n_prompt:] for t in c.tokens]
+    assert tokens[:-1] == fed, "the convention fed back other tokens than the greedy choices"
+    return {"rule": "greedy: argmax of the logits output at the step's last real position, ties to the lowest id; "
+                    "logprob = log_softmax(logits) at the token, in float64",
+            "steps": steps, "positions": positions, "tokens": tokens, "logprobs": logprobs}
+
+
 def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "hf", params: dict | None = None,
                  decode_steps: int = 0, taps: str | None = None, exports=(), aimet: bool = False,
                  overwrite: bool = False, progress=None):
@@ -63,6 +86,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
         "precision": {**model.precision.to_dict(), "blas_threads": 1},
         "prompt_ids": prompt,
         "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
+        "generation": generation_record(result, n_prompt),
         "steps": [{"index": k, "graph": c.graph, "tokens": c.tokens} for k, c in enumerate(result)],
         "taps": taps,
     }

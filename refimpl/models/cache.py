@@ -62,3 +62,16 @@ class Cache:
         kv.value_buffer[:, :, P:P + T] = values
         kv.length = P + T
         return kv.keys, kv.values
+
+    def select(self, rows) -> "Cache":
+        """Keep only the batch rows `rows` (in that order), in place: how a batch drops the sequences that have
+        finished generating. Returns self."""
+        rows = np.asarray(rows, dtype=np.int64)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KVCache):
+                self.layers[i] = KVCache(layer.key_buffer[rows], layer.value_buffer[rows], layer.length)
+            elif isinstance(layer, LinearAttentionState):
+                self.layers[i] = LinearAttentionState(layer.conv[rows], layer.recurrent[rows])
+        self.mask = self.mask[rows]
+        self.batch_size = len(rows)
+        return self
