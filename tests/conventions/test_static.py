@@ -175,7 +175,11 @@ def test_tap_valid_regions_mark_pad_rows():
     assert padded.valid["model.layers.3.self_attn.attn_probs"] == [[[0, 1], [0, 4], [3, 4], [0, 16]]]
     assert "model.layers.0.linear_attn.recurrent_state" not in padded.valid   # states: all valid
     assert padded.valid["past_key_3_in"] == [[[0, 2], [0, 1], [0, 32], [8, 12]]]  # 4 cached of 12 window slots
-    assert not any(k.startswith("model.") for k in calls[0].valid)           # a full chunk: all valid
+    # scores: only the slots each real query row may attend (4 cached, itself); masked slots hold the floor
+    assert padded.valid["model.layers.3.self_attn.attn_scores"] == [[[0, 1], [0, 4], [3, 4], [8, 12]],
+                                                                    [[0, 1], [0, 4], [3, 4], [15, 16]]]
+    assert not any(k.startswith("model.") and not k.endswith("attn_scores") for k in calls[0].valid)  # full chunk
+    assert calls[0].valid["model.layers.3.self_attn.attn_scores"][0] == [[0, 1], [0, 4], [0, 1], [12, 13]]
     assert not padded.taps["model.layers.0.linear_attn.core"][0, :3].any()   # pad rows of GDN taps are zeros
 
 
