@@ -27,7 +27,8 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path)
-        return Model(config, Weights(arrays, dtype=dtype, source=str(path)))
+        return Model(config, Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p)),
+                     precision=p)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
     if not path.is_dir():

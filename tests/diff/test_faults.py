@@ -205,3 +205,42 @@ def test_replay_cannot_separate_without_the_layer_inputs(tmp_path):
     assert rows and not any(r.adds_error for r in rows)
     gate = next(r for r in rows if r.name == "model.layers.2.mlp.gate_proj")
     assert gate.not_forced == ["model.layers.2.post_attention_layernorm"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_three_way_judging_with_precision_emulation(dtype, hybrid, tmp_path):
+    """Golden float32, emulated = the same model at `dtype` (refimpl.precision), device = an honest `dtype` run
+    whose roundings fall differently (weights nudged by one float32 ulp, as another accumulation order would):
+    judged within k x the emulation's own error it passes, while the fp32 bar flags it; faults on top of it are
+    still localised."""
+    from refimpl.models.model import Model
+    from refimpl.models.weights import Weights
+    from refimpl.precision import policy, weight_transform
+    model, arrays, bundle, root = hybrid
+    p = policy(dtype)
+
+    def at_precision(arrs):
+        return Model(model.config, Weights(arrs, dtype=p.dtype, transform=weight_transform(p)), precision=p)
+    emulated = read_bundle(write_golden(tmp_path / "emulated", at_precision(arrays), PROMPT, source="x",
+                                        convention="genie", params=PARAMS, decode_steps=STEPS, taps="."))
+    rng = np.random.default_rng(1)
+    nudged = {n: (a * (1 + rng.choice([-1, 1], a.shape) * 2.0 ** -23).astype(np.float32) if a.ndim == 2 else a)
+              for n, a in arrays.items()}
+    honest = read_dump(F.device_dump(at_precision(nudged), PROMPT, PARAMS, STEPS, tmp_path / "honest"), bundle)
+    assert compare(bundle, honest).exit_code == 1                                   # the fp32 bar flags it
+    report = compare(bundle, honest, load_policy(dtype=dtype), emulated=emulated)
+    assert report.failed == [], [(r.key, r.failures) for r in report.failed][:3]
+    for make, expected in ((lambda: (None, F.interleaved_rope()), (0, "model.layers.3.self_attn.q_rope")),
+                           (lambda: (None, F.conv_state_shifted()), (0, "model.layers.0.linear_attn.conv_state")),
+                           # bf16 noise at layer 3 is already NMSE ~6e-4 (32 dB): the weight error must exceed
+                           # k x that to show in totals (replay isolates smaller ones)
+                           (lambda: (F.perturbed_weights(model, nudged, "model.layers.3.self_attn.q_norm.weight",
+                                                         scale=5e-2 if dtype == "fp16" else 0.25), None),
+                            (0, "model.layers.3.self_attn.q_norm"))):
+        device_model, context = make()
+        device = at_precision(nudged if device_model is None else
+                              {**nudged, "model.layers.3.self_attn.q_norm.weight":
+                               device_model.weights.stored["model.layers.3.self_attn.q_norm.weight"]})
+        dump = F.device_dump(device, PROMPT, PARAMS, STEPS, tmp_path / f"fault-{expected[1]}", context)
+        report = compare(bundle, read_dump(dump, bundle), load_policy(dtype=dtype), emulated=emulated)
+        assert _first(report) == expected
