@@ -42,9 +42,7 @@ def add_commands(sub) -> None:
     r.add_argument("--model", help="model source (default: the bundle's)")
     r.add_argument("--dtype", help="device compute dtype for the verdict: fp32 (default), fp16, bf16")
     r.add_argument("--policy")
-    r.add_argument("--dump-dtype")
-    r.add_argument("--mapping")
-    r.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER")
+    _reading_flags(r)
     r.set_defaults(func=cmd_replay)
 
     e = sub.add_parser("explain", help="one element line by line: op, formula, inputs, intermediate values")
@@ -53,9 +51,15 @@ def add_commands(sub) -> None:
     e.add_argument("--step", type=int, help="step (default: the first that has the tensor)")
     e.add_argument("--model", help="model source (default: the bundle's)")
     e.add_argument("--device", help="a device dump: show its values beside the reference's")
-    e.add_argument("--dump-dtype")
-    e.add_argument("--mapping")
+    _reading_flags(e)
     e.set_defaults(func=cmd_explain)
+
+
+def _reading_flags(p) -> None:
+    """How a dump is read (as `refimpl diff` reads it)."""
+    p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
+    p.add_argument("--mapping", help="JSON {golden name: device name}")
+    p.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER", help="declared dump layout")
 
 
 def _policy(args):

@@ -138,12 +138,8 @@ def _regex(p, where):
 def load_policy(path=None, dtype: str | None = None) -> Policy:
     if path is None:
         return make_policy(None, dtype)
-    try:
-        spec = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: policy file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: policy file is not JSON ({e})") from None
+    from .dump import read_json
+    spec = read_json(path, "policy")
     if not isinstance(spec, dict):
         raise InputError(f"{path}: policy must be a JSON object")
     return make_policy(spec, dtype, str(path))

@@ -148,10 +148,7 @@ def _attention(cfg, i: int, what: str, norm: str) -> Node | None:
         "gated_output": ("gate", "o * sigmoid(gate)", (f"{a}.attn_output", f"{a}.gate")),
         "o_proj": ("linear", "y = o Wo^T (+ b)", (f"{a}.gated_output" if gated else f"{a}.attn_output",)),
     }
-    if what not in nodes:
-        return None
-    op, formula, inputs = nodes[what]
-    return Node(op, i, formula, inputs)
+    return _pick(nodes, what, i)
 
 
 def _gdn(cfg, i: int, what: str) -> Node | None:
@@ -184,10 +181,7 @@ def _gdn(cfg, i: int, what: str) -> Node | None:
         "conv_state": ("state update", "last S raw conv inputs of [state | mixed_qkv]", (f"{g}.mixed_qkv", *conv_in)),
         "recurrent_state": ("state update", "S after the last real token", core_in),
     }
-    if what not in nodes:
-        return None
-    op, formula, inputs = nodes[what]
-    return Node(op, i, formula, inputs)
+    return _pick(nodes, what, i)
 
 
 def _mlp(cfg, i: int, what: str) -> Node | None:
@@ -209,7 +203,12 @@ def _mlp(cfg, i: int, what: str) -> Node | None:
         "": ("add", "experts + shared_expert_gate * shared_expert",
              (f"{m}.experts", f"{m}.shared_expert.down_proj", f"{m}.shared_expert_gate")),
     }
+    return _pick(nodes, what, i)
+
+
+def _pick(nodes: dict, what: str, layer: int) -> Node | None:
+    """The node named `what` of a block's table {what: (op, formula, inputs)}, or None."""
     if what not in nodes:
         return None
     op, formula, inputs = nodes[what]
-    return Node(op, i, formula, inputs)
+    return Node(op, layer, formula, inputs)

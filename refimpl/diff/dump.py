@@ -66,14 +66,19 @@ def _loose(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]", "_", name)
 
 
+def read_json(path, what: str):
+    """A small JSON file the user gives (mapping, policy), or a one-line InputError naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"{path}: {what} file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: {what} file is not JSON ({e})") from None
+
+
 def read_mapping(path) -> dict:
     """A {golden name: device name} JSON file (QAIRT tensor_mapping.json) -> {device name: golden name}."""
-    try:
-        m = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: mapping file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: mapping file is not JSON ({e})") from None
+    m = read_json(path, "mapping")
     if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
         raise InputError(f"{path}: mapping must be a JSON object {{golden name: device name}}")
     return {v: k for k, v in m.items()}

@@ -101,24 +101,22 @@ def graph_outputs(fn):
     return patched(genie, "graph", graph)
 
 
-def key_cache_untransposed(layer: int):
-    """past_key_{layer}_out written as [Hkv, 1, T, D] into the [Hkv, 1, D, T] buffer (same bytes, reshaped)."""
+def written_transposed(name: str):
+    """Output `name` written with its last two axes swapped into the buffer of the contract's shape (same bytes,
+    reshaped): e.g. past_key_out as [Hkv, 1, T, D] for [Hkv, 1, D, T], a recurrent state as [Dv, Dk]."""
     def fn(out):
-        name = f"past_key_{layer}_out"
-        k = out[name]
-        out[name] = np.ascontiguousarray(k.swapaxes(-1, -2)).reshape(k.shape)
+        a = out[name]
+        out[name] = np.ascontiguousarray(a.swapaxes(-1, -2)).reshape(a.shape)
         return out
     return graph_outputs(fn)
+
+
+def key_cache_untransposed(layer: int):
+    return written_transposed(f"past_key_{layer}_out")
 
 
 def recurrent_state_transposed(layer: int):
-    """recurrent_state_{layer}_out written as [.., Dv, Dk] into the [.., Dk, Dv] buffer."""
-    def fn(out):
-        name = f"recurrent_state_{layer}_out"
-        s = out[name]
-        out[name] = np.ascontiguousarray(s.swapaxes(-1, -2)).reshape(s.shape)
-        return out
-    return graph_outputs(fn)
+    return written_transposed(f"recurrent_state_{layer}_out")
 
 
 def conv_state_shifted():
