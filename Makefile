@@ -26,6 +26,8 @@ demo: $(VENV)/.runtime
 	$(VENV)/bin/refimpl golden --input-ids 9707,11,1879,0,315,3460,13 --convention genie --ar 4 --cl 32 \
 		--mask-floor -100 --decode-steps 4 --out out/demo-bundle --overwrite
 	@echo "bundle: out/demo-bundle (manifest.json, input_list.txt, steps/*/{inputs,outputs,taps}/*.raw)"
+	$(VENV)/bin/refimpl diff out/demo-bundle out/demo-bundle --top 3 --html out/demo-diff.html
+	$(VENV)/bin/refimpl generate --prompt "The capital of France is" --max-new-tokens 8
 
 # two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
 # slow everything down many times over)

@@ -43,8 +43,9 @@ def ordered(report: Report) -> list:
 
     def key(r):
         s = r.metrics["sqnr_db"] if r.metrics else -math.inf
-        return (r.status not in FAILING, r.key not in first, r.step if r.key in first else 0,
-                s if not math.isnan(s) else -math.inf)
+        if math.isnan(s):  # nothing valid to score (an empty cache window) sorts last unless it failed
+            s = -math.inf if r.status in FAILING else math.inf
+        return (r.status not in FAILING, r.key not in first, r.step if r.key in first else 0, s)
     return sorted(report.results, key=key)
 
 
