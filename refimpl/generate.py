@@ -9,15 +9,17 @@ Per row and step, from the model's last-position logits l [V] (taken to float64)
   3. temperature: l = l / T.
   4. order: the ids sorted by (l descending, id ascending); every later step works on this order.
      top-k (k > 0): keep the first k ids of the order.
-  5. e_i = exp(l_i - l_0) over the kept ids (l_0 the largest, so e_0 = 1), Z = their sum; p_i = e_i / Z.
+  5. e = exp(l - l_0) over the candidates (l_0 the largest, so e_0 = 1): all ids, as an array in id order, or
+     the top-k ids in the order; Z = numpy's sum of that array (p_i = e_i / Z); E_i = e_0 + ... + e_i summed one
+     by one in the order.
   6. top-p (< 1): keep the shortest prefix whose cumulative probability reaches top_p: id i (0-based in the
-     order) is kept iff i == 0 or c_{i-1} < top_p, where c_i = p_0 + ... + p_i summed in order.
-  7. min-p (> 0): of those, keep ids with p_i >= min_p * p_0 (that is, e_i >= min_p).
-  8. renormalise, q_i = e_i / S with S the sum of e over the kept ids; draw one u ~ U[0, 1) from the row's
-     generator and take the first kept id i (in the order) with u < q_0 + ... + q_i summed in order (the last
-     kept id if rounding leaves u above the total).
-  (`distribution` + `draw` compute this literally; `sample` gets the same token sorting only the part of the
-  order that top-p and the draw reach, because a full sort of a 248k vocabulary costs ~40 ms a step.)
+     order) is kept iff i == 0 or E_{i-1} < top_p * Z (that is, c_{i-1} < top_p, in this arithmetic).
+  7. min-p (> 0): of those, keep ids with e_i >= min_p (that is, p_i >= min_p * p_0).
+  8. S = Z if nothing was cut, else E_{n-1} (n kept ids); draw one u ~ U[0, 1) from the row's generator and take
+     the first kept id i (in the order) with u * S < E_i (the last kept id if rounding leaves u * S above E_{n-1}).
+  These are the exact float64 operations `sample` performs (it sorts only the part of the order that top-p and
+  the draw reach, because a full sort of a 248k vocabulary costs ~40 ms a step); `distribution` keeps the same
+  ids with a full sort and returns q_i = e_i / S for display; `draw(order, q, u)` is the same inverse CDF over q.
 
 The generator of row b is numpy's `Generator(PCG64(seed_b))` (PCG64 seeded through numpy's SeedSequence), with
 seed_b = seed + b for an int seed (or the b-th entry of a list of seeds), and u = generator.random() =
@@ -142,14 +144,20 @@ def min_p_count(p_sorted: np.ndarray, min_p: float) -> int:
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Steps 3-8 of the module doc, literally: penalised logits l [V] (float64) -> (kept ids in order [n], q [n])."""
+    """Steps 3-8 of the module doc with a full sort: penalised logits l [V] (float64) -> (kept ids in order [n],
+    q [n] = e_i / S). Keeps exactly the ids `sample` keeps (the same float64 operations)."""
     l = logits / params.temperature
+    V, m = l.shape[0], l.max()
     order = top_k_order(l, params.top_k)
-    e = np.exp(l[order] - l[order[0]])
-    p = e / e.sum()
-    n = top_p_count(p, params.top_p)
-    n = min_p_count(p[:n], params.min_p)
-    return order[:n], e[:n] / e[:n].sum()
+    candidates = np.exp(l[order] - m) if 0 < params.top_k < V else np.exp(l - m)   # as `sample` sums them
+    N, Z = len(candidates), candidates.sum()
+    e = np.exp(l[order] - m)
+    E = np.cumsum(e)
+    n = N if params.top_p >= 1 else 1 + int(np.count_nonzero(E[:-1] < params.top_p * Z))
+    if params.min_p > 0:
+        n = min(n, int(np.count_nonzero(candidates >= params.min_p)))
+    S = Z if n == N else E[n - 1]
+    return order[:n], e[:n] / S
 
 
 def sample(logits: np.ndarray, params: SamplingParams, u: float) -> int:

@@ -115,6 +115,29 @@ def test_distribution_applies_the_documented_order():
     assert q.max() - q.min() < 0.01
 
 
+def test_sampler_boundaries_as_documented():
+    """At an exact top-p / min-p boundary `sample` (what generate calls) keeps what `distribution` keeps."""
+    l = np.array([0.3, 0.0, 0.5])                          # order [2, 0, 1]
+    Z = np.exp(l - 0.5).sum()
+    top_p = 1.0 / Z
+    if top_p * Z != 1.0:                                   # make E_0 == top_p * Z hold exactly
+        top_p = np.nextafter(top_p, 1.0) if top_p * Z < 1.0 else np.nextafter(top_p, 0.0)
+    assert top_p * Z == 1.0
+    at = SamplingParams(temperature=1.0, top_p=top_p)
+    assert distribution(l, at)[0].tolist() == [2]           # E_0 < top_p Z fails: only the top id
+    assert {sample(l, at, u) for u in (0.0, 0.5, 0.999)} == {2}
+    assert {choose(l, [], at, np.random.Generator(np.random.PCG64(s)))[0] for s in range(20)} == {2}
+    above = SamplingParams(temperature=1.0, top_p=float(np.nextafter(top_p, 1.0)))
+    assert distribution(l, above)[0].tolist() == [2, 0] and sample(l, above, 0.999) == 0
+    # min-p exactly at e_2 = exp(0.4 - 2) keeps it; one ulp above drops it
+    l = np.array([2.0, -2.6, 0.4])
+    e2 = float(np.exp(0.4 - 2.0))
+    for min_p, kept in ((e2, [0, 2]), (float(np.nextafter(e2, 1.0)), [0])):
+        params = SamplingParams(temperature=1.0, min_p=min_p)
+        assert distribution(l, params)[0].tolist() == kept
+        assert sample(l, params, 0.99) == kept[-1]
+
+
 def test_draw_is_the_inverse_cdf_over_the_order():
     order, q = np.array([5, 2, 9]), np.array([0.5, 0.25, 0.25])
     assert [draw(order, q, u) for u in (0.0, 0.4999, 0.5, 0.7499, 0.75, 0.9999999)] == [5, 5, 2, 2, 9, 9]
