@@ -223,7 +223,7 @@ def cmd_convert(args) -> int:
     from .formats.gguf import GGUFFile, tokenizer_metadata, write_gguf
     model = load(args.model)
     tokenizer = None
-    if str(args.model).endswith(".gguf") and "tokenizer.ggml.model" in (g := GGUFFile(args.model)).metadata:
+    if str(args.model).lower().endswith(".gguf") and "tokenizer.ggml.model" in (g := GGUFFile(args.model)).metadata:
         tokenizer = tokenizer_metadata(g)   # re-quantising a GGUF keeps its vocabulary
     path = write_gguf(args.out, model, args.type.upper(), tokenizer=tokenizer)
     print(f"wrote {path} (GGUF {args.type.upper()}, {path.stat().st_size / 2**20:.1f} MiB"

@@ -36,6 +36,7 @@ import math
 from typing import Callable
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .errors import InputError
 
@@ -243,7 +244,16 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     return_logits: also keep every step's raw logits [N_b, V] per row.
     The context limit is checked first: prompt + max_new_tokens <= config.max_position_embeddings for each row.
     Rows that finish leave the batch (their cache rows are dropped), so a row's tokens equal its tokens alone.
+    BLAS runs on one thread (as for golden bundles): multi-row products round differently with more threads,
+    which could move a sampled token at a CDF boundary; one thread makes a generation the same bits everywhere.
     """
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,
+                         repetition_penalty, stop, tokenizer, attention_mask, callback, use_cache, return_logits)
+
+
+def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,
+              repetition_penalty, stop, tokenizer, attention_mask, callback, use_cache, return_logits) -> Generation:
     cfg = model.config
     texts = [prompt_ids] if isinstance(prompt_ids, str) else prompt_ids if isinstance(prompt_ids, (list, tuple)) \
         and prompt_ids and all(isinstance(p, str) for p in prompt_ids) else None

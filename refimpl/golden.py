@@ -35,6 +35,11 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
     if not isinstance(decode_steps, int) or decode_steps < 0:
         raise InputError(f"decode steps must be a non-negative integer, got {decode_steps!r}")
     opts = module.Options(**(params or {}))
+    n_prompt = np.asarray(prompt_ids).size
+    limit = model.config.max_position_embeddings
+    if n_prompt + decode_steps > limit:
+        raise InputError(f"prompt ({n_prompt} tokens) + decode steps ({decode_steps}) = {n_prompt + decode_steps} "
+                         f"exceeds the model's context limit (max_position_embeddings {limit})")
     with threadpool_limits(limits=1, user_api="blas"):
         return module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps), opts
 

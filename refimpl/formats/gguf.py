@@ -26,6 +26,7 @@ import dataclasses
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
 from functools import cache
@@ -124,6 +125,9 @@ class _Cursor:
         """`count` strings in a row (a vocabulary, its merges: hundreds of thousands). Only their offsets are
         read here, in one tight loop; they are decoded when first used."""
         buf, pos, unpack = self.buf, self.pos, struct.unpack_from
+        if count * 8 > self.size - pos:  # every string has an 8-byte length: a corrupt count, not a huge list
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF header: {what} claims {count} strings, more "
+                              f"than the {self.size - pos} bytes left could hold")
         starts = [0] * count
         try:
             for i in range(count):
@@ -486,8 +490,11 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     path = g.path
     hf_shapes = _architecture(cfg)[0](cfg)
 
+    read = set()
+
     def need(name, shape=None):
         """The tensor's info, after checking it exists, can be dequantised and (given `shape`) has that shape."""
+        read.add(name)
         if name not in g.tensors:
             expected = f" (expected shape {list(shape)})" if shape else ""
             raise WeightsError(f"{path}: missing tensor {name!r}{expected}")
@@ -530,7 +537,15 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
                 out[f"{p}.mlp.shared_expert_gate.weight"] = lazy((1, H), lambda name=name: src(name))
         if cfg.layer_types[i] == "linear_attention":
             out.update(_linear_attention(g, cfg, f"{p}.linear_attn", b, need, lazy, src, direct))
-    return out   # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read
+    # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read; anything else unread means the
+    # file holds tensors this config does not use (a bias, a router, a wrong architecture): refuse it
+    mtp = re.compile(rf"blk\.(\d+)\.")
+    unread = sorted(n for n in g.tensors if n not in read and not ((m := mtp.match(n)) and
+                                                                   int(m[1]) >= cfg.num_hidden_layers))
+    if unread:
+        raise WeightsError(f"{path}: {len(unread)} tensor(s) the {cfg.model_type} config does not use, e.g. "
+                           f"{unread[:3]} (a config / file mismatch)")
+    return out
 
 
 def _experts(g, cfg, p, b, need, lazy, src) -> dict:

@@ -160,7 +160,7 @@ def load_tokenizer(source) -> Tokenizer:
     if name in VOCABS:
         return qwen_tokenizer(name)
     path = Path(name)
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         return _gguf(path)
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
@@ -352,10 +352,11 @@ GGUF_PRE_TOKENIZERS = {
               r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 GGUF_PRE_TOKENIZERS["deepseek-r1-qwen"] = GGUF_PRE_TOKENIZERS["qwen2"]   # llama.cpp maps it to the Qwen2 regex
-# A GGUF's tokenizer behaves as llama.cpp runs it: llama.cpp's qwen35 test vectors keep a decomposed "e + U+0301"
-# as two pieces (its \p{M} in the regex keeps the mark with the letter), i.e. no NFC; transformers' Qwen3_5Tokenizer
-# (and the preset tokenizers) NFC-normalise first. The two differ only on text that is not already NFC.
-GGUF_NFC = {"qwen2": True, "deepseek-r1-qwen": True, "qwen35": False}
+# A GGUF's tokenizer behaves as llama.cpp runs it: llama.cpp's BPE tokenizer does not normalise (its qwen35 test
+# vectors keep a decomposed "e + U+0301" as two pieces: the \p{M} in the regex keeps the mark with the letter);
+# transformers' Qwen2Tokenizer / Qwen3_5Tokenizer (and the preset tokenizers) NFC-normalise first. The two differ
+# only on text that is not already NFC.
+GGUF_NFC = {"qwen2": False, "deepseek-r1-qwen": False, "qwen35": False}
 _CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types
 
 

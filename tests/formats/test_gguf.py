@@ -513,3 +513,20 @@ def test_wrong_tensor_shape_names_the_gguf_tensor(tmp_path):
     with pytest.raises(WeightsError, match=r"s\.gguf: tensor 'blk\.0\.ssm_out\.weight' has shape \[64, 32\], "
                                            r"expected \[64, 64\]"):
         refimpl.load(path)
+
+
+def test_absurd_string_count_is_a_one_line_error(tmp_path):
+    """A corrupt vocabulary count is a FormatError before any allocation (not a MemoryError)."""
+    import struct
+    from refimpl.formats.gguf import GGUFFile
+    src = FIXTURES / "qwen3-f32.gguf"
+    data = bytearray(src.read_bytes())
+    g = GGUFFile(src)
+    assert "tokenizer.ggml.tokens" in g.metadata
+    key = b"tokenizer.ggml.tokens"
+    at = data.index(key) + len(key) + 4 + 4          # key, value type (array), element type (string): the count
+    struct.pack_into("<Q", data, at, 2**40)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="claims 1099511627776 strings"):
+        refimpl.load(bad)
