@@ -209,7 +209,7 @@ class Encoding:
 
     def fake_quant(self, w: np.ndarray) -> np.ndarray:
         """w [out, ...] -> (q + offset) * scale with q = clip(round(w / scale) - offset): the device's values."""
-        x = w.reshape(w.shape[0], -1) if w.ndim > 1 else w
+        x = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w   # channels = every output row (fused experts too)
         scale, offset, kw = self.scale, self.offset, {}
         if scale.ndim and self.block_size is None:
             kw = {"axis": 0}
@@ -250,14 +250,19 @@ def read_encodings(path) -> dict[str, Encoding]:
         if isinstance(params, dict):
             for name, encs in params.items():
                 encs = encs if isinstance(encs, list) else [encs]
+                if str(encs[0].get("dtype", "int")).lower() == "float":   # kept in float: not quantised
+                    continue
                 scale = np.array([e["scale"] for e in encs], np.float32)
                 offset = np.array([e["offset"] for e in encs], np.int32)
                 if len(encs) == 1:
                     scale, offset = scale[0], offset[0]
                 sym = str(encs[0].get("is_symmetric", "False")).lower() == "true"
-                out[name] = Encoding(int(encs[0]["bitwidth"]), scale, offset, signed=sym and not offset.any())
+                out[_model_name(name)] = Encoding(int(encs[0]["bitwidth"]), scale, offset,
+                                                  signed=sym and not offset.any())
         else:
             for e in params:
+                if str(e.get("dtype", "INT")).lower() == "float":   # kept in float: not quantised
+                    continue
                 kind = e.get("enc_type", "PER_TENSOR")
                 scale = np.array(e["scale"], np.float32)
                 offset = np.array(e["offset"], np.int32)
@@ -274,11 +279,33 @@ def read_encodings(path) -> dict[str, Encoding]:
                     offset = np.broadcast_to(offset.reshape(-1, 1), scale.shape)
                 else:
                     raise FormatError(f"{path}: {e['name']}: unknown enc_type {kind!r}")
-                signed = bool(e.get("is_sym")) and not offset.any()
-                out[e["name"]] = Encoding(int(e["bw"]), scale, offset, block, signed)
+                bw, signed = int(e["bw"]), bool(e.get("is_sym")) and not offset.any()
+                if kind == "LPBQ" and "compressed_bw" in e:
+                    # AIMET writes bw as the expanded width (8) with offset -2^(bw-1); the codes are the
+                    # compressed width's signed range: q in [-2^(cbw-1), 2^(cbw-1) - 1], no offset
+                    bw, signed, offset = int(e["compressed_bw"]), True, np.zeros_like(offset)
+                out[_model_name(e["name"])] = Encoding(bw, scale, offset, block, signed)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path}: malformed param encoding ({type(err).__name__}: {err})") from None
+    for name, enc in out.items():
+        if np.any(enc.offset > 0):
+            raise FormatError(f"{path}: {name}: offset {int(np.max(enc.offset))} > 0; QNN offsets are <= 0 (the "
+                              f"negative zero point) — was a zero point given?")
     return out
+
+
+def _model_name(name: str) -> str:
+    """Checkpoint name -> the name refimpl's Weights use (the multimodal prefix dropped, as Weights does)."""
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
+
+
+def check_encodings(p: "Policy", names) -> None:
+    """Every encoding must name a weight of the model: a typo would otherwise silently leave it in float."""
+    if p.weight_format != "encodings":
+        return
+    unknown = sorted(set(read_encodings(p.encodings)) - set(names))
+    if unknown:
+        raise InputError(f"{p.encodings}: {len(unknown)} encoding(s) name no weight of the model, e.g. {unknown[:3]}")
 
 
 def weight_transform(p: Policy):

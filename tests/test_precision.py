@@ -226,3 +226,45 @@ def test_bad_encodings_files(tmp_path):
     m = refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(wrong)))
     with pytest.raises(FormatError, match="down_proj"):
         m.weights[name]
+
+
+def test_aimet_lpbq_as_exported_float_entries_offsets_and_names(tmp_path):
+    """AIMET 1.0.0 writes LPBQ with bw = the expanded width (8), compressed_bw = 4 and offset -128: the codes are
+    the signed 4-bit range (AIMET's GroupedBlockQuantizeDequantize: round(clip(x / s, -8, 7)) * s)."""
+    name = "model.layers.0.mlp.down_proj.weight"
+    w = refimpl.load("tiny-qwen3").weights[name]                     # [64, 192]
+    ch = np.full(w.shape[0], 0.1, np.float32)
+    ints = np.ones((w.shape[0], w.shape[1] // 64), np.int64)
+    entry = {"name": "model.language_model.layers.0.mlp.down_proj.weight",  # the multimodal checkpoint's name
+             "dtype": "INT", "enc_type": "LPBQ", "bw": 8, "compressed_bw": 4, "is_sym": True, "block_size": 64,
+             "scale": ch.tolist(), "offset": [-128] * len(ch), "per_block_int_scale": ints.reshape(-1).tolist()}
+    float_entry = {"name": "model.layers.0.mlp.up_proj.weight", "dtype": "FLOAT", "bw": 16}
+    path = tmp_path / "lpbq.encodings"
+    path.write_text(json.dumps({"version": "1.0.0", "param_encodings": [entry, float_entry]}))
+    enc = read_encodings(path)
+    assert set(enc) == {name} and enc[name].bitwidth == 4 and enc[name].signed
+    x = np.array([[0.95, -0.9, 0.04, 0.06]], np.float32)
+    from refimpl.precision import Encoding
+    e = Encoding(4, np.float32(0.1), np.int32(0), None, True)
+    np.testing.assert_allclose(e.fake_quant(x), [[0.7, -0.8, 0.0, 0.1]], rtol=1e-6)   # clipped to [-8, 7] codes
+    m = refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(path)))
+    q = np.clip(np.rint(w / np.float32(0.1)), -8, 7)
+    np.testing.assert_array_equal(m.weights[name], q.astype(np.float32) * np.float32(0.1))
+    bad = tmp_path / "bad.encodings"
+    bad.write_text(json.dumps({"version": "1.0.0", "param_encodings": [{**entry, "enc_type": "PER_TENSOR",
+                                                                        "scale": [0.1], "offset": [126]}]}))
+    with pytest.raises(FormatError, match="offset 126 > 0"):
+        read_encodings(bad)
+    typo = tmp_path / "typo.encodings"
+    typo.write_text(json.dumps({"version": "1.0.0", "param_encodings": [{**entry, "name": "model.layers.0.mlp.down"}]}))
+    with pytest.raises(InputError, match="name no weight"):
+        refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(typo)))
+
+
+def test_quantisation_divides_in_float32_as_onnx_runtime():
+    from refimpl.kernels.quant import onnx_quantize, qnn_quantize
+    x = np.array([-0.43664998], np.float32)
+    s = np.float32(0.0123)
+    assert np.float32(x[0]) / s == np.float32(-35.5)                  # float64 would give -35.4999994
+    assert onnx_quantize(x, s, 0, "int8")[0] == -36                     # half to even
+    assert qnn_quantize(x, s, -128, 8)[0] == -36 + 128

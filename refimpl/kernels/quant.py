@@ -47,7 +47,7 @@ def qnn_quantize(x, scale, offset, bitwidth: int, axis=None, block_size=None, si
     """q = clip(round_half_even(x / scale) - offset, 0, 2^bw - 1)  -> int32, x's shape;
     signed: clipped to [-2^(bw-1), 2^(bw-1) - 1] instead."""
     s, o = (expand(np.asarray(a, np.float64), x.shape, axis, block_size) for a in (scale, offset))
-    q = np.rint(np.asarray(x, np.float64) / s) - o
+    q = np.rint(_divide(x, s)) - o
     lo, hi = (-2 ** (bitwidth - 1), 2 ** (bitwidth - 1) - 1) if signed else (0, 2 ** bitwidth - 1)
     return np.clip(q, lo, hi).astype(np.int32)
 
@@ -64,7 +64,13 @@ def onnx_quantize(x, scale, zero_point, dtype: str = "int8", axis=None, block_si
         raise InputError(f"ONNX quantised dtype must be one of {', '.join(ONNX_RANGES)}, got {dtype!r}")
     lo, hi = ONNX_RANGES[dtype]
     s, z = (expand(np.asarray(a, np.float64), x.shape, axis, block_size) for a in (scale, zero_point))
-    return np.clip(np.rint(np.asarray(x, np.float64) / s) + z, lo, hi).astype(np.int32)
+    return np.clip(np.rint(_divide(x, s)) + z, lo, hi).astype(np.int32)
+
+
+def _divide(x, scale) -> np.ndarray:
+    """x / scale in float32, as ONNX Runtime, the onnx reference and QNN divide (float32 scales): a float64
+    quotient rounds differently at half-way codes (e.g. -0.43664998 / 0.0123 is -35.5 in float32, not -35.49...)."""
+    return np.asarray(x, np.float32) / np.asarray(scale, np.float32)
 
 
 def onnx_dequantize(q, scale, zero_point, axis=None, block_size=None) -> np.ndarray:
