@@ -101,10 +101,11 @@ def conv1d_cases(draw, dtype="float16", *, extreme=False, kernel_sizes=(2, 3, 4)
 
 @st.composite
 def moe_routing_cases(draw, dtype="float16", *, ties=True, extreme=False):
-    """Router cases: E 1-16 experts, top-k 1..E, norm_topk_prob on / off, and (ties=True) integer logits with
-    exact ties. extreme: logits of scale 30 (a peaked softmax)."""
-    E = draw(st.integers(1, 16))
+    """Router cases: E 1-16 experts or the real counts (64, 128, 256, 512), top-k 1..min(E, 10), norm_topk_prob
+    on / off, and (ties=True) integer logits with exact ties. extreme: logits of scale 30 (a peaked softmax)."""
+    E = draw(st.one_of(st.integers(1, 16), st.sampled_from([64, 128, 256, 512])))
     return make_moe_routing_case(
-        draw(_SEEDS), dtype=draw(_dtypes(dtype)), N=draw(st.integers(1, 8)), E=E, top_k=draw(st.integers(1, E)),
+        draw(_SEEDS), dtype=draw(_dtypes(dtype)), N=draw(st.integers(1, 8)), E=E,
+        top_k=draw(st.integers(1, min(E, 10))),
         norm_topk_prob=draw(st.booleans()), ties=draw(st.booleans()) if ties else False,
         logit_scale=draw(st.sampled_from([0.1, 1.0, 30.0] if extreme else [0.1, 1.0])))

@@ -121,3 +121,25 @@ def test_a_low_precision_gdn_state_is_flagged_by_its_dtype_not_its_values():
     case.check((o, state), allow_low_precision_state=True)  # within tolerance
     with pytest.raises(AssertionError, match=r"final state is float16; keep the recurrent state in float32"):
         case.check((o, state.astype(np.float16)))
+
+
+def test_moe_routing_check_rejects_the_next_expert_at_real_expert_counts():
+    """Choosing the (k+1)-th expert instead of the k-th must fail, also with 128 experts in bf16."""
+    import pytest
+    from refimpl.kernels.moe import route
+    from refimpl.testing.cases import check_routing, make_moe_routing_case
+    caught = 0
+    for seed in range(20):
+        case = make_moe_routing_case(seed, dtype="bfloat16", N=4, E=128, top_k=8, norm_topk_prob=True, ties=False,
+                                     logit_scale=1.0)
+        probs, weights, experts = route(case.inputs["logits"].astype(np.float64), 8, True)
+        check_routing(case, weights, experts)                          # the right answer passes
+        order = np.argsort(-probs, axis=1, kind="stable")
+        wrong = experts.copy()
+        wrong[:, -1] = order[:, 8]                                      # k-th -> (k+1)-th
+        try:
+            check_routing(case, np.take_along_axis(probs, wrong, 1) / np.take_along_axis(probs, wrong, 1).sum(1,
+                          keepdims=True), wrong)
+        except AssertionError:
+            caught += 1
+    assert caught >= 18   # a pair within 2 bf16 roundoffs of each other is a legitimate near-tie
