@@ -41,7 +41,7 @@ ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp
 FLOAT_WEIGHTS = ("float32", "float64", "bf16", "fp16")
 KV = (None, "bf16", "fp16", "int8")
 _INT_WEIGHTS = re.compile(r"^int(4|8)-(per-tensor|per-channel|block(\d+))-(qnn|onnx)$")
-CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts); recorded in bundle manifests
+CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts, eager attention); in manifests
     "linear outputs (every projection, router, lm_head)", "norm outputs (float32 inside)",
     "rope tables and each rope product and sum", "attention scores after q.k, after the scale, after the mask",
     "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
@@ -142,7 +142,7 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     want = (recorded.get("encodings") or {}).get("sha256")
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
-                         f"({(recorded.get('encodings') or {}).get('file')}); give it again")
+                         f"({(recorded.get('encodings') or {}).get('file')}); give it again (--encodings)")
     got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")

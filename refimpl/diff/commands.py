@@ -56,7 +56,8 @@ def add_commands(sub) -> None:
 
 
 def _reading_flags(p) -> None:
-    """How a dump is read (as `refimpl diff` reads it)."""
+    """How a dump is read (as `refimpl diff` reads it), and the model's encodings file if the bundle used one."""
+    p.add_argument("--encodings", help="the AIMET / QNN encodings file of a bundle made with --weights encodings")
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
     p.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER", help="declared dump layout")
@@ -88,11 +89,12 @@ def _bundle(path):
     return read_bundle(path, verify=False)
 
 
-def _model(bundle, source=None):
+def _model(bundle, source=None, encodings=None):
+    """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
     from ..models.load import load
     from ..precision import from_manifest
     m = bundle.manifest["model"]
-    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {})))
+    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings))
     if model.weights.sha256() != m.get("weights_sha256"):
         raise InputError(f"model {source or m['source']!r}: weights differ from the bundle's "
                          f"(sha256 {model.weights.sha256()[:12]} vs {str(m.get('weights_sha256'))[:12]}); give --model")
@@ -158,7 +160,7 @@ def cmd_replay(args) -> int:
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    rows = replay(bundle, dump, _model(bundle, args.model), layer=args.layer, tensor=args.tensor, step=args.step,
+    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings), layer=args.layer, tensor=args.tensor, step=args.step,
                   policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
@@ -184,7 +186,7 @@ def cmd_replay(args) -> int:
 def cmd_explain(args) -> int:
     from .explain import explain, parse
     bundle = _bundle(args.bundle)
-    model = _model(bundle, args.model)
+    model = _model(bundle, args.model, args.encodings)
     device = None
     if args.device:
         name, _ = parse(args.element)

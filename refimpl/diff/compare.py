@@ -64,9 +64,13 @@ class Policy:
     ignore: list = dataclasses.field(default_factory=list)
     three_way_k: float = 4.0
 
-    def criteria(self, name: str, integer: bool) -> dict:
+    def criteria(self, name: str, integer: bool, reference: dict | None = None) -> dict:
+        """The criteria for tensor `name`. reference: the emulated run's metrics on it (three-way judging):
+        max_nmse becomes k^2 x its NMSE (at least the fp32 bar), unless a policy rule sets max_nmse itself."""
         c = {"exact": True} if integer else dict(DEFAULTS[self.dtype])
         c.update({"max_n_nan": 0, "max_n_inf": 0})
+        if reference is not None and not integer:
+            c["max_nmse"] = self.three_way_k ** 2 * max(reference["nmse"], DEFAULTS["float32"]["max_nmse"])
         for pattern, rule in self.rules:
             if re.search(pattern, name):
                 c.update(rule)
@@ -281,6 +285,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report
     cfg = _config(bundle)
     conv = bundle.manifest.get("convention")
     results, absent = [], 0
+    skipped = check_same_case(bundle, emulated) if emulated is not None else []
     starts = _step_starts(bundle.manifest)
     for rec in bundle.records():
         key = f"{rec['step']}/{rec['role']}/{rec['name']}"
@@ -301,12 +306,15 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report
             r.status, r.problem = "error", item.problem
             results.append(r)
             continue
-        _score(r, rec, item, bundle, policy, emulated, starts[rec["step"]])
+        _score(r, rec, item, bundle, policy, None if rec["step"] in skipped else emulated, starts[rec["step"]])
         results.append(r)
     report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
                     dump.unknown, absent, [], bundle.manifest["model"].get("config"), conv)
     _localise(report)
     report.notes = _notes(report)
+    if skipped:
+        report.notes.append(f"three-way: the emulated run decoded other tokens from step {skipped[0]} on; those "
+                            f"steps are judged by the {policy.dtype} defaults")
     return report
 
 
@@ -329,11 +337,9 @@ def _step_starts(manifest) -> list[int]:
 def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int) -> None:
     golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
     integer = not np.issubdtype(golden.dtype, np.floating) and golden.dtype.name != "bfloat16"
-    criteria = policy.criteria(rec["name"], integer)
     if emulated is not None and not integer:
         r.reference = _emulated_metrics(emulated, rec, golden, policy)
-        if r.reference is not None:
-            criteria["max_nmse"] = policy.three_way_k ** 2 * max(r.reference["nmse"], DEFAULTS["float32"]["max_nmse"])
+    criteria = policy.criteria(rec["name"], integer, r.reference)
     declared = policy.layout(rec["name"])
     candidates = _candidates(item, rec, declared)
     if not candidates:
@@ -371,6 +377,22 @@ def _metrics(golden, device, rec, dtype):
         rows = valid_mask(golden.shape, rec["valid"]).any(axis=-1)
         lm = logits_metrics(golden, device, rows)
     return m, lm
+
+
+def check_same_case(bundle, emulated) -> list[int]:
+    """An emulated bundle must be the golden's case at another precision: same weights, convention, options and
+    prompt (else InputError). Returns the steps whose tokens differ (a reduced-precision greedy decode can pick
+    another token; from there on its tensors are not the same computation and three-way judging skips them)."""
+    g, e = bundle.manifest, emulated.manifest
+    for what, a, b in (("weights", g["model"].get("weights_sha256"), e["model"].get("weights_sha256")),
+                       ("convention", g.get("convention"), e.get("convention")),
+                       ("prompt", g.get("prompt_ids"), e.get("prompt_ids")),
+                       ("number of steps", len(g["steps"]), len(e["steps"]))):
+        if a != b:
+            raise InputError(f"{emulated.path}: not the golden's case at another precision: its {what} differ "
+                             f"({str(b)[:60]} vs {str(a)[:60]})")
+    diverged = [k for k, (a, b) in enumerate(zip(g["steps"], e["steps"])) if a.get("tokens") != b.get("tokens")]
+    return list(range(diverged[0], len(g["steps"]))) if diverged else []
 
 
 def _emulated_metrics(emulated, rec, golden, policy):
@@ -559,10 +581,7 @@ def rejudge(report: Report, policy: Policy) -> Report:
         if policy.ignored(r.name):
             r.status = "ignored"
             continue
-        integer = bool(r.metrics.get("integer"))
-        criteria = policy.criteria(r.name, integer)
-        if r.reference is not None and not integer:
-            criteria["max_nmse"] = policy.three_way_k ** 2 * max(r.reference["nmse"], DEFAULTS["float32"]["max_nmse"])
+        criteria = policy.criteria(r.name, bool(r.metrics.get("integer")), r.reference)
         r.failures = judge(r.metrics, r.logits, criteria)
         r.status = "fail" if r.failures else ("layout" if r.status == "layout" else "pass")
     report.policy = policy.to_dict()

@@ -181,6 +181,18 @@ def test_three_way_judging(case, tmp_path):
     dump = F.device_dump(faulty, PROMPT, PARAMS, 1, tmp_path / "faulty", F.fp16_round("model.layers.1.mlp.down_proj"))
     report = compare(bundle, read_dump(dump, bundle), emulated=emulated)
     assert report.first_divergence[0] == "0/tap/model.layers.3.self_attn.q_norm"
+    # another case is refused; a case whose emulated decode picked other tokens is judged by the defaults there
+    other = read_bundle(write_golden(tmp_path / "other", model, PROMPT[:-1] + [5], source="x", convention="genie",
+                                     params=PARAMS, decode_steps=1, taps="."))
+    with pytest.raises(InputError, match="prompt differ"):
+        compare(bundle, read_dump(honest, bundle), emulated=other)
+    from refimpl.diff.compare import check_same_case
+    flipped = read_bundle(emulated.path)
+    flipped.manifest["steps"][-1]["tokens"] = [int(flipped.manifest["steps"][-1]["tokens"][0]) + 1]
+    assert check_same_case(bundle, flipped) == [bundle.steps - 1]
+    report = compare(bundle, read_dump(honest, bundle), emulated=flipped)
+    assert any("other tokens" in n for n in report.notes)
+    assert all(r.reference is None for r in report.results if r.step == bundle.steps - 1)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -321,3 +333,11 @@ def test_float64_bundles_compare_without_overflow(convention, tmp_path):
         with np.errstate(over="raise", invalid="raise"):  # finfo(float64).min masks must not overflow the sums
             report = compare(golden, dump)
         assert report.exit_code == 0
+
+
+def test_three_way_bar_and_an_explicit_rule():
+    policy = make_policy({"three_way_k": 2, "tensors": [{"match": "down_proj$", "max_nmse": 1e-3}]})
+    ref = {"nmse": 1e-6}
+    assert policy.criteria("model.layers.0.mlp.up_proj", False, ref)["max_nmse"] == pytest.approx(4e-6)
+    assert policy.criteria("model.layers.0.mlp.down_proj", False, ref)["max_nmse"] == 1e-3   # the rule wins
+    assert policy.criteria("x", False, {"nmse": 0.0})["max_nmse"] == pytest.approx(4e-9)     # floor: the fp32 bar
