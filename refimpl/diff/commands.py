@@ -29,6 +29,7 @@ def add_commands(sub) -> None:
     d.add_argument("--html", help="write the HTML report with plots")
     d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
     d.add_argument("--top", type=int, default=20, help="rows of the terminal table (0: all)")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_diff)
 
     r = sub.add_parser("replay", help="run the reference on the device's own inputs of a layer or tensor: "
@@ -120,7 +121,12 @@ def cmd_diff(args) -> int:
         bundle = _bundle(args.bundle)
         dump = _dump(args, bundle)
         emulated = _bundle(args.emulated) if args.emulated else None
-        report = C.compare(bundle, dump, policy, emulated)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
+                      disable=args.quiet) as bar:
+            task = bar.add_task("", total=len(bundle.manifest["tensors"]))
+            report = C.compare(bundle, dump, policy, emulated,
+                               progress=lambda i, total: bar.update(task, completed=i + 1))
         first_error = _first_error(bundle, dump, report, policy)
     print_report(report, top=args.top)
     page = render_html(report, first_error) if args.html else None

@@ -278,16 +278,20 @@ class Report:
         return 1 if self.failed or self.missing else 0
 
 
-def compare(bundle, dump, policy: Policy | None = None, emulated=None) -> Report:
+def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=None) -> Report:
     """Score every dumped tensor of `bundle` (refimpl.bundle.Bundle) against `dump` (refimpl.diff.dump.Dump).
-    emulated: an optional Bundle of the same case run at the device's precision (three-way judging)."""
+    emulated: an optional Bundle of the same case run at the device's precision (three-way judging).
+    progress(i, total): called after each of the bundle's tensors."""
     policy = policy or Policy()
     cfg = _config(bundle)
     conv = bundle.manifest.get("convention")
     results, absent = [], 0
     skipped = check_same_case(bundle, emulated) if emulated is not None else []
     starts = _step_starts(bundle.manifest)
-    for rec in bundle.records():
+    total = len(bundle.manifest["tensors"])
+    for i, rec in enumerate(bundle.records()):
+        if progress is not None:
+            progress(i, total)
         key = f"{rec['step']}/{rec['role']}/{rec['name']}"
         if policy.ignored(rec["name"]):
             continue
