@@ -6,6 +6,7 @@ Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with
 """
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -317,6 +318,9 @@ def main(argv=None) -> int:
     except RefimplError as e:
         print(f"refimpl: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of our output went away (e.g. `| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:  # an unreadable input or unwritable output the checks above did not name
         print(f"refimpl: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2

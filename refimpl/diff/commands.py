@@ -53,7 +53,7 @@ def add_commands(sub) -> None:
     e.add_argument("--model", help="model source (default: the bundle's)")
     e.add_argument("--device", help="a device dump: show its values beside the reference's")
     _reading_flags(e)
-    e.set_defaults(func=cmd_explain)
+    e.set_defaults(func=cmd_explain, policy=None, dtype=None)
 
 
 def _reading_flags(p) -> None:
@@ -197,12 +197,12 @@ def cmd_explain(args) -> int:
     if args.device:
         name, _ = parse(args.element)
         dump = _dump(args, bundle)
-        from .compare import Policy
         from .replay import _device
+        policy = _policy(args)   # declared --layout readings
         steps = [args.step] if args.step is not None else range(bundle.steps)
         for k in steps:
             for role in ("tap", "output", "input"):
-                d = _device(bundle, dump, k, role, name, Policy())
+                d = _device(bundle, dump, k, role, name, policy)
                 if d is not None:
                     device = {name: d}
                     break
