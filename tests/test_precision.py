@@ -268,3 +268,16 @@ def test_quantisation_divides_in_float32_as_onnx_runtime():
     assert np.float32(x[0]) / s == np.float32(-35.5)                  # float64 would give -35.4999994
     assert onnx_quantize(x, s, 0, "int8")[0] == -36                     # half to even
     assert qnn_quantize(x, s, -128, 8)[0] == -36 + 128
+
+
+def test_tied_lm_head_is_quantised_on_its_own():
+    """Integer weights: a tied model's lm_head MatMul is fake-quantised under its own name, while the embedding
+    gather keeps the float table (both read the same stored array)."""
+    m = refimpl.load("tiny-qwen3", precision=Policy(weights="int8-per-channel-qnn"))
+    assert m.config.tie_word_embeddings
+    emb, head = m.weights["model.embed_tokens.weight"], m.weights["lm_head.weight"]
+    np.testing.assert_array_equal(emb, refimpl.load("tiny-qwen3").weights["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(head, fake_quant_weight(emb, "int8-per-channel-qnn"))
+    assert not np.array_equal(head, emb)
+    assert "lm_head.weight" not in m.weights.stored          # no copy in the checkpoint, no new sha256
+    assert m.weights.sha256() == refimpl.load("tiny-qwen3").weights.sha256()

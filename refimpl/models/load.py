@@ -14,7 +14,7 @@ DTYPES = ("float32", "float64")
 def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
     Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree."""
-    from ..precision import check_encodings, policy, weight_transform
+    from ..precision import policy, weight_transform
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     p = policy(precision if precision is not None else dtype)
@@ -28,7 +28,6 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
         from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path)
         weights = Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p))
-        check_encodings(p, weights.stored)
         return Model(config, weights, precision=p)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
@@ -37,5 +36,4 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     config = load_config(path)
     arrays, _ = read_checkpoint(path)
     weights = Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p))
-    check_encodings(p, weights.stored)
     return Model(config, weights, precision=p)

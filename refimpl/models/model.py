@@ -8,7 +8,7 @@ from ..errors import InputError
 from ..kernels.attention import causal_mask
 from ..kernels.linear import embedding, linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
-from ..precision import Policy, policy
+from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
@@ -50,6 +50,12 @@ class Model:
         expected, mixer = _architecture(config)
         weights.check(expected(config))
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
+        # integer weights: a tied lm_head is a MatMul the device quantises on its own, while the embedding table
+        # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
+        self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
+        if self._own_lm_head:
+            weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        check_encodings(self.precision, [*weights.stored, *weights.aliases])
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -118,7 +124,8 @@ class Model:
         x = tap("model.norm", None, x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+        lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings and not self._own_lm_head \
+            else w["lm_head.weight"]
         logits = ctx.round(linear(x, lm_head))                              # [B, T, V]
         return tap("lm_head", None, logits)
 

@@ -32,6 +32,7 @@ class Weights:
                 name = "model." + name[len("model.language_model."):]
             self.stored[name] = array
         self._converted: dict[str, np.ndarray] = {}
+        self.aliases: dict[str, str] = {}  # name -> stored name it reads (a tied lm_head quantised on its own)
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored
@@ -40,7 +41,7 @@ class Weights:
         out = self._converted.get(name)
         if out is None:
             try:
-                raw = self.stored[name]
+                raw = self.stored[self.aliases.get(name, name)]
             except KeyError:
                 raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
             if not isinstance(raw, np.ndarray):   # a lazy tensor (GGUF: dequantised / transformed on first use)
