@@ -46,6 +46,15 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
     eager attention casts: after q k^T, after the scale, after the mask add, the probabilities, the output.
     Returns o [B, Hq, Lq, Dv], or (o, scores, probs) with scores/probs [B, Hq, Lq, Lk] if return_weights.
     """
+    scores = attention_scores(q, k, mask, scale=scale, mask_floor=mask_floor, rnd=rnd)
+    probs = attention_probs(scores, q.dtype, rnd=rnd)
+    o = attend(probs, v, rnd=rnd)
+    return (o, scores, probs) if return_weights else o
+
+
+def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None,
+                     mask_floor: float | None = None, rnd=_same) -> np.ndarray:
+    """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] -> s [B, Hq, Lq, Lk]."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = Hq // Hkv
@@ -57,11 +66,7 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
             mask = np.maximum(mask, mask.dtype.type(mask_floor))
         heads = mask.shape[1]
         scores = rnd(scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk))
-    probs = attention_probs(scores, q.dtype, rnd=rnd)
-    o = attend(probs, v, rnd=rnd)
-    if return_weights:
-        return o, scores.reshape(B, Hq, Lq, Lk), probs.reshape(B, Hq, Lq, Lk)
-    return o
+    return scores.reshape(B, Hq, Lq, Lk)
 
 
 def attention_probs(scores: np.ndarray, dtype, *, rnd=_same) -> np.ndarray:

@@ -9,12 +9,12 @@ activation dtype (refimpl/precision.py); it is the identity in float32 and float
 import numpy as np
 
 from ..kernels.activation import ACTIVATIONS, sigmoid
-from ..kernels.attention import attend, attention_probs, sdpa
+from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route, shared_expert_gate
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope
-from ..trace import tap, tracing
+from ..trace import tap
 
 
 def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
@@ -56,16 +56,9 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
         k, scale = r(k * k.dtype.type(D ** -0.5)), 1.0
-    if tracing():
-        o, scores, probs = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, return_weights=True, rnd=r)
-        given = tap(p, "attn_scores", scores)
-        if given is not scores:  # teacher-forced scores: the reference's softmax of them
-            probs = attention_probs(given, q.dtype, rnd=r)
-        given_probs = tap(p, "attn_probs", probs)
-        if given is not scores or given_probs is not probs:
-            o = attend(given_probs, v, rnd=r)
-    else:
-        o = sdpa(q, k, v, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r)  # [B, Hq, T, D]
+    scores = tap(p, "attn_scores", attention_scores(q, k, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r))
+    probs = tap(p, "attn_probs", attention_probs(scores, q.dtype, rnd=r))   # [B, Hq, T, P+T]
+    o = attend(probs, v, rnd=r)                                              # [B, Hq, T, D]: sdpa, op by op
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
     o = tap(p, "attn_output", o)
     if gated:
@@ -93,13 +86,8 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     B, T, H = x.shape
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
-    logits = r(linear(xs, w[f"{p}.gate.weight"]))                       # [N, E]
+    logits = tap(p, "gate", r(linear(xs, w[f"{p}.gate.weight"])).reshape(B, T, -1)).reshape(B * T, -1)  # [N, E]
     probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
-    router_logits = logits.reshape(B, T, -1)
-    given = tap(p, "gate", router_logits)
-    if given is not router_logits:  # teacher-forced router logits: route them
-        probs, weights, experts = route(given.reshape(B * T, -1), cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                        rnd=r)
     tap(p, "router_probs", probs.reshape(B, T, -1))
     experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
     weights = tap(p, "routing_weights", weights.reshape(B, T, -1)).reshape(B * T, -1)
