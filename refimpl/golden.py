@@ -44,6 +44,15 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
         return module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps), opts
 
 
+def run_graph(model, manifest: dict, inputs: dict) -> dict:
+    """One graph call of a bundle's convention on given inputs (replay, explain), BLAS on one thread as the
+    golden was computed, so the golden's own inputs reproduce its outputs bit for bit."""
+    conv = manifest["convention"]
+    module = CONVENTIONS[conv["name"]]
+    with threadpool_limits(limits=1, user_api="blas"):
+        return module.graph(model, inputs, module.Options(**conv["params"]))
+
+
 def bundle_steps(result: list) -> list[list[Tensor]]:
     steps = []
     for c in result:

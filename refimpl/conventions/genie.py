@@ -226,13 +226,21 @@ def tap_valid(taps: dict, T: int, lo: int, hi: int, allowed: np.ndarray | None =
         if allowed is not None and name.endswith("attn_scores") and a.ndim == 4 and a.shape[2:] == allowed.shape:
             valid[name] = score_boxes(allowed, range(lo, hi), a.shape)
             continue
-        axis = 2 if name.endswith(("attn_scores", "attn_probs")) else 1
-        if name.endswith(("conv_state", "recurrent_state")) or a.ndim <= axis or a.shape[axis] != T or (lo, hi) == (0, T):
+        axis = tap_token_axis(name)
+        if axis is None or a.ndim <= axis or a.shape[axis] != T or (lo, hi) == (0, T):
             continue
         box = [[0, s] for s in a.shape]
         box[axis] = [lo, hi]
         valid[name] = [box]
     return valid
+
+
+def tap_token_axis(name: str) -> int | None:
+    """The token axis of a tap: 2 for attention scores / probabilities [B, H, T, S], none for the states (whole
+    after the call), else 1 ([B, T, ...])."""
+    if name.endswith(("conv_state", "recurrent_state")):
+        return None
+    return 2 if name.endswith(("attn_scores", "attn_probs")) else 1
 
 
 def score_boxes(allowed: np.ndarray, rows, shape) -> list:

@@ -58,7 +58,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     return calls
 
 
-def graph(model, inputs: dict) -> dict:
+def graph(model, inputs: dict, opts: Options | None = None) -> dict:
     """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
     cfg = model.config
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)

@@ -63,7 +63,7 @@ class ScatterCache(Cache):
         return k, v
 
 
-def graph(model, inputs: dict) -> dict:
+def graph(model, inputs: dict, opts: "Options | None" = None) -> dict:
     cfg = model.config
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"][0].astype(np.int64)
     attn = [i for i, kind in enumerate(cfg.layer_types) if kind != "linear_attention"]
@@ -72,8 +72,7 @@ def graph(model, inputs: dict) -> dict:
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             cache.layers[i] = LinearAttentionState(inputs[f"conv_state.{i}"], inputs[f"recurrent_state.{i}"])
-    ctx_len = inputs[f"past_key.{attn[0]}"].shape[2] if attn else 1
-    allowed = (np.arange(ctx_len)[None, :] <= positions[:, None]) & (positions[:, None] >= 0)  # [S, ctx_len]
+    allowed = _allowed(inputs, positions)                                                   # [S, ctx_len]
     dtype = model.dtype.type
     mask = np.where(allowed, dtype(0), np.finfo(dtype).min)[None, None]
     real = positions >= 0
@@ -132,12 +131,17 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
                 valid[name] = [[[0, 1], [0, Hkv], [0, next_pos], [0, D]]]
         axes = {name: _axes(name) for name in (*inputs, *outputs)}
         recorded = {t: tr[t] for t in tr.names()}
-        ctx_len = next((a.shape[2] for name, a in inputs.items() if name.startswith("past_key.")), 1)
-        allowed = (np.arange(ctx_len)[None, :] <= positions[:, None]) & (positions[:, None] >= 0)   # as graph()
+        allowed = _allowed(inputs, positions)
         calls.append(Call(graph_name, tokens, inputs, outputs, axes, {**valid, **tap_valid(recorded, S, 0, n, allowed)},
                           recorded))
         next_pos += n
     return calls
+
+
+def _allowed(inputs: dict, positions: np.ndarray) -> np.ndarray:
+    """[S, ctx_len]: a query at position p sees the slots j <= p; a pad (position -1) sees none."""
+    ctx_len = next((a.shape[2] for name, a in inputs.items() if name.startswith("past_key.")), 1)
+    return (np.arange(ctx_len)[None, :] <= positions[:, None]) & (positions[:, None] >= 0)
 
 
 def _axes(name: str) -> str:

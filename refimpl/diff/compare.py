@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import ROLES, valid_mask
+from ..conventions.genie import tap_token_axis
 from ..errors import InputError
 from ..models.config import config_from_dict
 from .dataflow import producer
@@ -412,9 +413,9 @@ def _emulated_metrics(emulated, rec, golden, policy):
 def _token_axis(rec: dict, T: int) -> int | None:
     name, shape = rec["name"], rec["shape"]
     if rec["role"] == "tap":
-        if name.endswith(("conv_state", "recurrent_state")):
+        axis = tap_token_axis(name)
+        if axis is None:
             return None
-        axis = 2 if name.endswith(("attn_scores", "attn_probs")) else 1
     else:
         axes = (rec.get("axes") or "").split(",")
         if "t" not in axes:

@@ -46,7 +46,6 @@ class Item:
     source: str                     # file path (or container key) it came from
     array: np.ndarray | None        # as stored: 1-D for raw files (shape comes from the bundle)
     problem: str | None = None      # unreadable, truncated, ... (then array is None)
-    device_name: str = ""
 
 
 @dataclasses.dataclass
@@ -54,7 +53,6 @@ class Dump:
     path: Path
     items: dict                     # bundle key -> Item
     unknown: list                   # sources matching no bundle tensor, with the reason
-    raw_dtype: str
 
 
 def sanitize(name: str) -> str:
@@ -96,7 +94,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     if not path.exists():
         raise InputError(f"{path}: no such dump file or directory")
     matcher = _Matcher(bundle.manifest, mapping or {})
-    dump = Dump(path, {}, [], dtype)
+    dump = Dump(path, {}, [])
     if path.is_dir():
         entries = _directory(path)
     elif path.suffix == ".npz":
@@ -118,7 +116,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
             array, problem = load(rec, dtype), None
         except FormatError as e:
             array, problem = None, str(e)
-        dump.items[key] = Item(key, source, array, problem, parts[-1])
+        dump.items[key] = Item(key, source, array, problem)
     if not dump.items:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
                          f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..models.config import config_from_dict
 from ..trace import trace
 from .dataflow import producer
-from .replay import _graph
+from ..golden import run_graph
 
 _SPEC = re.compile(r"\s*([A-Za-z0-9_.]+)\s*\[\s*([-\d\s,]+)\]\s*$")
 
@@ -27,14 +27,6 @@ def parse(spec: str) -> tuple[str, tuple[int, ...]]:
         raise InputError(f"explain: expected NAME[i,j,...], e.g. 'model.layers.3.self_attn.q_norm[0,5,2,17]', "
                          f"got {spec!r}")
     return m[1], tuple(int(i) for i in m[2].split(",") if i.strip())
-
-
-def _weights_of(name: str) -> str:
-    """The weight a linear / norm tap reads."""
-    base = name
-    if name == "lm_head":
-        return "lm_head.weight"
-    return f"{base}.weight"
 
 
 def explain(bundle, model, spec: str, step: int | None = None, device: dict | None = None) -> str:
@@ -50,7 +42,7 @@ def explain(bundle, model, spec: str, step: int | None = None, device: dict | No
         raise InputError(f"explain: step {step} is outside 0..{len(steps) - 1}")
     inputs = {n: bundle.tensor(step, "input", n).copy() for n in steps[step]["inputs"]}
     with trace(".") as tr:
-        outputs = _graph(model, bundle.manifest, inputs)
+        outputs = run_graph(model, bundle.manifest, inputs)
     values = {**inputs, **{n: tr[n] for n in tr.names()}, **outputs}
     if name not in values:
         raise InputError(f"explain: step {step} has no tensor {name!r}")
@@ -88,7 +80,7 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         if x.size == 2 * y.size and name.endswith("q_norm"):  # gated attention: q_proj holds [q_h | gate_h]
             x = x.reshape(*y.shape[:-1], 2 * y.shape[-1])[..., :y.shape[-1]]
         row = x.reshape(y.shape)[idx[:-1]].astype(np.float64)
-        weight = np.asarray(w[_weights_of(name)], np.float64)
+        weight = np.asarray(w[f"{name}.weight"], np.float64)
         ms = np.mean(row ** 2)
         scale = 1 / np.sqrt(ms + cfg.rms_norm_eps)
         gain = (1 + weight[idx[-1]]) if cfg.zero_centered_norms else weight[idx[-1]]

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from ..conventions import genie, hf, qeff
+from ..golden import run_graph
 from ..errors import InputError
 from ..trace import trace
 from .compare import Policy, _candidates, judge
@@ -58,15 +58,6 @@ def _device(bundle, dump, step: int, role: str, name: str, policy: Policy):
     return cands[0][1] if cands else None
 
 
-def _graph(model, manifest: dict, inputs: dict) -> dict:
-    conv = manifest["convention"]
-    if conv["name"] == "genie":
-        return genie.graph(model, inputs, genie.Options(**conv["params"]))
-    if conv["name"] == "qeff":
-        return qeff.graph(model, inputs)
-    return hf.graph(model, inputs)
-
-
 def run_step(bundle, dump, model, step: int, keep: set, policy: Policy):
     """The reference's taps and outputs for `step` on the device's inputs, with every dumped tap not in
     `keep` forced to its device value."""
@@ -84,7 +75,7 @@ def run_step(bundle, dump, model, step: int, keep: set, policy: Policy):
         if d is not None:
             overrides[n] = np.array(d, dtype=bundle.tensor(step, "tap", n).dtype)
     with trace(".", overrides=overrides) as tr:
-        outputs = _graph(model, bundle.manifest, inputs)
+        outputs = run_graph(model, bundle.manifest, inputs)
     return {**{n: tr[n] for n in tr.names()}, **outputs}, set(overrides)
 
 

@@ -1,5 +1,5 @@
 """The diff's two faces: a terminal table (worst first, first divergence highlighted) and a self-contained
-HTML report with plots (error vs layer, vs token position, vs decode step; histogram of the first failing
+HTML report (render_html; the CLI writes it atomically) with plots (error vs layer, vs token position, vs decode step; histogram of the first failing
 tensor's error). Plots are PNGs rendered with matplotlib (Agg) and embedded as data URIs: one file to mail.
 """
 
@@ -8,7 +8,6 @@ import html
 import io
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -157,13 +156,6 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
         ax.set_yscale("log"), ax.set_xlabel("device - golden"), ax.set_ylabel("elements")
         out["Histogram of the first failing tensor's error"] = _png(fig)
     return out
-
-
-def write_html(report: Report, path, first_error: np.ndarray | None = None) -> Path:
-    """Write the HTML report atomically (temporary file + rename)."""
-    from .compare import write_atomic
-    write_atomic(path, render_html(report, first_error))
-    return Path(path)
 
 
 def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
