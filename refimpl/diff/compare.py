@@ -101,9 +101,9 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
             or not isinstance(spec.get("ignore", []), list) or not all(isinstance(p, str) for p in spec.get("ignore", [])):
         raise InputError(f"{where}: 'tensors' must be a list, 'layouts' an object {{regex: adapter}}, 'ignore' a "
                          f"list of regexes")
-    k = spec.get("three_way_k", 4.0)
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or not k > 0:
-        raise InputError(f"{where}: three_way_k must be a positive number, got {k!r}")
+    three_way_k = spec.get("three_way_k", 4.0)
+    if isinstance(three_way_k, bool) or not isinstance(three_way_k, (int, float)) or not three_way_k > 0:
+        raise InputError(f"{where}: three_way_k must be a positive number, got {three_way_k!r}")
     unknown = set(spec) - {"dtype", "tensors", "layouts", "ignore", "three_way_k"}
     if unknown:
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; expected dtype, tensors, layouts, ignore, "
@@ -128,8 +128,7 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
     for _, a in layouts:
         if a not in ADAPTERS:
             raise InputError(f"{where}: layout {a!r} is not one of {', '.join(ADAPTERS)}")
-    return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])],
-                  float(spec.get("three_way_k", 4.0)))
+    return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])], float(three_way_k))
 
 
 def _regex(p, where):
@@ -284,7 +283,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     emulated: an optional Bundle of the same case run at the device's precision (three-way judging).
     progress(i, total): called after each of the bundle's tensors."""
     policy = policy or Policy()
-    cfg = _config(bundle)
+    cfg = _config(bundle.manifest["model"].get("config"))
     conv = bundle.manifest.get("convention")
     results, absent = [], 0
     skipped = check_same_case(bundle, emulated) if emulated is not None else []
@@ -323,11 +322,18 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     return report
 
 
-def _config(bundle):
+def _config(config: dict | None):
+    """The model config of a bundle's manifest, or None (a bundle from elsewhere: no layer DAG, so every
+    failure counts as added)."""
     try:
-        return config_from_dict(bundle.manifest["model"]["config"])
-    except Exception:  # a bundle from elsewhere: compare without the layer DAG
+        return config_from_dict(config) if config is not None else None
+    except Exception:
         return None
+
+
+def is_integer(dtype) -> bool:
+    """Token ids, chosen experts, ...: compared exactly (bfloat16 is a float, whatever NumPy says)."""
+    return not np.issubdtype(dtype, np.floating) and np.dtype(dtype).name != "bfloat16"
 
 
 def _step_starts(manifest) -> list[int]:
@@ -341,7 +347,7 @@ def _step_starts(manifest) -> list[int]:
 
 def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int) -> None:
     golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
-    integer = not np.issubdtype(golden.dtype, np.floating) and golden.dtype.name != "bfloat16"
+    integer = is_integer(golden.dtype)
     if emulated is not None and not integer:
         r.reference = _emulated_metrics(emulated, rec, golden, policy)
     criteria = policy.criteria(rec["name"], integer, r.reference)
@@ -448,12 +454,7 @@ def _positions(rec, golden, device, bundle, start: int) -> dict | None:
 
 def _localise(report: Report) -> None:
     """Mark each failure added / inherited and pick each step's first divergence."""
-    cfg = None
-    if report.config is not None:
-        try:
-            cfg = config_from_dict(report.config)
-        except Exception:  # a bundle from elsewhere: no layer DAG, every failure counts as added
-            cfg = None
+    cfg = _config(report.config)
     by_key = {r.key: r for r in report.results if r.status != "missing"}
     report.first_divergence = {k: None for k in report.first_divergence}
     memo = {}

@@ -191,7 +191,7 @@ def _db(signal: float, noise: float) -> float:
     if signal == 0:
         return -math.inf
     if math.isinf(signal) or math.isinf(noise) or math.isnan(signal) or math.isnan(noise):
-        return math.nan  # sums of squares past the float64 range (callers scale first; see _scaled)
+        return math.nan  # sums of squares past the float64 range (tensor_metrics scales by 2^k first)
     return 10.0 * (math.log10(signal) - math.log10(noise))
 
 
@@ -225,8 +225,10 @@ def psnr_db(g, t) -> float:
     """
     if not g.size:
         return math.nan
-    peak = float(np.max(np.abs(g)))
-    rmse = math.sqrt(float(np.mean((t - g) ** 2)))
+    return _psnr(float(np.max(np.abs(g))), math.sqrt(float(np.mean((t - g) ** 2))))
+
+
+def _psnr(peak: float, rmse: float) -> float:
     return 20.0 * math.log10((peak + 1e-5) / (rmse + 1e-10))
 
 
@@ -312,10 +314,10 @@ def tensor_metrics(golden, device, valid=None, dtype="float32", atol=None, rtol=
     peak = float(max(np.max(np.abs(g)), np.max(np.abs(t)))) if g.size else 0.0
     s = 2.0 ** math.floor(math.log2(peak)) if peak > 0 else 1.0
     gs, ts = g / s, t / s
+    scaled_mse = mse(gs, ts)
     with np.errstate(over="ignore"):
-        mse_ = mse(gs, ts) * s * s
-        rmse = s * math.sqrt(mse(gs, ts)) if g.size else math.nan
-    psnr = (20.0 * math.log10((float(np.max(np.abs(g))) + 1e-5) / (rmse + 1e-10))) if g.size else math.nan
+        mse_ = scaled_mse * s * s
+    psnr = _psnr(float(np.max(np.abs(g))), s * math.sqrt(scaled_mse)) if g.size else math.nan
     return {
         "n": n,
         "n_compared": int(g.size),

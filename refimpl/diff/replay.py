@@ -25,10 +25,11 @@ import dataclasses
 
 import numpy as np
 
+from ..bundle import DTYPES
 from ..golden import run_graph
 from ..errors import InputError
 from ..trace import trace
-from .compare import Policy, _candidates, judge
+from .compare import Policy, _candidates, is_integer, judge
 from .dataflow import producer
 from .metrics import tensor_metrics
 from ..models.config import config_from_dict
@@ -73,7 +74,7 @@ def run_step(bundle, dump, model, step: int, keep: set, policy: Policy):
             continue
         d = _device(bundle, dump, step, "tap", n, policy)
         if d is not None:
-            overrides[n] = np.array(d, dtype=bundle.tensor(step, "tap", n).dtype)
+            overrides[n] = np.array(d, dtype=DTYPES[bundle.manifest["tensors"][f"{step}/tap/{n}"]["dtype"]])
     with trace(".", overrides=overrides) as tr:
         outputs = run_graph(model, bundle.manifest, inputs)
     return {**{n: tr[n] for n in tr.names()}, **outputs}, set(overrides)
@@ -125,7 +126,7 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
             r = np.asarray(ref[n])
             total, inherited, added = (tensor_metrics(a, b, rec["valid"], policy.dtype)
                                        for a, b in ((g, d), (g, r), (r, d)))
-            integer = not np.issubdtype(g.dtype, np.floating)
+            integer = is_integer(g.dtype)
             failures = judge(added, None, policy.criteria(n, integer))
             unforced = sorted(_unforced(cfg, bundle.manifest.get("convention"), n, keep, forced, step_inputs,
                                         ref, {}))
