@@ -36,6 +36,7 @@ import numpy as np
 
 from .errors import FormatError, InputError
 from .kernels import quant
+from .kernels.activation import identity
 
 ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 FLOAT_WEIGHTS = ("float32", "float64", "bf16", "fp16")
@@ -49,16 +50,13 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
     "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
 
 
-def _identity(x):
-    return x
-
 
 def rounder(dtype_name: str | None):
     """x -> x rounded to dtype (round-to-nearest-even) and returned in x's own dtype; the identity for
     float32 / float64 / None."""
     target = ACTIVATIONS.get(dtype_name) if dtype_name else None
     if target is None:
-        return _identity
+        return identity
 
     def round_to(x):
         x = np.asarray(x)

@@ -79,7 +79,7 @@ def tap(prefix: str, what: str | None, value):
             t.record(name, value)
         given = override(name)
         if given is not None:
-            return _conform(name, given, value)
+            return conform(name, given, value)
     return value
 
 
@@ -91,7 +91,7 @@ def override(name: str):
     return None
 
 
-def _conform(name: str, given, value: np.ndarray) -> np.ndarray:
+def conform(name: str, given, value: np.ndarray) -> np.ndarray:
     given = np.asarray(given)
     if given.shape != value.shape:
         from .errors import InputError

@@ -5,6 +5,11 @@ import math
 import numpy as np
 
 
+def identity(x):
+    """The activation cast of float32 / float64 runs (kernels' `rnd=`; bf16 / fp16 emulation passes a rounding)."""
+    return x
+
+
 def compute_dtype(*arrays) -> np.dtype:
     """The dtype a kernel computes in: the inputs' result type, promoted to at least float32."""
     return np.result_type(np.float32, *[a.dtype for a in arrays])

@@ -7,7 +7,7 @@ transformers' eager path builds them), optionally clamped from below to a floor 
 
 import numpy as np
 
-from .activation import compute_dtype, softmax
+from .activation import compute_dtype, identity, softmax
 
 
 def causal_mask(Lq: int, Lk: int, *, offset: int | None = None, sliding_window: int | None = None,
@@ -29,12 +29,9 @@ def causal_mask(Lq: int, Lk: int, *, offset: int | None = None, sliding_window: 
     return np.where(allowed, dtype(0), np.finfo(dtype).min).astype(dtype)
 
 
-def _same(x):
-    return x
-
 
 def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-         scale: float | None = None, mask_floor: float | None = None, return_weights: bool = False, rnd=_same):
+         scale: float | None = None, mask_floor: float | None = None, return_weights: bool = False, rnd=identity):
     """o = softmax(q k^T * scale + M) v, with grouped-query attention.
 
     q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mask [B|1, Hq|1, Lq, Lk] additive.
@@ -53,7 +50,7 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
 
 
 def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None,
-                     mask_floor: float | None = None, rnd=_same) -> np.ndarray:
+                     mask_floor: float | None = None, rnd=identity) -> np.ndarray:
     """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] -> s [B, Hq, Lq, Lk]."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -69,12 +66,12 @@ def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = Non
     return scores.reshape(B, Hq, Lq, Lk)
 
 
-def attention_probs(scores: np.ndarray, dtype, *, rnd=_same) -> np.ndarray:
+def attention_probs(scores: np.ndarray, dtype, *, rnd=identity) -> np.ndarray:
     """p = softmax(scores) over the key axis, in at least float32, cast to `dtype` (the value product's)."""
     return rnd(softmax(scores.astype(compute_dtype(scores), copy=False)).astype(dtype, copy=False))
 
 
-def attend(probs: np.ndarray, v: np.ndarray, *, rnd=_same) -> np.ndarray:
+def attend(probs: np.ndarray, v: np.ndarray, *, rnd=identity) -> np.ndarray:
     """o = p v with GQA.  probs [B, Hq, Lq, Lk] or grouped [B, Hkv, Hq/Hkv, Lq, Lk], v [B, Hkv, Lk, Dv]
     -> o [B, Hq, Lq, Dv]; query head h reads kv head h // (Hq/Hkv)."""
     B, Hkv, Lk, Dv = v.shape

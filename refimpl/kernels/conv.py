@@ -18,14 +18,11 @@ continuation and a single-token decode (T = 1: the state is a shift register).
 import numpy as np
 
 from ..errors import InputError
-from .activation import silu
+from .activation import identity, silu
 
 
-def _same(x):
-    return x
 
-
-def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=_same):
+def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=identity):
     """Causal depthwise conv1d + activation over T new tokens, continuing from `state`.
 
     x [B, C, T]; weight [C, Kc]; state [B, C, S] with S >= Kc - 1, or None (zero left context).

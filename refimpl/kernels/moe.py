@@ -8,14 +8,11 @@ shared:  out += sigmoid(x . w_sg) * shared_expert(x)
 
 import numpy as np
 
-from .activation import compute_dtype, sigmoid, softmax
+from .activation import compute_dtype, identity, sigmoid, softmax
 
 
-def _same(x):
-    return x
 
-
-def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=_same):
+def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity):
     """logits [N, E] -> probs [N, E] (float32+), weights [N, k] (logits dtype), experts [N, k] int64.
 
     Experts are ordered by descending probability; exact ties go to the lower expert id (torch.topk on CPU
@@ -30,7 +27,7 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=_same):
     return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
 
 
-def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=_same) -> np.ndarray:
+def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=identity) -> np.ndarray:
     """x [N, H], experts/weights [N, k], expert_fn(e, x_e [n_e, H]) -> [n_e, H]  ->  out [N, H].
 
     Each term is weighted after the expert's down projection and added in ascending expert id; in emulated
@@ -43,6 +40,6 @@ def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_
     return out
 
 
-def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray, *, rnd=_same) -> np.ndarray:
+def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray, *, rnd=identity) -> np.ndarray:
     """Per-token scalar gate sigmoid(x . w_sg).  x [N, H], gate_weight [1, H] -> [N, 1]."""
     return rnd(sigmoid(rnd(x @ gate_weight.T)))

@@ -7,7 +7,7 @@ In a float32 or float64 run the casts are no-ops; they matter for reduced-precis
 
 import numpy as np
 
-from .activation import compute_dtype, silu
+from .activation import compute_dtype, identity, silu
 
 
 def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
@@ -17,11 +17,8 @@ def _normalized(x: np.ndarray, eps: float) -> np.ndarray:
     return x * (1 / np.sqrt(variance + eps))  # torch's rsqrt on CPU is 1/sqrt
 
 
-def _same(x):
-    return x
 
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False, rnd=_same) -> np.ndarray:
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False, rnd=identity) -> np.ndarray:
     """RMSNorm over the last axis.  x [..., n], weight [n] -> [..., n] in x's dtype.
 
     plain (Qwen3, Qwen3-MoE):          cast(w * cast(nu(x)))    cast before the weight multiply, and after it
@@ -33,7 +30,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bo
     return rnd((weight * rnd(n.astype(x.dtype, copy=False))).astype(x.dtype, copy=False))
 
 
-def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, *, rnd=_same) -> np.ndarray:
+def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, *, rnd=identity) -> np.ndarray:
     """Gated RMSNorm of the GDN output: norm first, then the plain weight, then * silu(gate).
 
     x, gate [..., n], weight [n] -> cast( cast(w * cast(nu(x))) * silu(float32(gate)) )

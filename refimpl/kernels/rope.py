@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from .activation import identity
+
 
 def _base_powers(base: float, dim: int, dtype) -> np.ndarray:
     """base ** (2i / dim) for i < dim/2: the exponent is formed in `dtype` as transformers forms it."""
@@ -129,11 +131,8 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, attention_scaling: 
     return cos, sin
 
 
-def _same(x):
-    return x
 
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=_same) -> np.ndarray:
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity) -> np.ndarray:
     """Half-split rotation of the first rot channels of every head; channels rot..D pass through.
 
     x [B, T, H, D], cos/sin [B, T, rot/2] (broadcast over heads), h = rot/2:

@@ -23,7 +23,7 @@ from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.linear import linear
 from ..kernels.norm import rms_norm_gated
-from ..trace import override, tap
+from ..trace import conform, override, tap
 from . import qwen3
 from .cache import LinearAttentionState
 
@@ -41,7 +41,7 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg, put=lambda name, value: value, r=lambda x: x):
+def projections(w, p: str, x: np.ndarray, cfg, put, r):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
     b and a [B, T, Hv]; from Qwen3.5's split projections or Qwen3-Next's fused ones. put(name, value) taps
     each raw projection output and returns what the block continues with; r rounds each projection's output
@@ -117,7 +117,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
             def put(name, value, row=row, real=real):  # the row's real tokens of each tap, taps written below
                 taps.setdefault(name, np.zeros((B, T, *value.shape[2:]), value.dtype))[row, real] = value[0]
                 given = override(f"{p}.{name}")
-                return value if given is None else np.asarray(given)[row:row + 1, real].astype(value.dtype)
+                return value if given is None else conform(f"{p}.{name}", given, taps[name])[row:row + 1, real]
 
             o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put, ctx.round)
             out[row, real] = o[0]
