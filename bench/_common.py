@@ -7,7 +7,6 @@ import resource
 import statistics
 import threading
 import time
-import time
 
 import numpy as np
 

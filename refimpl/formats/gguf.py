@@ -533,13 +533,13 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
             if cfg.shared_expert_intermediate_size:
                 # the converter writes [1, H] (ne {H, 1}); llama.cpp reads it as an H vector, so accept [H] too
                 name, H = f"{b}.ffn_gate_inp_shexp.weight", cfg.hidden_size
-                t = need(name, (H,) if g.tensors.get(name) and g.tensors[name].shape == (H,) else (1, H))
+                need(name, (H,) if g.tensors.get(name) and g.tensors[name].shape == (H,) else (1, H))
                 out[f"{p}.mlp.shared_expert_gate.weight"] = lazy((1, H), lambda name=name: src(name))
         if cfg.layer_types[i] == "linear_attention":
             out.update(_linear_attention(g, cfg, f"{p}.linear_attn", b, need, lazy, src, direct))
     # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read; anything else unread means the
     # file holds tensors this config does not use (a bias, a router, a wrong architecture): refuse it
-    mtp = re.compile(rf"blk\.(\d+)\.")
+    mtp = re.compile(r"blk\.(\d+)\.")
     unread = sorted(n for n in g.tensors if n not in read and not ((m := mtp.match(n)) and
                                                                    int(m[1]) >= cfg.num_hidden_layers))
     if unread:

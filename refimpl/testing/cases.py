@@ -23,7 +23,7 @@ from ..kernels.gated_delta import gated_delta_recurrent, l2_normalize
 from ..kernels.moe import route
 from ..kernels.norm import rms_norm, rms_norm_gated
 from ..kernels.rope import apply_rope, default_inv_freq, rope_tables
-from .tolerance import GROWTH, compare, dtype_of, tolerance, unit_roundoff
+from .tolerance import GROWTH, compare, dtype_of, unit_roundoff
 
 
 @dataclass(frozen=True, eq=False)

@@ -125,7 +125,6 @@ def test_a_low_precision_gdn_state_is_flagged_by_its_dtype_not_its_values():
 
 def test_moe_routing_check_rejects_the_next_expert_at_real_expert_counts():
     """Choosing the (k+1)-th expert instead of the k-th must fail, also with 128 experts in bf16."""
-    import pytest
     from refimpl.kernels.moe import route
     from refimpl.testing.cases import check_routing, make_moe_routing_case
     caught = 0
