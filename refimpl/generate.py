@@ -150,9 +150,9 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
     l = logits / params.temperature
     V, m = l.shape[0], l.max()
     order = top_k_order(l, params.top_k)
-    candidates = np.exp(l[order] - m) if 0 < params.top_k < V else np.exp(l - m)   # as `sample` sums them
-    N, Z = len(candidates), candidates.sum()
     e = np.exp(l[order] - m)
+    candidates = e if 0 < params.top_k < V else np.exp(l - m)   # in id order without top-k, as `sample` sums them
+    N, Z = len(candidates), candidates.sum()
     E = np.cumsum(e)
     n = N if params.top_p >= 1 else 1 + int(np.count_nonzero(E[:-1] < params.top_p * Z))
     if params.min_p > 0:

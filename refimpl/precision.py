@@ -297,11 +297,12 @@ def _model_name(name: str) -> str:
     return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
-def check_encodings(p: "Policy", names) -> None:
-    """Every encoding must name a weight of the model: a typo would otherwise silently leave it in float."""
+def check_encodings(p: "Policy", names, encodings: dict | None = None) -> None:
+    """Every encoding must name a weight of the model: a typo would otherwise silently leave it in float.
+    encodings: the file already read (the weight transform keeps it), else it is read here."""
     if p.weight_format != "encodings":
         return
-    unknown = sorted(set(read_encodings(p.encodings)) - set(names))
+    unknown = sorted(set(read_encodings(p.encodings) if encodings is None else encodings) - set(names))
     if unknown:
         raise InputError(f"{p.encodings}: {len(unknown)} encoding(s) name no weight of the model, e.g. {unknown[:3]}")
 
@@ -326,5 +327,6 @@ def weight_transform(p: Policy):
                 return enc.fake_quant(a)
             except InputError as e:
                 raise FormatError(f"{p.encodings}: {name} {list(a.shape)}: {e}") from None
+        from_file.encodings = encs   # for check_encodings: the file is read once
         return from_file
     return lambda name, a: fake_quant_weight(a, fmt) if quantizable(name, a) else rest(a)

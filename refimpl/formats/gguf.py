@@ -793,23 +793,22 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
         wr.add_tokenizer_model("none")
         wr.add_vocab_size(cfg.vocab_size)
         eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, (list, tuple)) else cfg.eos_token_id
-        tokenizer = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id}
-        for key in ("bos", "eos", "pad"):
-            if tokenizer[f"{key}_token_id"] is not None:
-                wr.add_uint32(f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id",
-                              int(tokenizer[f"{key}_token_id"]))
+        ids = {"bos": cfg.bos_token_id, "eos": eos, "pad": cfg.pad_token_id}
+    else:
+        wr.add_tokenizer_model(tokenizer.get("model", "gpt2"))
+        if tokenizer.get("pre"):
+            wr.add_tokenizer_pre(tokenizer["pre"])
+        wr.add_token_list(tokenizer["tokens"])
+        wr.add_token_types([int(t) for t in tokenizer["token_types"]])
+        if tokenizer.get("merges"):
+            wr.add_token_merges(tokenizer["merges"])
+        ids = {key: tokenizer.get(f"{key}_token_id") for key in ("bos", "eos", "pad", "unk")}
+    keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}   # llama.cpp's key names
+    for key, value in ids.items():
+        if value is not None:
+            wr.add_uint32(f"tokenizer.ggml.{keys[key]}_token_id", int(value))
+    if tokenizer is None:
         return
-    wr.add_tokenizer_model(tokenizer.get("model", "gpt2"))
-    if tokenizer.get("pre"):
-        wr.add_tokenizer_pre(tokenizer["pre"])
-    wr.add_token_list(tokenizer["tokens"])
-    wr.add_token_types([int(t) for t in tokenizer["token_types"]])
-    if tokenizer.get("merges"):
-        wr.add_token_merges(tokenizer["merges"])
-    for key in ("bos", "eos", "pad", "unk"):
-        if tokenizer.get(f"{key}_token_id") is not None:
-            wr.add_uint32(f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id",
-                          int(tokenizer[f"{key}_token_id"]))
     for key in ("add_bos_token", "add_eos_token"):
         if tokenizer.get(key) is not None:
             wr.add_bool(f"tokenizer.ggml.{key}", bool(tokenizer[key]))

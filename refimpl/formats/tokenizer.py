@@ -187,13 +187,8 @@ def _model_source(model) -> str:
 
 
 def _gguf(path: Path) -> Tokenizer:
-    """GGUF-embedded vocabularies are read by `tokenizer_from_gguf` (its own function in this module)."""
-    reader = globals().get("tokenizer_from_gguf")
-    if reader is None:
-        raise InputError(f"{path}: reading a tokenizer embedded in a GGUF file is not supported yet; "
-                         f"give a tokenizer source (a tokenizer.json, or {', '.join(VOCABS)})")
-    tok = reader(path)
-    return tok if isinstance(tok, Tokenizer) else Tokenizer(tok, str(path))
+    """A GGUF-embedded vocabulary (tokenizer_from_gguf, below), wrapped."""
+    return Tokenizer(tokenizer_from_gguf(path), str(path))
 
 
 def tokenizer_from_json(path) -> Tokenizer:
@@ -317,16 +312,14 @@ def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[
 def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_added: int):
     """A byte-level BPE `tokenizers.Tokenizer` equivalent to tiktoken's encoder over `ranks` with `pattern`, plus
     the added tokens `added` at ids first_added, first_added + 1, ..."""
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
     from tokenizers import Tokenizer as HFTokenizer
     vocab, merges = bpe_vocab_and_merges(ranks)
     if first_added < len(ranks) or max(ranks.values()) >= first_added:
         raise FormatError(f"added tokens from id {first_added} would overlap the {len(ranks)} ranked tokens")
     hf = HFTokenizer(models.BPE(vocab, merges, ignore_merges=True, fuse_unk=False, byte_fallback=False))
     hf.normalizer = normalizers.NFC()
-    hf.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    hf.pre_tokenizer = split_then_bytes(pattern)
     hf.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     hf.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     hf.add_tokens([AddedToken(t, special=t in _QWEN_CONTROL_TOKENS, normalized=False) for t in added])
@@ -334,6 +327,15 @@ def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_
         if hf.token_to_id(t) != first_added + k:   # ids are assigned in order after the base vocabulary
             raise FormatError(f"added token {t!r} got id {hf.token_to_id(t)}, expected {first_added + k}")
     return hf
+
+
+def split_then_bytes(pattern: str):
+    """Qwen's pre-tokenizer: isolated splits by the vocabulary's regex, then the bytes of each piece as GPT-2's
+    printable byte alphabet."""
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
 
 
 def nfc(text: str) -> str:
@@ -345,28 +347,21 @@ def nfc(text: str) -> str:
 
 # The split regex of each llama.cpp pre-tokenizer name (tokenizer.ggml.pre), as the models' tokenizer.json
 # writes it: Qwen2 / Qwen3 words are letters (\p{L}); Qwen3.5 words also take combining marks (\p{M}).
-GGUF_PRE_TOKENIZERS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-             r"|\s+(?!\S)|\s+",
-    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-GGUF_PRE_TOKENIZERS["deepseek-r1-qwen"] = GGUF_PRE_TOKENIZERS["qwen2"]   # llama.cpp maps it to the Qwen2 regex
-# A GGUF's tokenizer behaves as llama.cpp runs it: llama.cpp's BPE tokenizer does not normalise (its qwen35 test
-# vectors keep a decomposed "e + U+0301" as two pieces: the \p{M} in the regex keeps the mark with the letter);
-# transformers' Qwen2Tokenizer / Qwen3_5Tokenizer (and the preset tokenizers) NFC-normalise first. The two differ
-# only on text that is not already NFC.
-GGUF_NFC = {"qwen2": False, "deepseek-r1-qwen": False, "qwen35": False}
+# (llama.cpp maps "deepseek-r1-qwen" to the Qwen2 regex.) A GGUF's tokenizer behaves as llama.cpp runs it: with no
+# normaliser, as llama.cpp's BPE tokenizer has none (its qwen35 test vectors keep a decomposed "e + U+0301" as two
+# pieces: the \p{M} in the regex keeps the mark with the letter); transformers' Qwen2Tokenizer / Qwen3_5Tokenizer
+# (and the preset tokenizers) NFC-normalise first. The two differ only on text that is not already NFC.
+GGUF_PRE_TOKENIZERS = {"qwen2": QWEN_PATTERN, "qwen35": QWEN35_PATTERN, "deepseek-r1-qwen": QWEN_PATTERN}
 _CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types
 
 
 def tokenizer_from_gguf(path_or_metadata):
     """A byte-level BPE `tokenizers.Tokenizer` from a GGUF file (or its `tokenizer_metadata()` dict), built the
-    way Qwen's tokenizer.json is: NFC normaliser (Qwen2 / Qwen3; none for Qwen3.5); the pre-tokenizer regex of
+    way Qwen's tokenizer.json is, but without a normaliser (as llama.cpp runs it); the pre-tokenizer regex of
     `tokenizer.ggml.pre` (isolated splits), then byte-to-unicode mapping; BPE over the GGUF's tokens and merges;
     control tokens (type 3) added as special tokens and user-defined ones (type 4) as added tokens, neither
     normalised."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     if isinstance(path_or_metadata, dict):
         meta, source = path_or_metadata, "tokenizer metadata"
     else:
@@ -388,11 +383,7 @@ def tokenizer_from_gguf(path_or_metadata):
         raise ConfigError(f"{source}: tokenizer.ggml.merges entry {' '.join(bad)!r} is not 'left right'")
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=False,
                                ignore_merges=False))
-    if GGUF_NFC[pre]:
-        tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZERS[pre]), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.pre_tokenizer = split_then_bytes(GGUF_PRE_TOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     bos = meta.get("bos_token_id") if meta.get("add_bos_token") else None

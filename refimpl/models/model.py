@@ -55,7 +55,8 @@ class Model:
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
         if self._own_lm_head:
             weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
-        check_encodings(self.precision, [*weights.stored, *weights.aliases])
+        check_encodings(self.precision, [*weights.stored, *weights.aliases],
+                        getattr(weights.transform, "encodings", None))
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..diff.metrics import cosine, sqnr_db, ulp_distance
+from ..diff.metrics import _ALIASES, cosine, sqnr_db, ulp_distance
 
 # (G, F) per op: G roundings to the device dtype on an output element's longest path, times 2; F the growth of
 # the float32 accumulations. The tests in tests/testing check honest fp16 / bf16 / fp32 kernels stay below them.
@@ -65,8 +65,7 @@ class Tolerance:
 
 def dtype_of(dtype) -> np.dtype:
     """np.dtype of a name or type: float32 / float16 / bfloat16 / float64 (aliases fp32, fp16, half, bf16, f64)."""
-    names = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16", "half": "float16",
-             "bf16": "bfloat16", "fp64": "float64", "f64": "float64"}
+    names = {**_ALIASES, "fp64": "float64", "f64": "float64"}   # the diff's names, and float64
     if isinstance(dtype, str):
         dtype = names.get(dtype.lower(), dtype.lower())
         if dtype == "bfloat16":

@@ -533,3 +533,14 @@ def test_absurd_string_count_is_a_one_line_error(tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(FormatError, match="claims 1099511627776 strings"):
         refimpl.load(bad)
+
+
+def test_writer_keeps_every_special_token_id(tmp_path):
+    """bos / eos / pad / unk ids survive write -> read under llama.cpp's key names (unknown_token_id)."""
+    meta = G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf")
+    meta = {**meta, "unk_token_id": 7, "pad_token_id": 5}
+    model = refimpl.load(FIXTURES / "qwen3-f32.gguf")
+    path = G.write_gguf(tmp_path / "t.gguf", model, "F32", tokenizer=meta)
+    back = G.tokenizer_metadata(path)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert back[key] == meta[key], key
