@@ -103,16 +103,16 @@ def _model(bundle, source=None, encodings=None):
 
 
 def cmd_diff(args) -> int:
-    from . import compare as C
+    from .compare import compare, load_metrics, rejudge, save_metrics, write_atomic
     from .report import print_report, render_html
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
         if out and not Path(out).resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
     if args.rejudge:
-        saved = C.load_metrics(args.rejudge)
+        saved = load_metrics(args.rejudge)
         if args.dtype is None and args.policy is None:  # judge at the dtype it was measured for
             args.dtype = saved.policy.get("dtype")
-        report = C.rejudge(saved, _policy(args))
+        report = rejudge(saved, _policy(args))
         first_error = None
     else:
         if args.device is None:
@@ -125,15 +125,15 @@ def cmd_diff(args) -> int:
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
                       disable=args.quiet) as bar:
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))
-            report = C.compare(bundle, dump, policy, emulated,
+            report = compare(bundle, dump, policy, emulated,
                                progress=lambda i, total: bar.update(task, completed=i + 1))
         first_error = _first_error(bundle, dump, report, policy)
     print_report(report, top=args.top)
     page = render_html(report, first_error) if args.html else None
     if args.json:
-        C.save_metrics(report, args.json)
+        save_metrics(report, args.json)
     if page is not None:
-        C.write_atomic(args.html, page)
+        write_atomic(args.html, page)
     return report.exit_code
 
 
