@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_s, print_table, verdict  # noqa: E402
+from _common import cpu_pressure_total, fmt_s, print_table, verdict  # noqa: E402
 
 from refimpl.kernels.gated_delta import gated_delta_chunked, gated_delta_recurrent  # noqa: E402
 
@@ -61,15 +61,6 @@ def alternating_medians(fa, fb, rounds: int):
     return statistics.median(times[0]), statistics.median(times[1]), out[0], out[1]
 
 
-def cpu_wait_seconds() -> float | None:
-    """Seconds some task has waited for a CPU since boot (Linux PSI), or None: a sign of other load."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return float(f.readline().rsplit("total=", 1)[1]) / 1e6
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def err_ratio(ref, x) -> float:
     """fla's metric: rms(x - ref) / rms(ref)."""
     ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
@@ -91,7 +82,7 @@ def main():
 
     torch.set_num_threads(THREADS)
     times, errors = [], []
-    wait0, wall0 = cpu_wait_seconds(), time.perf_counter()
+    wait0, wall0 = cpu_pressure_total(), time.perf_counter()
     for T in Ts:
         x = inputs(T)
         xt = [torch.from_numpy(a) for a in x]
@@ -114,7 +105,7 @@ def main():
         errors.append([str(T), *(f"{err_ratio(o_64, o):.1e}" for o in (o_c, o_t)),
                        *(f"{err_ratio(S_64, S):.1e}" for S in (S_c, S_t))])
 
-    wait1, wall = cpu_wait_seconds(), time.perf_counter() - wall0
+    wait1, wall = cpu_pressure_total(), time.perf_counter() - wall0
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print_table(f"GDN core, Qwen3.5 shapes, float32, median of {rounds}",
                 ["T", "chunked", "torch", "c/t", "target", "recurrent", "r/c", "target"], times, args.plain)
