@@ -586,13 +586,7 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
     tiled = cfg.model_type != "qwen3_next" and Hk != Hv     # Qwen3.5's value-head reorder (models.md §7.3)
 
     def untile(a, axis, d, start=0):
-        if not tiled:
-            return a
-        a = np.array(a, dtype=np.float32)
-        idx = [slice(None)] * a.ndim
-        idx[axis] = slice(start, None)
-        a[tuple(idx)] = untile_v_heads(a[tuple(idx)], axis, Hk, r, d)
-        return a
+        return _retile(untile_v_heads, a, axis, d, start, Hk, r) if tiled else a
 
     for name, shape in (("ssm_a", (Hv,)), ("ssm_dt.bias", (Hv,)), ("ssm_conv1d.weight", (conv_dim, Kc)),
                         ("ssm_out.weight", (H, value_dim))):
@@ -679,7 +673,7 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
             continue
         q = f"{p}.linear_attn"
         r, key_dim = Hv // Hk, Hk * Dk
-        tile = (lambda a, axis, d, start=0: _tile_from(a, axis, d, start, Hk, r)) \
+        tile = (lambda a, axis, d, start=0: _retile(tile_v_heads, a, axis, d, start, Hk, r)) \
             if cfg.model_type != "qwen3_next" and Hk != Hv else (lambda a, axis, d, start=0: a)
         # -exp(A_log), evaluated in float64 and rounded once (within an ulp of torch's float32 exp)
         out[f"{b}.ssm_a"] = tile((-np.exp(f32(f"{q}.A_log").astype(np.float64))).astype(np.float32), 0, 1)
@@ -709,12 +703,13 @@ def _expert(w, prefix, e):
     return gate_up[:half], gate_up[half:], w[f"{prefix}.down_proj"][e]
 
 
-def _tile_from(a, axis, d, start, Hk, r):
-    """tile_v_heads on the part of `axis` from `start` on (the v rows / channels of a q|k|v tensor)."""
+def _retile(fn, a, axis, d, start, Hk, r):
+    """fn (tile_v_heads when writing, untile_v_heads when reading) on the part of `axis` from `start` on (the v
+    rows / channels of a q|k|v tensor), in a float32 copy."""
     a = np.array(a, dtype=np.float32)
     idx = [slice(None)] * a.ndim
     idx[axis] = slice(start, None)
-    a[tuple(idx)] = tile_v_heads(a[tuple(idx)], axis, Hk, r, d)
+    a[tuple(idx)] = fn(a[tuple(idx)], axis, Hk, r, d)
     return a
 
 
