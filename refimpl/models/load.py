@@ -6,7 +6,6 @@ from ..errors import InputError
 from ..formats.safetensors import read_checkpoint
 from .config import load_config
 from .model import Model
-from .weights import Weights
 
 DTYPES = ("float32", "float64")
 
@@ -14,7 +13,7 @@ DTYPES = ("float32", "float64")
 def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
     Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree."""
-    from ..precision import policy, weight_transform
+    from ..precision import policy
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     p = policy(precision if precision is not None else dtype)
@@ -27,13 +26,11 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path)
-        weights = Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p))
-        return Model(config, weights, precision=p)
+        return Model.from_arrays(config, arrays, str(path), p)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
     if not path.is_dir():
         raise InputError(f"{path}: expected an HF checkpoint directory (config.json + *.safetensors)")
     config = load_config(path)
     arrays, _ = read_checkpoint(path)
-    weights = Weights(arrays, dtype=p.dtype, source=str(path), transform=weight_transform(p))
-    return Model(config, weights, precision=p)
+    return Model.from_arrays(config, arrays, str(path), p)

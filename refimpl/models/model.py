@@ -8,7 +8,7 @@ from ..errors import InputError
 from ..kernels.attention import causal_mask
 from ..kernels.linear import embedding, linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
-from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy
+from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, weight_transform
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
@@ -57,6 +57,11 @@ class Model:
             weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
         check_encodings(self.precision, [*weights.stored, *weights.aliases],
                         getattr(weights.transform, "encodings", None))
+
+    @classmethod
+    def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy) -> "Model":
+        """A model over checkpoint arrays at precision policy p (its weight emulation applied on first use)."""
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p)), precision=p)
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:

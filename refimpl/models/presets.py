@@ -91,14 +91,10 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
 
 def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=None):
     """The preset as a Model; precision: a refimpl.precision policy (default: `dtype` activations)."""
-    from ..precision import policy, weight_transform
+    from ..precision import policy
     from .model import Model
-    from .weights import Weights
-    p = policy(precision or dtype)
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    weights = Weights(random_weights(config, seed), dtype=p.dtype, source=f"preset:{name}",
-                      transform=weight_transform(p))
-    return Model(config, weights, precision=p)
+    return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", policy(precision or dtype))
 
 
 def checkpoint_layout(config, arrays: dict) -> dict:
