@@ -45,7 +45,8 @@ def _load(args, source=None):
     """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings."""
     from . import load
     from .precision import Policy
-    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv}
+    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv,
+              "fast": args.fast}
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
@@ -60,6 +61,9 @@ def _precision_flags(p) -> None:
     p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
+    p.add_argument("--fast", action="store_true",
+                   help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
+                        "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
     p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
 
 

@@ -70,6 +70,7 @@ class Policy:
     weights: str | None = None        # None: the activation dtype
     kv: str | None = None
     encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings")
+    fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -82,6 +83,8 @@ class Policy:
             raise InputError("precision: weights='encodings' and an encodings file go together")
         if self.kv not in KV:
             raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
+        if not isinstance(self.fast, bool):
+            raise InputError(f"precision fast must be True or False, got {self.fast!r}")
         if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
             raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
 
@@ -124,7 +127,16 @@ class Policy:
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": list(CAST_POINTS) if self.emulated else []}
+                "cast_points": list(CAST_POINTS) if self.emulated else [], "arithmetic": self.arithmetic}
+
+    @property
+    def arithmetic(self) -> str:
+        """How products, sums and elementary functions are computed (docs/numerics.md): "correctly-rounded"
+        (float32, the same bits on every platform), "plain-blas" (float32, fast: BLAS / NumPy order, not portable)
+        or "float64" (the oracle: NumPy / BLAS float64, portable to ~1e-15 relative, not bitwise)."""
+        if self.dtype == "float64":
+            return "float64"
+        return "plain-blas" if self.fast else "correctly-rounded"
 
 
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
@@ -134,9 +146,9 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     """The policy a bundle manifest's `precision` records (older bundles: just {"dtype"}). An encodings policy
     needs the file again (the manifest keeps its name and sha256), which must match."""
     activations = recorded.get("activations", recorded.get("dtype", "float32"))
-    weights, kv = recorded.get("weights"), recorded.get("kv")
+    weights, kv, fast = recorded.get("weights"), recorded.get("kv"), recorded.get("arithmetic") == "plain-blas"
     if weights != "encodings":
-        return Policy(activations, None if weights == activations else weights, kv)
+        return Policy(activations, None if weights == activations else weights, kv, fast=fast)
     want = (recorded.get("encodings") or {}).get("sha256")
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
@@ -144,7 +156,7 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings))
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast)
 
 
 def policy(precision) -> Policy:

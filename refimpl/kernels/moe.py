@@ -8,6 +8,7 @@ shared:  out += sigmoid(x . w_sg) * shared_expert(x)
 
 import numpy as np
 
+from . import products
 from .activation import compute_dtype, identity, sigmoid, softmax
 
 
@@ -23,7 +24,7 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity):
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, experts, axis=-1)
     if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights / products.sum(weights, axis=-1, keepdims=True)
     return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
 
 
@@ -42,4 +43,4 @@ def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_
 
 def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray, *, rnd=identity) -> np.ndarray:
     """Per-token scalar gate sigmoid(x . w_sg).  x [N, H], gate_weight [1, H] -> [N, 1]."""
-    return rnd(sigmoid(rnd(x @ gate_weight.T)))
+    return rnd(sigmoid(rnd(products.matmul(x, gate_weight.T))))

@@ -19,6 +19,7 @@ output and its silu, beta, the core output and the gated norm; g, the l2norms an
 import numpy as np
 
 from ..kernels.activation import sigmoid, softplus
+from ..kernels.elementary import exp
 from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.linear import linear
@@ -83,7 +84,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
     beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
-    g = put("g", -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
+    g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import InputError
+from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.linear import embedding, linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
@@ -103,7 +104,8 @@ class Model:
                 raise InputError(f"position_ids must be non-negative integers of shape [{B}, {T}] (or [1, {T}]), "
                                  f"got {positions.dtype} {list(positions.shape)}")
             positions = np.broadcast_to(positions.astype(np.int64), (B, T))
-        cos, sin = self._rope(positions, cache)
+        with products.plain_blas(self.precision.fast):
+            cos, sin = self._rope(positions, cache)
         padded = not full_mask.all()
         masks = {kind: causal_mask(T, P + T, offset=P, key_valid=full_mask if padded else None,
                                       sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
@@ -120,6 +122,10 @@ class Model:
     def run(self, ids: np.ndarray, ctx: Context, logits_to_keep: int = 0) -> np.ndarray:
         """The layers over checked ids [B, T] with a prepared context (positions' cos/sin, masks, cache):
         what `forward` runs, and what a device convention runs on the inputs its graph receives."""
+        with products.plain_blas(self.precision.fast):
+            return self._layers(ids, ctx, logits_to_keep)
+
+    def _layers(self, ids: np.ndarray, ctx: Context, logits_to_keep: int) -> np.ndarray:
         cfg, w = self.config, self.weights
         ctx.precision = self.precision
         x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels import elementary
 from .config import config_from_dict
 
 _QWEN3_COMMON = {
@@ -76,7 +77,7 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             a = r.standard_normal(shape, dtype=np.float32)
         elif name.endswith(".A_log"):
-            a = np.log(r.uniform(1.0, 16.0, shape)).astype(np.float32)
+            a = elementary.log(r.uniform(1.0, 16.0, shape), float32_result=True)
         elif name.endswith(".dt_bias") or name.endswith(".bias"):
             a = 0.1 * r.standard_normal(shape, dtype=np.float32)
         elif len(shape) == 1:

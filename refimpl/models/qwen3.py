@@ -9,6 +9,7 @@ activation dtype (refimpl/precision.py); it is the identity in float32 and float
 import numpy as np
 
 from ..kernels.activation import ACTIVATIONS, sigmoid
+from ..kernels.elementary import inverse_sqrt
 from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route, shared_expert_gate
@@ -55,7 +56,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     mask = ctx.precision.mask(ctx.masks[cfg.layer_types[layer]])
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
-        k, scale = r(k * k.dtype.type(D ** -0.5)), 1.0
+        k, scale = r(k * k.dtype.type(inverse_sqrt(D))), 1.0
     scores = tap(p, "attn_scores", attention_scores(q, k, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r))
     probs = tap(p, "attn_probs", attention_probs(scores, q.dtype, rnd=r))   # [B, Hq, T, P+T]
     o = attend(probs, v, rnd=r)                                              # [B, Hq, T, D]: sdpa, op by op
