@@ -20,6 +20,11 @@ path under stand-in packages that skip the package __init__s:
   stood in for:         templates/llm/model.py's LLMBase.__init__ (it downloads the checkpoint and tokenizer):
                         `_Base` below sets the attributes the graph code reads; utils/input_spec.TensorSpec (a
                         pydantic config): a (shape, dtype) pair.
+  adapted for MoE:      AI Hub exports no Qwen3-MoE: Qwen3Base.monkey_patch is applied to transformers' qwen3_moe
+                        module through a view that maps Qwen3* names to Qwen3Moe* (`_Renamed`), and forward_sha gets
+                        only the keyword arguments it takes (the MoE layer also passes output_router_logits).
+                        Qwen3_5Base.__init__ converts each dense MLP's down_proj to a conv, which an MoE block lacks:
+                        for Qwen3.5-MoE the instance is built without that step (SHA attention as __init__ builds it).
   not loaded:           templates/qwen3/model.py's Qwen3Base.forward (it only multiplies the mask by
                         attention_mask_multiplier, 1.0 for float models) and everything that compiles, quantises or
                         talks to the hub.
@@ -75,7 +80,7 @@ def definitions(path: Path, names: list[str], namespace: dict) -> dict:
         node = next(n for n in top[cls].body if getattr(n, "name", None) == method) if cls else top[name]
         if cls:
             node.decorator_list = []
-        exec(compile(ast.Module(body=[*future, node], type_ignores=[]), str(path), "exec"), namespace)
+        exec(compile(ast.Module(body=[*future, node], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
         out[name] = namespace[node.name]
     return out
 
@@ -136,8 +141,8 @@ def load() -> types.SimpleNamespace:
                                                                            "DEFAULT_CONTEXT_LENGTH")
     sys.modules[stub.__name__] = stub
 
-    from transformers.models.llama import LlamaConfig, modeling_llama
     from packaging.version import Version
+    from transformers.models.llama import LlamaConfig, modeling_llama
     llama3 = definitions(base / "models/templates/llama3/model.py", ["RopeEmbedding"],
                          {"Embedding": llm["Embedding"], "LlamaConfig": LlamaConfig, "modeling_llama": modeling_llama,
                           "Version": Version, "transformers": transformers, "torch": torch, "Any": Any})

@@ -16,19 +16,18 @@ largest error measured over all cases times about 3 (the measured margins are in
 
 import json
 
+import aihub
 import numpy as np
 import pytest
+from aihub import torch
 
-import aihub
 import refimpl
 from refimpl.bundle import read_bundle, valid_mask
 from refimpl.conventions import genie
+from refimpl.formats.safetensors import write_safetensors
 from refimpl.golden import write_golden
 from refimpl.models.config import config_from_dict
 from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights
-from refimpl.formats.safetensors import write_safetensors
-
-from aihub import torch
 
 pytestmark = pytest.mark.oracle
 
@@ -174,9 +173,9 @@ def prepare(aihub_, graph, b, k: int, host: list, pad_side: str):
     else:
         input_ids, mask = torch.as_tensor(ids), torch.as_tensor((np.arange(ids.shape[1]) < hi)[None].astype(np.int64))
     adapter = aihub_.factory._ModelAdapter(graph.model, rope_embedding=graph.model.embedding)
-    kwargs = dict(model=adapter, input_ids=input_ids, attention_mask=mask, sequence_length=ids.shape[1],
-                  context_length=CL, pad_token=b.manifest["convention"]["params"]["pad_id"],
-                  layer_cache_descriptors=aihub_.layer_cache.build_layer_cache_descriptors(graph.model.llm_config))
+    kwargs = {"model": adapter, "input_ids": input_ids, "attention_mask": mask, "sequence_length": ids.shape[1],
+              "context_length": CL, "pad_token": b.manifest["convention"]["params"]["pad_id"],
+              "layer_cache_descriptors": aihub_.layer_cache.build_layer_cache_descriptors(graph.model.llm_config)}
     prepared = aihub_.generator.HubCompatibleGenerator.prepare_inputs(past_key_values=list(host), **kwargs)
     base = aihub_.generator.Generator.prepare_inputs(past_key_values=list(host), **kwargs)
     return prepared, base["position_ids"]
