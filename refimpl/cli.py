@@ -122,11 +122,13 @@ def cmd_golden(args) -> int:
     if args.pad_id is not None and args.pad_id < 0:
         raise InputError(f"--pad-id must be a token id >= 0, got {args.pad_id}")
     # flag -> option of each convention; a flag the chosen convention does not use is an error, not ignored
-    flags = {"genie": {"ar": "ar", "cl": "cl", "decode_ar": "decode_ar", "pad_id": "pad_id", "mask_floor":
-                       "mask_floor", "key_layout": "key_transposed", "kv_output": "kv_output", "k_prescale": "k_prescale"},
+    flags = {"genie": {"ar": "ar", "cl": "cl", "decode_ar": "decode_ar", "pad_id": "pad_id", "pad_side": "pad_side",
+                       "mask_floor": "mask_floor", "key_layout": "key_transposed", "kv_output": "kv_output",
+                       "k_prescale": "k_prescale", "conv_state_len": "conv_state_len"},
              "qeff": {"ar": "seq_len", "cl": "ctx_len", "pad_id": "pad_id"}, "hf": {}}[args.convention]
     params = {}
-    for flag in ("ar", "cl", "decode_ar", "pad_id", "mask_floor", "key_layout", "kv_output", "k_prescale"):
+    for flag in ("ar", "cl", "decode_ar", "pad_id", "pad_side", "mask_floor", "key_layout", "kv_output", "k_prescale",
+                 "conv_state_len"):
         value = getattr(args, flag)
         if value is None or value is False:
             continue
@@ -265,11 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 32); qeff: seq_len")
-    g.add_argument("--cl", type=int, help="genie: context length (CL, default 128); qeff: ctx_len")
+    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 128); qeff: seq_len (default 32)")
+    g.add_argument("--cl", type=int, help="genie: context length (CL, default 4096); qeff: ctx_len (default 128)")
     g.add_argument("--decode-ar", type=int, help="genie: token slots of the token graph (default 1)")
-    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -1000)")
+    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
+                                                    "host driver; Genie's fp16 runtime uses -1000, quantised -50)")
     g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
+    g.add_argument("--pad-side", choices=["left", "right"],
+                   help="genie: left (default; AI Hub's host driver: the pads lead the first prompt chunk) or right "
+                        "(the Genie runtime: the pads trail the last chunk)")
+    g.add_argument("--conv-state-len", type=int,
+                   help="genie, hybrid models: columns of conv_state_{i} (default Kc, as AI Hub exports it)")
     g.add_argument("--key-layout", choices=["transposed", "plain"],
                    help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
     g.add_argument("--kv-output", choices=["new", "window"],

@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 
 def run_convention(model, prompt_ids, convention: str = "hf", params: dict | None = None, decode_steps: int = 0,
                    taps: str | None = None):
-    """The convention's graph calls and its checked options. params: Options fields."""
+    """The convention's graph calls and its checked, resolved options. params: Options fields."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
     module = CONVENTIONS[convention]
@@ -40,7 +40,9 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
     if n_prompt + decode_steps > limit:
         raise InputError(f"prompt ({n_prompt} tokens) + decode steps ({decode_steps}) = {n_prompt + decode_steps} "
                          f"exceeds the model's context limit (max_position_embeddings {limit})")
-    return module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps), opts
+    calls = module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps)
+    # the options as run, model-dependent defaults (pad id, conv state length) filled in: what the manifest records
+    return calls, opts.resolved(model) if hasattr(opts, "resolved") else opts
 
 
 def run_graph(model, manifest: dict, inputs: dict) -> dict:

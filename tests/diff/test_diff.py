@@ -18,7 +18,7 @@ from refimpl.errors import InputError
 from refimpl.golden import write_golden
 
 PROMPT = [97, 11, 1879, 13, 42]
-PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
+PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0, "pad_side": "right"}   # step 0: four real tokens
 
 
 @pytest.fixture(scope="module")
