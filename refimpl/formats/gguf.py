@@ -23,6 +23,7 @@ The reader undoes each (w = stored - 1, A_log = ln(-ssm_a), ...), so the model s
 """
 
 import dataclasses
+import logging
 import math
 import mmap
 import os
@@ -37,7 +38,9 @@ import numpy as np
 
 from ..errors import ConfigError, FormatError, WeightsError
 from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
+from ..models.config import HYBRID_TYPES
 
+_log = logging.getLogger(__name__)
 MAGIC = b"GGUF"
 # metadata value types
 _U8, _I8, _U16, _I16, _U32, _I32, _F32, _BOOL, _STRING, _ARRAY, _U64, _I64, _F64 = range(13)
@@ -340,6 +343,8 @@ class GGUFFile:
         t = self.tensors[name]
         if (why := unreadable(t.ggml_type)) is not None:
             raise WeightsError(f"{self.path}: tensor {name!r} has {why}")
+        if index is not None and len(t.shape) < 2:   # a vector is one row: read it whole
+            return self.array(name)[index]
         raw = self.raw(name, index)
         kind = type_name(t.ggml_type)
         shape = t.shape if index is None else (*raw.shape[:-1], t.shape[-1])
@@ -360,10 +365,12 @@ class GGUFFile:
 
 # ---------------------------------------------------------------------------------------------------- metadata
 
-def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None):
+def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None, array: bool = False):
     full = f"{arch}.{key}"
     if full in g.metadata:
         v = g.metadata[full]
+        if array:
+            return v
         if isinstance(v, np.ndarray):   # per-layer arrays: accepted when uniform
             if v.size == 0 or (v != v.flat[0]).any():
                 raise ConfigError(f"{g.path}: metadata {full!r} varies per layer ({v.tolist()}); not supported")
@@ -417,17 +424,38 @@ def config_dict(g: GGUFFile) -> dict:
     if (ff := k("feed_forward_length", required=False)) is not None:
         d["intermediate_size"] = ff
     rope = {"rope_type": "default", "rope_theta": _f32(k("rope.freq_base", required=False, default=10000.0))}
-    scaling = k("rope.scaling.type", required=False, default="none")
-    if scaling in ("linear", "yarn"):
-        rope.update(rope_type=scaling, factor=_f32(k("rope.scaling.factor")))
+    # llama.cpp's reading (llama_model_base::load_hparams, llama_context): the scaling type defaults to linear, the
+    # factor to rope.scaling.factor, else the older rope.scale_linear, else none; YaRN's original context to
+    # context_length. For these architectures it reads no rope.scaling.yarn_* key (ignored_metadata): beta_fast 32,
+    # beta_slow 1 and the attention factor mscale(factor) = 0.1 ln(factor) + 1 always, times
+    # rope.scaling.attn_factor, which it applies to every rope type.
+    scaling = k("rope.scaling.type", required=False, default="linear")
+    factor = k("rope.scaling.factor", required=False) or k("rope.scale_linear", required=False) or 0.0
+    attn_factor = k("rope.scaling.attn_factor", required=False, default=1.0)
     if scaling == "yarn":
-        rope["original_max_position_embeddings"] = k("rope.scaling.original_context_length")
-        for key, hf in (("attn_factor", "attention_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
-                        ("ext_factor", "extrapolation_factor")):
-            if (v := k(f"rope.scaling.yarn_{key}", required=False)) is not None:
-                rope[hf] = _f32(v)
+        factor = factor or 1.0
+        rope.update(rope_type="yarn", factor=_f32(factor), original_max_position_embeddings=k(
+            "rope.scaling.original_context_length", required=False, default=d["max_position_embeddings"]))
+        if attn_factor != 1:
+            rope["attention_factor"] = float(np.float32(attn_factor)) * (0.1 * math.log(factor) + 1 if factor > 1
+                                                                         else 1.0)
+    elif scaling == "linear" and factor not in (0, 1):
+        rope.update(rope_type="linear", factor=_f32(factor))
     elif scaling not in ("none", "linear"):
         raise ConfigError(f"{g.path}: unsupported {arch}.rope.scaling.type {scaling!r}; supported: none, linear, yarn")
+    if scaling != "yarn" and attn_factor != 1:
+        raise ConfigError(f"{g.path}: {arch}.rope.scaling.attn_factor {attn_factor:g} with rope scaling {scaling!r}: "
+                          f"llama.cpp scales cos and sin by it, which has no transformers counterpart here "
+                          f"(supported with yarn only)")
+    rot = k("rope.dimension_count", required=False, default=head_dim)
+    if model_type not in HYBRID_TYPES and rot != head_dim:
+        raise ConfigError(f"{g.path}: {arch}.rope.dimension_count {rot} differs from the head dim {head_dim}, which "
+                          f"llama.cpp's {arch} refuses (GGML_ASSERT(n_embd_head == n_rot))")
+    if model_type in HYBRID_TYPES:
+        prf = rot / head_dim
+        if int(head_dim * prf) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
+            prf = math.nextafter(prf, math.inf)
+        rope["partial_rotary_factor"] = prf
     if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         # norm_topk_prob is not stored: llama.cpp always renormalises the top-k weights (models.md §7.2)
         d.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
@@ -440,7 +468,7 @@ def config_dict(g: GGUFFile) -> dict:
                                f"are all sparse)")
         if model_type != "qwen3_moe":
             d["shared_expert_intermediate_size"] = k("expert_shared_feed_forward_length")
-    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+    if model_type in HYBRID_TYPES:
         dt_rank = k("ssm.time_step_rank")
         d.update(linear_conv_kernel_dim=k("ssm.conv_kernel"), linear_key_head_dim=k("ssm.state_size"),
                  linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=dt_rank,
@@ -450,15 +478,12 @@ def config_dict(g: GGUFFile) -> dict:
             d["layer_types"] = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
         else:
             d["full_attention_interval"] = k("full_attention_interval", required=False, default=4)
-        rot = k("rope.dimension_count", required=False, default=head_dim)
-        factor = rot / head_dim
-        if int(head_dim * factor) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
-            factor = math.nextafter(factor, math.inf)
-        rope["partial_rotary_factor"] = factor
-        if model_type != "qwen3_next":
-            sections = g.metadata.get(f"{arch}.rope.dimension_sections")
-            rope.update(mrope_section=[int(s) for s in sections[:3]] if sections is not None else [11, 11, 10],
-                        mrope_interleaved=True)
+        if model_type != "qwen3_next":   # llama.cpp requires the sections: [T, H, W, E], E (llama.cpp's) usually 0
+            sections = [int(v) for v in k("rope.dimension_sections", array=True)]
+            if len(sections) != 4:
+                raise ConfigError(f"{g.path}: metadata '{arch}.rope.dimension_sections' must have 4 entries, got "
+                                  f"{sections}")
+            rope.update(mrope_section=sections if sections[3] else sections[:3], mrope_interleaved=True)
         d["mtp_num_hidden_layers"] = nextn
     d["rope_parameters"] = rope
     return d
@@ -708,13 +733,57 @@ def split_qkvz(qkvz: np.ndarray, Hk: int, Dk: int, rDv: int) -> tuple[np.ndarray
     return np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]), z.reshape(-1, H)
 
 
+def reading_notes(g: GGUFFile) -> list[str]:
+    """How llama.cpp 0.3.36 reads metadata that would mean something else to transformers' eyes: the HF YaRN
+    parameters llama.cpp's converter writes as rope.scaling.yarn_* are read only by other architectures (grok,
+    mistral3), and a scaling factor without a scaling type is linear scaling."""
+    arch, m = g.architecture, g.metadata
+    ignored = [f"{arch}.rope.scaling.yarn_{key} {_f32(m[f'{arch}.rope.scaling.yarn_{key}']):g}"
+               for key in ("beta_fast", "beta_slow", "attn_factor", "ext_factor") if f"{arch}.rope.scaling.yarn_{key}" in m]
+    notes = [f"not read (llama.cpp does not): {', '.join(ignored)}"] if ignored else []
+    factor = m.get(f"{arch}.rope.scaling.factor") or m.get(f"{arch}.rope.scale_linear")
+    if factor not in (None, 0, 1) and f"{arch}.rope.scaling.type" not in m:
+        notes.append(f"rope scaling factor {_f32(factor):g} without a scaling type: linear, llama.cpp's default")
+    return notes
+
+
+def llamacpp_note(cfg, notes=()) -> str | None:
+    """The one-line note a GGUF gets on load where llama.cpp's semantics, which it runs with, differ from
+    transformers' for the same values (cfg.semantic_differences) or llama.cpp reads the metadata its own way
+    (reading_notes); None when there is nothing to say."""
+    parts = [*cfg.semantic_differences(), *notes]
+    return f"{cfg.source}: runs as llama.cpp runs it: " + "; ".join(parts) if parts else None
+
+
+def conversion_note(before, after) -> str | None:
+    """What a GGUF written from a model with config `before` means to llama.cpp (config `after`, read back)
+    that the model did not: values llama.cpp does not read (YaRN's betas, ...) and, for an HF model,
+    the places where llama.cpp's semantics differ from transformers'. None when the meaning is the same."""
+    parts = []
+    old, new = before.to_dict(), after.to_dict()
+    for key in sorted((set(old) | set(new)) - {"source", "semantics"}):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            parts += [f"{key}.{k} {a.get(k, 'unset')} -> {b.get(k, 'unset')}" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            parts.append(f"{key} {a!r} -> {b!r}")
+    if before.semantics != after.semantics:
+        parts += after.semantic_differences()
+    return f"{after.source}: llama.cpp runs it otherwise than {before.source}: " + "; ".join(parts) if parts else None
+
+
 def load_gguf(path: str | Path, strict: bool = True):
-    """(ModelConfig, HF name -> array or LazyTensor) of a .gguf file. strict: a tensor of a type that cannot be
+    """(ModelConfig, HF name -> array or LazyTensor) of a .gguf file, with llama.cpp's semantics (a one-line note,
+    logged as a warning, says where they differ from transformers'). strict: a tensor of a type that cannot be
     read is an error now (default), else only when it is read (`refimpl info` lists such files)."""
     from ..models.config import config_from_dict
     g = GGUFFile(path)
-    cfg = config_from_dict(config_dict(g), source=str(g.path))
-    return cfg, read_gguf_tensors(g, cfg, strict)
+    cfg = config_from_dict(config_dict(g), source=str(g.path), semantics="llama.cpp")
+    arrays = read_gguf_tensors(g, cfg, strict)
+    if (note := llamacpp_note(cfg, reading_notes(g))) is not None:
+        _log.warning(note)
+    return cfg, arrays
 
 
 # ---------------------------------------------------------------------------------------------------- writing
@@ -831,8 +900,8 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
     elif rope["rope_type"] != "default":
         raise ConfigError(f"{cfg.source}: rope_type {rope['rope_type']!r} has no GGUF encoding here "
                           f"(supported: default, linear, yarn)")
-    if cfg.mrope_section is not None:
-        wr.add_array(f"{arch}.rope.dimension_sections", [int(s) for s in cfg.mrope_section] + [0])
+    if cfg.mrope_section is not None:   # [T, H, W, E]: llama.cpp's fourth (E) section is 0 unless a GGUF had one
+        wr.add_array(f"{arch}.rope.dimension_sections", [int(v) for v in (*cfg.mrope_section, 0, 0)[:4]])
     wr.add_rope_freq_base(rope["rope_theta"])
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.num_experts:
@@ -902,6 +971,7 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
     atomically: a temporary file beside `path`, renamed into place only when complete.
     tokenizer: `tokenizer_metadata()` of a GGUF (plain data) to embed; without it the file has no vocabulary."""
     import gguf
+    from ..models.config import config_from_dict
     path = Path(path)
     qtype = qtype.upper()
     if qtype not in WRITE_TYPES:
@@ -930,6 +1000,13 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
         if isinstance(e, OSError):
             raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
+    try:   # the file as llama.cpp's semantics read it
+        back = config_from_dict(config_dict(GGUFFile(path)), str(path), "llama.cpp")
+    except (ConfigError, WeightsError) as e:   # written as asked, but not a model file refimpl reads back
+        _log.warning(f"{path}: written, but it does not read back as a model: {e}")
+    else:
+        if (note := conversion_note(cfg, back)) is not None:
+            _log.warning(note)
     return path
 
 
