@@ -135,11 +135,12 @@ def tokenizer_json() -> str:
 
 
 def write_checkpoint(name: str, directory: str | Path) -> Path:
-    """config.json, model.safetensors and the tokenizer files of a case."""
+    """config.json, model.safetensors and the tokenizer files of a case (or of a SEMANTICS case's HF side)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(CASES[name], indent=1))
-    write_safetensors(directory / "model.safetensors", weights(name))
+    config, base = (SEMANTICS[name][0], SEMANTICS[name][1]) if name in SEMANTICS else (CASES[name], name)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    write_safetensors(directory / "model.safetensors", weights(base))
     (directory / "tokenizer.json").write_text(tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",

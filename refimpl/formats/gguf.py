@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import ConfigError, FormatError, WeightsError
 from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
-from ..models.config import HYBRID_TYPES
+from ..models.config import HYBRID_TYPES, config_from_dict
 
 _log = logging.getLogger(__name__)
 MAGIC = b"GGUF"
@@ -777,7 +777,6 @@ def load_gguf(path: str | Path, strict: bool = True):
     """(ModelConfig, HF name -> array or LazyTensor) of a .gguf file, with llama.cpp's semantics (a one-line note,
     logged as a warning, says where they differ from transformers'). strict: a tensor of a type that cannot be
     read is an error now (default), else only when it is read (`refimpl info` lists such files)."""
-    from ..models.config import config_from_dict
     g = GGUFFile(path)
     cfg = config_from_dict(config_dict(g), source=str(g.path), semantics="llama.cpp")
     arrays = read_gguf_tensors(g, cfg, strict)
@@ -971,7 +970,6 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
     atomically: a temporary file beside `path`, renamed into place only when complete.
     tokenizer: `tokenizer_metadata()` of a GGUF (plain data) to embed; without it the file has no vocabulary."""
     import gguf
-    from ..models.config import config_from_dict
     path = Path(path)
     qtype = qtype.upper()
     if qtype not in WRITE_TYPES:

@@ -616,6 +616,23 @@ def _cli(*argv):
     return subprocess.run([sys.executable, "-m", "refimpl.cli", *argv], capture_output=True, text=True)
 
 
+def test_info_reports_stored_and_dequantised_sizes():
+    """`refimpl info` on a quantised file: the bytes its tensors take in the file (per type, from the header) apart
+    from their size once dequantised to float32."""
+    path = FIXTURES / "qwen3-h256-q4_k.gguf"
+    g = G.GGUFFile(path)
+    stored = sum(t.nbytes for t in g.tensors.values())
+    proc = _cli("info", str(path))
+    assert proc.returncode == 0, proc.stderr
+    n = sum(int(np.prod(t.shape)) for t in g.tensors.values())
+    assert f"parameters   {n:,} ({stored / 2**20:.1f} MiB stored, {4 * n / 2**20:.1f} MiB as float32)" in proc.stdout
+    assert stored < path.stat().st_size < stored + 16 * 1024 and 4 * n > 6 * stored   # the rest: header, padding
+    kinds = {k: (count, size) for k, count, size in g.storage()}
+    assert kinds == {"Q4_K": (12, 387072), "Q6_K": (3, 147840), "F32": (9, 6144)}   # Q4_K_M: v, down, embd in Q6_K
+    assert "tensors by type: Q4_K 0.4 MiB (12), Q6_K 0.1 MiB (3), F32 6.0 KiB (9)" in proc.stdout
+    assert "semantics    llama.cpp" in proc.stdout
+
+
 def test_cli_runs_a_gguf_and_converts(tmp_path):
     proc = _cli("info", str(FIXTURES / "qwen35moe-f32.gguf"))
     assert proc.returncode == 0 and "qwen3_5_moe_text" in proc.stdout and "4 x 32, top-2" in proc.stdout
