@@ -631,6 +631,8 @@ def test_info_reports_stored_and_dequantised_sizes():
     assert kinds == {"Q4_K": (12, 387072), "Q6_K": (3, 147840), "F32": (9, 6144)}   # Q4_K_M: v, down, embd in Q6_K
     assert "tensors by type: Q4_K 0.4 MiB (12), Q6_K 0.1 MiB (3), F32 6.0 KiB (9)" in proc.stdout
     assert "semantics    llama.cpp" in proc.stdout
+    proc = _cli("info", str(FIXTURES / "qwen3-every-type.gguf"))   # Q2_0 was an unknown id to gguf-py 0.19's reader
+    assert proc.returncode == 0 and "Q2_0 9.0 KiB (1)" in proc.stdout and "Q1_0 4.5 KiB (1)" in proc.stdout
 
 
 def test_cli_runs_a_gguf_and_converts(tmp_path):
