@@ -6,8 +6,10 @@ Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with
 """
 
 import argparse
+import logging
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +43,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _load(args, source=None):
+def _load(args, source=None, strict=True):
     """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings."""
     from . import load
     from .precision import Policy
@@ -51,7 +53,7 @@ def _load(args, source=None):
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
         fields.update(weights="encodings", encodings=args.encodings)
-    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields))
+    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict)
 
 
 def _precision_flags(p) -> None:
@@ -67,8 +69,12 @@ def _precision_flags(p) -> None:
     p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
 
 
+def _mib(n) -> str:
+    return "size unknown" if n is None else f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
+
+
 def cmd_info(args) -> int:
-    model = _load(args)
+    model = _load(args, strict=False)   # a tensor of a type that cannot be read is listed, not refused
     cfg, w = model.config, model.weights
     n_params = sum(int(np.prod(a.shape)) for a in w.stored.values())
     print(f"model        {args.model}")
@@ -83,8 +89,18 @@ def cmd_info(args) -> int:
         print(f"experts      {cfg.num_experts} x {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
               f"renormalised: {cfg.norm_topk_prob}"
               + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""))
-    print(f"parameters   {n_params:,} ({w.nbytes() / 2**20:.1f} MiB stored)"
+    print(f"parameters   {n_params:,} ({_mib(w.nbytes())} stored, {_mib(n_params * w.dtype.itemsize)} as {w.dtype.name})"
           f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
+    if str(args.model).lower().endswith(".gguf"):
+        from .formats.gguf import GGUFFile, unreadable
+        g = GGUFFile(args.model)
+        print(f"file         {_mib(Path(args.model).stat().st_size)}; tensors by type: " + ", ".join(
+            f"{kind} {_mib(size)} ({n})" for kind, n, size in g.storage()))
+        for name, t in g.tensors.items():
+            if (why := unreadable(t.ggml_type)) is not None:
+                print(f"unreadable   tensor {name!r} has {why}")
+    if cfg.semantics != "transformers" or cfg.semantic_differences():
+        print(f"semantics    {cfg.semantics}" + "".join(f"; {d}" for d in cfg.semantic_differences()))
     p = model.precision
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
           + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
@@ -323,8 +339,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _notes_to_stderr() -> None:
+    """refimpl's notes (logged warnings: how llama.cpp's semantics change a GGUF's model) as `refimpl: note: ...`."""
+    log = logging.getLogger("refimpl")
+    if not any(getattr(h, "refimpl_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("refimpl: note: %(message)s"))
+        handler.refimpl_cli = True
+        log.addHandler(handler)
+        log.propagate = False
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _notes_to_stderr()
     try:
         return args.func(args)
     except RefimplError as e:

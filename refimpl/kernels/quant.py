@@ -156,3 +156,35 @@ def lpbq_dequantize(q, channel_scale, block_scale, offset, block_size: int) -> n
     block_scale [C, ceil(n / block_size)] (blocks along the input axis) -> float32 [C, n]."""
     s = np.asarray(channel_scale, np.float32)[:, None] * np.asarray(block_scale, np.float32)
     return qnn_dequantize(q, s, offset, axis=1, block_size=block_size)
+
+
+# ---------------------------------------------------------------------------------------------------- ggml blocks
+# ggml's block types gguf-py 0.19 cannot dequantise, from ggml's published layouts (ggml-common.h). A row of n values
+# is n / block consecutive blocks; `d` is an IEEE half (little-endian), converted to float32 exactly, and every value
+# is one float32 product of d and a small integer (exact here), as ggml's to_float computes it.
+
+def _ggml_blocks(rows: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [..., nb * block_bytes] -> (d float32 [..., nb, 1], the remaining bytes uint8 [..., nb, block_bytes - 2])
+    of blocks that open with a half-precision scale d."""
+    rows = np.asarray(rows, np.uint8)
+    blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // block_bytes, block_bytes)
+    d = np.ascontiguousarray(blocks[..., :2]).view("<f2").astype(np.float32)
+    return d, blocks[..., 2:]
+
+
+def dequantize_q1_0(rows: np.ndarray) -> np.ndarray:
+    """ggml Q1_0 (block_q1_0: f16 d, 16 bytes of signs; 128 values): bit j of the block is bit j % 8 of byte
+    j // 8, and x_j = +d if it is set, -d if not.   uint8 [..., nb * 18] -> float32 [..., nb * 128]"""
+    d, qs = _ggml_blocks(rows, 18)
+    bits = np.unpackbits(qs, axis=-1, bitorder="little")                  # [..., nb, 128], bit j of the block
+    x = np.where(bits.astype(bool), d, -d)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def dequantize_q2_0(rows: np.ndarray) -> np.ndarray:
+    """ggml Q2_0 (block_q2_0: f16 d, 16 bytes of 2-bit codes; 64 values): code j is bits 2(j % 4) .. 2(j % 4) + 1
+    of byte j // 4, and x_j = (code_j - 1) * d, i.e. one of -d, 0, d, 2d.   uint8 [..., nb * 18] -> float32 [..., nb * 64]"""
+    d, qs = _ggml_blocks(rows, 18)
+    codes = (qs[..., :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3      # [..., nb, 16, 4]: code 4*byte + k
+    x = (codes.reshape(*codes.shape[:-2], 64).astype(np.float32) - np.float32(1)) * d
+    return x.reshape(*x.shape[:-2], -1)

@@ -152,18 +152,46 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity)
     return np.concatenate([y1, y2, rest], axis=-1).astype(x.dtype, copy=False)
 
 
+def interleaved_mrope_axes(n_pairs: int, mrope_section, llama_cpp: bool = False) -> np.ndarray:
+    """The position axis each rotary pair j rotates with under Qwen3.5's interleaved M-RoPE: 0 T, 1 H, 2 W, 3 E.
+
+    transformers (apply_interleaved_mrope):  H if j % 3 == 1 and j < 3*s[1];  W if j % 3 == 2 and j < 3*s[2];  else T.
+    llama.cpp (ggml's IMROPE; s may have a fourth entry, else 0):  sector = j mod (s[0] + s[1] + s[2] + s[3]);
+        H if sector % 3 == 1 and sector < 3*s[1];  W if % 3 == 2 and < 3*s[2];  T if % 3 == 0 and < 3*s[0];
+        else E, its fourth axis (position 0 for text).
+    They differ only where the sections leave pairs uncovered (transformers: T; llama.cpp: E, or a repeat).
+    """
+    s = [int(v) for v in mrope_section] + [0] * (4 - len(mrope_section))
+    j = np.arange(n_pairs)
+    if llama_cpp:
+        j = j % max(sum(s), 1)
+    axes = np.full(n_pairs, 3 if llama_cpp else 0)
+    if llama_cpp:
+        axes[(j % 3 == 0) & (j < 3 * s[0])] = 0
+    axes[(j % 3 == 1) & (j < 3 * s[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * s[2])] = 2
+    return axes
+
+
+def mrope_tables(positions: np.ndarray, inv_freq: np.ndarray, pair_axes, attention_scaling=1.0):
+    """M-RoPE tables: pair j rotates with the positions of axis pair_axes[j].
+    positions [A, B, T] (one row per axis) -> cos, sin [B, T, rot/2]; each pair bit-identical to rope_tables of
+    its axis' positions."""
+    j = np.arange(inv_freq.shape[0])
+    axes = np.asarray(pair_axes)
+    cos_sin = [rope_tables(positions[a], inv_freq, attention_scaling) for a in range(positions.shape[0])]
+    cos = np.stack([cs[0] for cs in cos_sin])[axes, :, :, j].transpose(1, 2, 0)
+    sin = np.stack([cs[1] for cs in cos_sin])[axes, :, :, j].transpose(1, 2, 0)
+    return cos, sin
+
+
 def mrope_interleaved_tables(positions_thw: np.ndarray, inv_freq: np.ndarray, mrope_section, attention_scaling=1.0):
-    """Qwen3.5's interleaved multimodal RoPE: frequency slot j takes its angle from axis H if j % 3 == 1 and
-    j < 3*section[1], from axis W if j % 3 == 2 and j < 3*section[2], else from axis T.
+    """Qwen3.5's interleaved multimodal RoPE as transformers computes it: frequency slot j takes its angle from axis
+    H if j % 3 == 1 and j < 3*section[1], from axis W if j % 3 == 2 and j < 3*section[2], else from axis T
+    (interleaved_mrope_axes).
 
     positions_thw [3, B, T] -> cos, sin [B, T, rot/2]. For text, all three rows hold the same positions, so
     every slot reads the same angle and this is exactly `rope_tables(positions, ...)`.
     """
-    j = np.arange(inv_freq.shape[0])
-    axis = np.zeros_like(j)
-    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    cos_sin = [rope_tables(positions_thw[a], inv_freq, attention_scaling) for a in range(3)]
-    cos = np.stack([cs[0] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
-    sin = np.stack([cs[1] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
-    return cos, sin
+    axes = interleaved_mrope_axes(inv_freq.shape[0], mrope_section)
+    return mrope_tables(positions_thw, inv_freq, axes, attention_scaling)

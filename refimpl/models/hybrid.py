@@ -6,7 +6,7 @@ norms are zero-centred (1 + w); the MLP is dense or sparse with a shared expert 
 Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
   mixed_qkv, z, b, a = projections of x                   (Next: fused, grouped per key head; 3.5: split)
   q, k, v = split( silu(causal_conv1d(mixed_qkv)) )       conv state: the last Kc raw inputs
-  q, k    = l2norm(q), l2norm(k)
+  q, k    = l2norm(q), l2norm(k)                           eps: cfg.linear_l2norm_eps
   beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
   o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
   out     = out_proj( rms_norm_gated(o, z) )
@@ -79,8 +79,8 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
                                          None if state is None else state.conv, rnd=r)  # [B, conv_dim, T]
     conv_out = put("conv1d", conv_out.transpose(0, 2, 1))                              # [B, T, conv_dim]
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk)))                                # [B, T, Hk, Dk]
-    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk)))
+    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))         # [B, T, Hk, Dk]
+    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
     beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]

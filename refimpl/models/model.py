@@ -8,7 +8,7 @@ from ..errors import InputError
 from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.linear import embedding, linear
-from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
+from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
 from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, weight_transform
 from ..trace import tap
 from . import qwen3
@@ -189,8 +189,8 @@ class Model:
         inv_freq, scaling = inv_freq_and_scaling(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings,
                                                  seq_len=rope_len, dtype=self.dtype.type)
         if cfg.mrope_section is not None:
-            # Qwen3.5's interleaved M-RoPE over (temporal, height, width) positions: text gives all three axes
-            # the same position, which makes it exactly 1-D RoPE
-            thw = np.broadcast_to(positions, (3, *positions.shape))
-            return mrope_interleaved_tables(thw, inv_freq, cfg.mrope_section, scaling)
+            # Qwen3.5's interleaved M-RoPE: text gives the temporal, height and width axes its position (exactly
+            # 1-D RoPE under transformers' rule) and llama.cpp's fourth axis position 0 (cfg.mrope_pair_axes)
+            thwe = np.stack([positions] * 3 + [np.zeros_like(positions)])
+            return mrope_tables(thwe, inv_freq, cfg.mrope_pair_axes, scaling)
         return rope_tables(positions, inv_freq, scaling)
