@@ -17,7 +17,7 @@ $(VENV)/.dev: pyproject.toml
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,oracle]'
+	$(PIP) install -q -e '.[test,oracle,scale]'
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime

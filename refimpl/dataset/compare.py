@@ -45,6 +45,8 @@ def device_windows(ref: Reference, path, *, mapping: dict | None = None, dtype: 
 
 def _rows(a: np.ndarray, ref: Reference, k: int) -> np.ndarray:
     a = np.asarray(a)
+    if a.ndim == 1 and a.size % ref.vocab == 0:        # a raw file: headerless, its rows are the window's
+        a = a.reshape(-1, ref.vocab)
     while a.ndim > 2 and a.shape[0] == 1:
         a = a[0]
     if a.ndim != 2 or a.shape[1] != ref.vocab or a.shape[0] not in (ref.ctx, ref.scored):
