@@ -66,3 +66,17 @@ def read_kld_base(path) -> dict:
     head = np.ascontiguousarray(rows[..., :4]).view("<f4")
     return {"n_ctx": n_ctx, "n_vocab": n_vocab, "tokens": data[20:tok_end].view("<i4").reshape(n_chunk, n_ctx),
             "scale": head[..., 0], "min_log_prob": head[..., 1], "codes": rows[..., 4:4 + n_vocab]}
+
+
+def llama_kld(codes, scale, min_log_prob, device_logits) -> tuple[np.ndarray, np.ndarray]:
+    """KLD and "same top" per row exactly as llama-perplexity's --kl-divergence computes them from a base row:
+    log p_base_i = scale * code_i + min_log_prob (not renormalised), entries with log p_base <= -16 left out,
+    base top = the first largest code. (float64 here; llama.cpp mixes float32 and double.) For comparing our
+    statistics with numbers llama-perplexity printed; refimpl's own KLD is compact.kld."""
+    lq = device_logits.astype(np.float64)
+    lq = lq - lq.max(-1, keepdims=True)
+    lq = lq - np.log(np.exp(lq).sum(-1, keepdims=True))
+    lp = scale.astype(np.float32)[:, None] * codes.astype(np.float32) + min_log_prob.astype(np.float32)[:, None]
+    lp = lp.astype(np.float64)
+    kld = np.where(lp > -16, np.exp(lp) * (lp - lq), 0.0).sum(-1)
+    return kld, np.argmax(codes, -1) == np.argmax(device_logits, -1)

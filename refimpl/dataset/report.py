@@ -103,7 +103,8 @@ def render_html(report: dict, failures: list) -> str:
              f"<h1>refimpl compare-logits</h1><p>device <code>{esc(report['device'])}</code> vs reference "
              f"<code>{esc(report['reference'])}</code> (model <code>{esc(report['model'])}</code>)</p>",
              "<p>Verdict: " + ("<b class='bad'>" + esc("; ".join(failures)) + "</b>" if failures else
-                               "<b class='pass'>every policy bar met</b>") + "</p>"]
+                               "<b class='pass'>every policy bar met</b>" if report.get("policy", {}).get("bars") else
+                               "no --policy bars given") + "</p>"]
     if report["notes"]:
         parts.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in report["notes"]) + "</ul>")
     parts.append("<h2>Statistics</h2><table>" + "".join(f"<tr><td>{esc(n)}</td><td>{esc(v)}</td></tr>"
