@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .diff.commands import add_commands
     add_commands(sub)
     from .dataset.commands import add_commands as add_dataset_commands
-    add_dataset_commands(sub, _positive, _precision_flags)
+    add_dataset_commands(sub, _positive, _precision_flags, _load)
     return parser
 
 

@@ -11,7 +11,9 @@ from pathlib import Path
 from ..errors import InputError
 
 
-def add_commands(sub, positive, precision_flags) -> None:
+def add_commands(sub, positive, precision_flags, load) -> None:
+    """positive: the CLI's positive-integer type; precision_flags(parser) adds --dtype / --precision / ...;
+    load(args) is the model those flags describe."""
     r = sub.add_parser("reference", help="the reference's compact log-softmax and NLL over a dataset's windows "
                                          "(resumable; local processes or Ray)")
     r.add_argument("--model", required=True, help="preset name, HF checkpoint directory or .gguf file (workers "
@@ -36,7 +38,7 @@ def add_commands(sub, positive, precision_flags) -> None:
     r.add_argument("--out", required=True, help="reference directory (resumed if it exists with the same settings)")
     r.add_argument("--overwrite", action="store_true", help="replace a reference made with other settings")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    r.set_defaults(func=cmd_reference)
+    r.set_defaults(func=cmd_reference, load=load)
 
     c = sub.add_parser("compare-logits", help="KLD, top-1 agreement and perplexity of the device's logits against "
                                               "a dataset reference")
@@ -67,7 +69,6 @@ def _progress_bar(quiet: bool, what: str, unit: str):
 
 
 def cmd_reference(args) -> int:
-    from ..cli import _load
     from ..formats.tokenizer import load_tokenizer
     from .reference import Job, write_reference
     from .windows import cut, read_documents
@@ -78,16 +79,18 @@ def cmd_reference(args) -> int:
         raise InputError("--ar / --cl apply to --convention genie or qeff")
     if args.convention == "qeff":
         params = {{"ar": "seq_len", "cl": "ctx_len"}[k]: v for k, v in params.items()}
-    model = _load(args)
-    tok, bos = None, None
-    needs_text = args.text is not None or _jsonl_has_text(args.jsonl, args.field)
-    if needs_text or args.tokenizer:
-        tok = load_tokenizer(args.tokenizer or args.model)
-    if str(args.model).lower().endswith(".gguf"):
-        bos = _gguf_bos(args.model)
-    windows = cut(read_documents(args.text, args.jsonl, args.field, tok), args.ctx, args.stride, bos)
+    model = args.load(args)
+    used = []                           # the tokenizer, loaded only if some document is text
+
+    def tokenizer():
+        if not used:
+            used.append(load_tokenizer(args.tokenizer or args.model))
+        return used[0]
+    bos = _gguf_bos(args.model) if str(args.model).lower().endswith(".gguf") else None
+    documents = read_documents(args.text, args.jsonl, args.field, tokenizer)
+    windows = cut(documents, args.ctx, args.stride, bos)
     data = {"file": Path(args.text or args.jsonl).name, "kind": "text" if args.text else "jsonl",
-            "field": args.field if args.jsonl else None, "tokenizer": tok.source if tok else None,
+            "field": args.field if args.jsonl else None, "tokenizer": used[0].source if used else None,
             "stride": args.stride, "documents": len({d for d, _ in windows.documents})}
     job = Job(str(args.model), model.precision, args.convention, tuple(sorted(params.items())), windows.first,
               windows.scored, args.top_k)
@@ -115,17 +118,6 @@ def cmd_reference(args) -> int:
     print(f"wrote {args.out}: {summary['windows']} windows, {summary['scored_tokens']} scored tokens, reference "
           f"perplexity {summary['perplexity']:.6f}, {summary['bytes_per_scored_token']:,.0f} bytes per scored token")
     return 0
-
-
-def _jsonl_has_text(path, field) -> bool:
-    """Whether any record of a JSON-lines file carries text (then a tokenizer is needed)."""
-    if path is None:
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            return any(f'"{field}"' in line for line in f)
-    except (OSError, UnicodeDecodeError):
-        return False          # read_documents reports it
 
 
 def _gguf_bos(path):

@@ -149,6 +149,7 @@ def _ray(job, items, workers: int | None, address: str | None):
     if started:
         ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
                  **({} if address else {"num_cpus": workers}))
+    actors = []
     try:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
         actors = [ray.remote(num_cpus=1)(_Actor).remote(job) for _ in range(n)]
@@ -164,7 +165,7 @@ def _ray(job, items, workers: int | None, address: str | None):
                 del pending[ref]
                 yield ray.get(ref)
     finally:
-        for a in locals().get("actors", []):
+        for a in actors:
             ray.kill(a)
         if started:
             ray.shutdown()
@@ -224,18 +225,21 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
     RAY_ADDRESS) or a cluster address; workers: processes or Ray actors (Ray: default one per CPU)."""
     from ..models.load import load
     out = Path(out)
+    if model is not None and workers == 1 and not ray:
+        _MODELS.clear()
+        _MODELS[job] = model                  # the caller's model computes the windows here
     model = model if model is not None else _model(job) if workers == 1 and not ray else \
         load(job.source, precision=job.precision)
-    manifest = build_manifest(job, model, windows, data, bos)
+    manifest = json.loads(_json(build_manifest(job, model, windows, data, bos)))
     mf = out / "manifest.json"
     if mf.is_file():
         try:
             old = json.loads(mf.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             old = None
-        if old != json.loads(_json(manifest)):
+        if old != manifest:
             if not overwrite:
-                key = next((k for k in manifest if old is None or old.get(k) != json.loads(_json(manifest))[k]), "?")
+                key = next((k for k in manifest if not isinstance(old, dict) or old.get(k) != manifest[k]), "?")
                 raise InputError(f"{out}: holds a reference made with other settings ({key} differs); "
                                  f"give another --out or --overwrite")
             import shutil

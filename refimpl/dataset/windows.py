@@ -73,7 +73,8 @@ def cut(documents: list, ctx: int, stride: int | None = None, bos: int | None = 
 def read_documents(text: str | None = None, jsonl: str | None = None, field: str = "text",
                    tokenizer=None) -> list:
     """The documents' token ids: --text FILE is one document (the whole file, as llama-perplexity reads -f);
-    --jsonl FILE has one JSON object per line, each a document: its `field` text (tokenised) or `input_ids`."""
+    --jsonl FILE has one JSON object per line, each a document: its `field` text (tokenised) or `input_ids`.
+    tokenizer: a Tokenizer, or a function returning one (called only if some document is text)."""
     if (text is None) == (jsonl is None):
         raise InputError("give the data as --text FILE or --jsonl FILE")
     path = Path(text or jsonl)
@@ -112,4 +113,4 @@ def read_documents(text: str | None = None, jsonl: str | None = None, field: str
 def _encode(tokenizer, text: str, where: str) -> list:
     if tokenizer is None:
         raise InputError(f"{where}: text needs a tokenizer (the model has none; give --tokenizer)")
-    return tokenizer.encode(text)
+    return (tokenizer() if callable(tokenizer) else tokenizer).encode(text)

@@ -37,7 +37,7 @@ def test_kld_within_bound(case, rng):
     kept = logp >= floor[:, None].astype(np.float64)
     stored = compact.decode(codes, s, floor)
     assert (np.abs(stored - logp)[kept] <= (s[:, None] * 0.5 * (1 + 1e-6) + 1e-12).repeat(V, 1)[kept]).all()
-    if case.startswith("wide") or case.startswith("very"):
+    if case.startswith(("wide", "very")):
         assert compact.clamped(s, floor, codes).any()          # the tail path of the bound is exercised
 
 
