@@ -314,14 +314,10 @@ class Reference:
 
 
 def open_reference(path) -> Reference:
+    from ..diff.dump import read_json
     path = Path(path)
     mf = path / "manifest.json"
-    try:
-        manifest = json.loads(mf.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: no manifest.json (not a dataset reference made by `refimpl reference`)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{mf}: corrupt JSON ({e})") from None
+    manifest = read_json(mf, "dataset reference manifest (written by `refimpl reference`)")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FormatError(f"{mf}: not a dataset reference manifest (format {manifest.get('format')!r})"
                           if isinstance(manifest, dict) else f"{mf}: not a JSON object")

@@ -252,3 +252,29 @@ def test_genie_convention_reference(data, tmp_path):
     job = Job(str(data / "qwen3"), model.precision, "genie", (("ar", 8), ("cl", 64)), windows.first, windows.scored)
     write_reference(tmp_path / "g", job, windows, {"stride": None})
     assert open_reference(tmp_path / "g").manifest["convention"] == {"name": "genie", "params": {"ar": 8, "cl": 64}}
+
+
+def test_text_stride_and_bad_input(data, tmp_path, capsys):
+    """--text with the model's tokenizer and --stride (windows as perplexity_v2 cuts them); bad input: one line,
+    exit 2, nothing written."""
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    (tmp_path / "t.txt").write_text(text)
+    n = len(refimpl.load_tokenizer(str(data / "qwen3")).encode(text))
+    assert main(["reference", "--model", str(data / "qwen3"), "--text", str(tmp_path / "t.txt"), "--ctx", "64",
+                 "--stride", "16", "--out", str(tmp_path / "s"), "-q"]) == 0
+    ref = open_reference(tmp_path / "s")
+    assert ref.count == -(-(n - 64) // 16) and (ref.first, ref.scored) == (64 - 16 - 1, 16)
+    with pytest.raises(Exception, match="stride"):
+        write_kld_base(ref, tmp_path / "s.kld")
+    capsys.readouterr()
+    bad = [["--text", str(tmp_path / "missing.txt")], ["--jsonl", str(tmp_path / "t.txt")],
+           ["--text", str(tmp_path / "t.txt"), "--ctx", "5000"], ["--text", str(tmp_path / "t.txt"), "--stride", "64"],
+           ["--text", str(tmp_path / "t.txt"), "--ar", "8"]]
+    for args in bad:
+        out = tmp_path / "bad"
+        assert main(["reference", "--model", str(data / "qwen3"), "--ctx", "64", *args, "--out", str(out), "-q"]
+                    if "--ctx" not in args else ["reference", "--model", str(data / "qwen3"), *args, "--out",
+                                                 str(out), "-q"]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("refimpl: error: ") and err.count("\n") == 1, err
+        assert not out.exists()
