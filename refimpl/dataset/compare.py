@@ -127,15 +127,27 @@ def _position(ref: Reference, k: int, j: int, per: dict) -> dict:
     pos = ref.first + j
     ids = ref.tokens[k][:pos + 1].tolist()
     m = ref.manifest
-    flags = "" if m["precision"].get("activations", "float32") == "float32" else \
-        f" --precision {m['precision']['activations']}"
     w = ref.window(k)
     return {"window": k, "position": pos, "kld": float(per[k]["kld"][j]), "target": int(ref.targets[k][j]),
             "reference_top1": int(w["top_ids"][j][0]), "device_top1": int(per[k]["top1"][j]),
             "nll_reference": float(per[k]["nll_ref"][j]), "nll_device": float(per[k]["nll"][j]),
-            "drill_down": f"refimpl golden --model {m['model']['source']}{flags} --convention "
-                          f"{m['convention']['name']} --input-ids {','.join(map(str, ids))} "
-                          f"--out drill-w{k}-p{pos}"}
+            "drill_down": f"refimpl golden --model {m['model']['source']}{_golden_flags(m)} --input-ids "
+                          f"{','.join(map(str, ids))} --out drill-w{k}-p{pos}"}
+
+
+def _golden_flags(manifest: dict) -> str:
+    """`refimpl golden` flags for the reference's precision policy and convention."""
+    p, c = manifest["precision"], manifest["convention"]
+    flags = [] if p.get("activations", "float32") == "float32" else [f"--precision {p['activations']}"]
+    if p.get("weights") not in (None, p.get("activations")):
+        flags.append(f"--weights {p['weights']}" if p["weights"] != "encodings" else
+                     f"--encodings {(p.get('encodings') or {}).get('file', 'ENCODINGS.json')}")
+    if p.get("kv"):
+        flags.append(f"--kv {p['kv']}")
+    flags.append(f"--convention {c['name']}")
+    names = {"ar": "--ar", "cl": "--cl", "seq_len": "--ar", "ctx_len": "--cl"}
+    flags += [f"{names[k]} {v}" for k, v in c["params"].items() if k in names]
+    return " " + " ".join(flags)
 
 
 def _notes(report: dict) -> list[str]:

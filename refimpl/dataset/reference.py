@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..errors import FormatError, InputError
+from ..errors import FormatError, InputError, RefimplError
 from ..formats.safetensors import read_safetensors, write_safetensors
 from . import compact
 from .windows import Windows
@@ -163,7 +163,11 @@ def _ray(job, items, workers: int | None, address: str | None):
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
                 del pending[ref]
-                yield ray.get(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:     # a bad-input error of ours: re-raised as itself
+                    raise e.cause if isinstance(e.cause, RefimplError) else e from None
+                yield result
     finally:
         for a in actors:
             ray.kill(a)

@@ -4,6 +4,7 @@ are spread or interrupted, and the device statistics against an independent floa
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -196,7 +197,14 @@ def test_compare_against_float64(ref, data, tmp_path):
     assert diff["ci95"][0] <= diff["value"] <= diff["ci95"][1] and diff["uncertainty"] > 0
     assert len(report["per_position"]["mean_kld"]) == ref.scored
     worst = report["worst_positions"][0]
-    assert worst["kld"] == report["kld"]["max"] and "--input-ids" in worst["drill_down"]
+    assert worst["kld"] == report["kld"]["max"]
+    # the drill-down command writes the golden bundle of that window up to that position
+    args = shlex.split(worst["drill_down"])
+    args[args.index("--out") + 1] = str(tmp_path / "drill")
+    assert args[:2] == ["refimpl", "golden"] and main(args[1:] + ["--no-taps", "-q"]) == 0
+    from refimpl.bundle import read_bundle
+    logits = read_bundle(tmp_path / "drill").tensor(0, "output", "logits")[0, -1]
+    assert -compact.log_softmax64(logits)[worst["target"]] == pytest.approx(worst["nll_reference"], rel=1e-6)
 
 
 def test_device_layouts_and_policy(ref, data, tmp_path, capsys):
