@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..diff.compare import write_atomic
 from ..errors import FormatError, InputError, RefimplError
 from ..formats.safetensors import read_safetensors, write_safetensors
 from . import compact
@@ -181,11 +182,6 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
 
-def _write_text(path: Path, text: str) -> None:
-    from ..diff.compare import write_atomic
-    write_atomic(path, text)
-
-
 def window_path(root, k: int) -> Path:
     return Path(root) / "windows" / f"{k:06d}.safetensors"
 
@@ -258,7 +254,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
         write_safetensors(out / "tokens.safetensors",
                           {"tokens": windows.tokens, "targets": windows.targets,
                            "documents": np.asarray(windows.documents, np.int64).reshape(-1, 2)})
-        _write_text(mf, _json(manifest))
+        write_atomic(mf, _json(manifest))
     n, S, V, K = len(windows.tokens), windows.scored, int(model.config.vocab_size), job.top_k
     todo = [k for k in range(n) if not _check_window_file(window_path(out, k), S, V, min(K, V))]
     if progress is not None:
@@ -288,7 +284,7 @@ def finish(out) -> dict:
     summary = {"windows": ref.count, "scored_tokens": tokens, "mean_nll": math.fsum(nll) / tokens,
                "perplexity": math.exp(math.fsum(nll) / tokens), "window_bytes": files,
                "bytes_per_scored_token": files / tokens}
-    _write_text(Path(out) / "summary.json", _json(summary))
+    write_atomic(Path(out) / "summary.json", _json(summary))
     return summary
 
 
