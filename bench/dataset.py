@@ -4,7 +4,8 @@ random weights, float32, written once as an HF checkpoint that every worker memo
 reference's bytes per scored token.
 
 Each mode computes the same windows into its own directory, from start (worker start-up and model load
-included) to the last window written; the files of every mode are checked to be byte-identical. A mode's
+included) to the last window written; the files of every mode are checked to be byte-identical. The modes run
+in rounds, their order alternating (A B C, C B A), and each time is the median over rounds. A mode's
 windows per minute = windows / wall time. Ray's overhead = Ray's wall time / the local processes' - 1 (target
 <= 10 %).
 
@@ -18,6 +19,7 @@ import argparse
 import filecmp
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--windows", type=int)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating their order")
     ap.add_argument("--plain", action="store_true")
     a = ap.parse_args()
     layers, ctx, n = (4, 128, 4) if a.quick else (28, 512, 6)
@@ -90,24 +93,30 @@ def main() -> None:
         modes = [("1 local worker", 1, False), ("2 local processes", 2, False)]
         if have_ray:
             modes.append(("2 Ray actors (local Ray instance)", 2, True))
-        times, p0, ray_start = {}, cpu_pressure_total(), None
-        for i, (name, workers, ray) in enumerate(modes):
-            print(f"running: {name} ...", flush=True)
-            if ray:                  # the instance's start-up is timed apart: a cluster is started once
-                import ray as ray_module
-                t0 = time.perf_counter()
-                ray_module.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
-                ray_start = time.perf_counter() - t0
-            times[name] = run(source, windows, tmp / f"mode{i}", workers, ray)
-            if ray:
-                ray_module.shutdown()
-        pressure = None if p0 is None else (cpu_pressure_total() - p0) / sum(t for t, _ in times.values())
-        summary = json.loads((tmp / "mode0" / "summary.json").read_text())
+        runs, p0, ray_starts = {name: [] for name, _, _ in modes}, cpu_pressure_total(), []
+        for r in range(a.rounds):                 # modes alternate order between rounds (A B C, C B A, ...)
+            for name, workers, ray in (modes if r % 2 == 0 else modes[::-1]):
+                print(f"round {r + 1}: {name} ...", flush=True)
+                if ray:              # the instance's start-up is timed apart: a cluster is started once
+                    import ray as ray_module
+                    t0 = time.perf_counter()
+                    ray_module.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+                    ray_starts.append(time.perf_counter() - t0)
+                runs[name].append(run(source, windows, tmp / f"mode{[m[0] for m in modes].index(name)}-{r}",
+                                      workers, ray))
+                if ray:
+                    ray_module.shutdown()
+        times = {name: (statistics.median(t for t, _ in v), statistics.median(p for _, p in v))
+                 for name, v in runs.items()}
+        ray_start = statistics.median(ray_starts) if ray_starts else None
+        pressure = None if p0 is None else (cpu_pressure_total() - p0) / sum(t for v in runs.values() for t, _ in v)
+        summary = json.loads((tmp / "mode0-0" / "summary.json").read_text())
         base = times[modes[0][0]]
         rows = [[name, f"{t:.1f} s", f"{60 * n / t:.2f}", f"{60 / per:.2f}", f"{base[0] / t:.2f}x",
-                 "yes" if same_files(tmp / "mode0", tmp / f"mode{i}") else "NO"]
+                 "yes" if all(same_files(tmp / "mode0-0", tmp / f"mode{i}-{r}") for r in range(a.rounds)) else "NO"]
                 for i, (name, (t, per)) in enumerate(times.items())]
-        print_table(f"refimpl reference: Qwen3-0.6B shape ({layers} layers), ctx {ctx}, {n} windows",
+        print_table(f"refimpl reference: Qwen3-0.6B shape ({layers} layers), ctx {ctx}, {n} windows, median of "
+                    f"{a.rounds} rounds",
                     ["mode", "wall time (start-up, load, windows)", "windows / min", "windows / min after the "
                      "first", "speed-up vs 1 worker", "files identical to 1 worker"], rows, a.plain)
         if have_ray:
