@@ -286,3 +286,23 @@ def test_text_stride_and_bad_input(data, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("refimpl: error: ") and err.count("\n") == 1, err
         assert not out.exists()
+
+
+def test_damaged_window_is_recomputed_and_jsonl_text(ref, data, tmp_path):
+    """A window file that is not whole (a disk that lied about a write) is computed again on resume, and
+    compare-logits refuses an unfinished reference; --jsonl text records are tokenised with the model's
+    tokenizer."""
+    import shutil
+    shutil.copytree(data / "ref", tmp_path / "r")
+    path = tmp_path / "r" / "windows" / "000007.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    (tmp_path / "r" / "windows" / "000009.safetensors").unlink()
+    with pytest.raises(Exception, match="80 of 81 windows are computed"):
+        compare_logits(open_reference(tmp_path / "r"), tmp_path / "none.npz")
+    assert _run(data, tmp_path / "r") == 0
+    assert _files(tmp_path / "r") == _files(data / "ref")
+    from refimpl.dataset import read_documents
+    text = "Hello world, again and again. " * 20
+    (tmp_path / "t.jsonl").write_text(json.dumps({"body": text}) + "\n")
+    tok = refimpl.load_tokenizer(str(data / "qwen3"))
+    assert read_documents(jsonl=str(tmp_path / "t.jsonl"), field="body", tokenizer=lambda: tok) == [tok.encode(text)]
