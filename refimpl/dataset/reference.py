@@ -20,6 +20,7 @@ load per actor, the model read from a path every node sees). Each window is comp
 import dataclasses
 import json
 import math
+import os
 import signal
 from pathlib import Path
 
@@ -148,8 +149,9 @@ def _ray(job, items, workers: int | None, address: str | None):
         raise InputError("--ray needs Ray: pip install 'refimpl[scale]'") from None
     started = not ray.is_initialized()
     if started:
+        joining = address or os.environ.get("RAY_ADDRESS")   # an existing cluster brings its own CPUs
         ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 **({} if address else {"num_cpus": workers}))
+                 **({} if joining else {"num_cpus": workers}))
     actors = []
     try:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
