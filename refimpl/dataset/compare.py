@@ -77,7 +77,7 @@ def window_metrics(ref: Reference, k: int, device: np.ndarray, top_k: int) -> di
         out["nll"].append(np.where(finite, -lq[r, targets[rows]], np.inf))
         out["nll_ref"].append(np.asarray(w["nll"][rows]))
         out["same_top"].append(finite & (dev_top[:, 0] == ref_top[:, 0]))
-        out["overlap"].append(np.array([len(set(a) & set(b)) / top_k for a, b in zip(dev_top, ref_top)]))
+        out["overlap"].append(np.array([len(set(a) & set(b)) / top_k for a, b in zip(dev_top, ref_top, strict=True)]))
         out["top1"].append(dev_top[:, 0])
     return {n: np.concatenate(v) for n, v in out.items()}
 
