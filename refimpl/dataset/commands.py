@@ -101,6 +101,8 @@ def cmd_reference(args) -> int:
         def progress(done, total, tokens):
             if seen[0] is None:
                 seen[0] = done
+                if 0 < done < total and not args.quiet:
+                    bar.console.print(f"resuming: {done} of {total} windows are already in {args.out}")
             seen[1] += tokens
             rate = seen[1] / max(time.perf_counter() - start, 1e-9)
             bar.update(task, completed=done, rate=f"{rate:,.0f} tok/s" if seen[1] else "")
