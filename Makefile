@@ -21,7 +21,7 @@ $(VENV)/.dev: pyproject.toml Makefile
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,oracle]'
+	$(PIP) install -q -e '.[test,oracle,scale]'
 	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
 	touch $(VENV)/.runtime $@
 

@@ -1,6 +1,7 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
 `refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`,
-`refimpl replay`, `refimpl explain`.
+`refimpl replay`, `refimpl explain`, `refimpl reference --model M --text F --out REF`, `refimpl compare-logits REF DUMP`,
+`refimpl export-kld-base REF F.kld`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
@@ -336,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .diff.commands import add_commands
     add_commands(sub)
+    from .dataset.commands import add_commands as add_dataset_commands
+    add_dataset_commands(sub, _positive, _precision_flags, _load)
     return parser
 
 
