@@ -3,7 +3,7 @@ the KL divergence against a device computed from it with a bound on its error.
 
 Form (one row per scored position; it is llama.cpp's `--kl-divergence-base` row, with another range):
 
-    l_i    = log_softmax(logits)_i                     float64, from the reference's float32 logits
+    l_i    = log_softmax(logits)_i                     float64, from the reference's float32 logits (portable)
     top    = max_i l_i
     floor  = f32(max(min_i l_i, top - RANGE))          RANGE = 40 nats (llama.cpp: 16)
     scale  = f32((top - floor) / 65535)
@@ -24,8 +24,24 @@ and since sum_i p_i |log p_i / q_i| <= KL + sqrt(2 KL) (Pinsker), at most about 
 
 import numpy as np
 
+from ..kernels import elementary, products
+
 RANGE = 40.0          # nats below the top log-prob that are stored exactly to scale / 2
 LEVELS = 65535        # uint16 codes 0 .. 65535
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The reference's log-probs along the last axis, as float64: for float32 logits x, (x - m) - lse with
+    m = max x, lse = log(sum(exp(x - m))), each exp, the sum and the log correctly rounded in float32
+    (docs/numerics.md), so the stored codes are the same on every platform; lse is within ~1e-6 nats of exact,
+    far inside the codes' half step (scale / 2 >= 3e-4 of slack in the KLD bound). float64 logits (the oracle
+    mode): log_softmax64."""
+    x = np.asarray(logits)
+    if x.dtype == np.float64:
+        return log_softmax64(x)
+    d = x.astype(np.float32) - x.astype(np.float32).max(axis=-1, keepdims=True)
+    lse = elementary.log(products.sum(elementary.exp(d), axis=-1, keepdims=True))
+    return d.astype(np.float64) - lse.astype(np.float64)
 
 
 def log_softmax64(logits: np.ndarray) -> np.ndarray:

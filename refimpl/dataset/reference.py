@@ -1,4 +1,4 @@
-"""A dataset reference directory: the reference's compact log-softmax and exact NLL of every scored position of
+"""A dataset reference directory: the reference's compact log-softmax and NLL of every scored position of
 every window, written window by window so that a run can stop anywhere and resume (docs/dataset.md).
 
     REF/manifest.json                 model (source, config, weights sha256), precision, convention, windows, form
@@ -11,10 +11,11 @@ Every file is written to a temporary name and renamed into place, so a file that
 whose file exists is never computed again. manifest.json and tokens.safetensors are written before any window,
 and a resumed run must have the same manifest (same model bytes, precision, convention, data and windows). The
 files hold nothing that depends on the run (no times, no worker count): an interrupted and resumed run ends
-with the same bytes as an uninterrupted one, and so does any split of the windows over workers.
+with the same bytes as an uninterrupted one, and so does any split of the windows over workers or machines (float32
+references are correctly rounded: docs/numerics.md).
 
 Windows run as independent tasks: in this process (workers=1), in N local processes, or as Ray actors (one model
-load per actor, the model read from a path every node sees). Each window is computed with BLAS on one thread.
+load per actor, the model read from a path every node sees).
 """
 
 import dataclasses
@@ -94,7 +95,7 @@ def compute_window(job: Job, tokens: np.ndarray, targets: np.ndarray) -> dict:
     logits = window_logits(model, tokens, job.convention, dict(job.params))[job.first:job.first + job.scored]
     parts = []
     for s in range(0, job.scored, ROW_CHUNK):
-        logp = compact.log_softmax64(logits[s:s + ROW_CHUNK])
+        logp = compact.log_softmax(logits[s:s + ROW_CHUNK])
         codes, scale, floor = compact.encode(logp)
         top = top_ids(logp, job.top_k)
         rows = np.arange(logp.shape[0])

@@ -169,8 +169,8 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
             out.append(f"mask[{i},{j}] = {_f(m)};  q.k / sqrt({cfg.head_dim}) = score - mask = {_f(values[name][idx] - m)}")
         else:
             out.append(f"score = q.k / sqrt({cfg.head_dim}) + mask (0 where allowed, finfo.min where masked)")
-        keys = _keys(values, a, b, h // rep)
-        if keys is not None and j < keys.shape[0] and _float32(values, name, f"{a}.q_rope"):
+        keys = _keys(values, a, b, h // rep, values[name].shape[-1])
+        if keys is not None and _float32(values, name, f"{a}.q_rope"):
             lines, r = _sum_lines(f"q.k[{j}]", values[f"{a}.q_rope"][b, i, h], keys[j])
             scale = np.float32(inverse_sqrt(cfg.head_dim))
             scaled = np.float32(r * scale)
@@ -210,19 +210,28 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
     return out
 
 
-def _keys(values, a: str, b: int, kv_head: int):
-    """The keys [Lk, D] a score row reads, when the trace holds them: the cache input and this call's keys."""
+def _keys(values, a: str, b: int, kv_head: int, slots: int):
+    """The keys [slots, D] a score row reads, when the call's inputs and trace hold them: the cache window of the
+    graph input and this call's new keys (genie: past_key_{i}_in [Hkv, 1, D|W, W|D]; hf: past_key_values.{i}.key
+    [B, Hkv, P, D]); None when they do not make up the row (qeff scatters new keys into its cache)."""
     k = values.get(f"{a}.k_rope")
     if k is None:
         return None
     new = np.asarray(k)[b, :, kv_head]                                   # [T, D]
     layer = a.split(".")[2]
-    for past in (f"past_key_{layer}_in", f"past_key_values.{layer}.key"):
-        if past in values:
-            cache = np.asarray(values[past])[b, kv_head]                  # [P, D] or transposed [D, P]
-            cache = cache if cache.shape[-1] == new.shape[-1] else cache.T
-            return np.concatenate([cache, new]) if cache.shape[0] else new
-    return new
+    past = None
+    if f"past_key_{layer}_in" in values:
+        past = np.asarray(values[f"past_key_{layer}_in"])[kv_head, 0]    # [D, W] or [W, D]
+    elif f"past_key_values.{layer}.key" in values:
+        past = np.asarray(values[f"past_key_values.{layer}.key"])[b, kv_head]
+    if past is not None:
+        window, D = slots - new.shape[0], new.shape[-1]
+        if f"past_key_{layer}_in" in values and past.shape == (D, window):   # genie's transposed keys
+            past = past.T
+        if past.shape != (window, D):
+            return None
+        new = np.concatenate([past, new])
+    return new if new.shape[0] == slots else None
 
 
 def _rms_norm_exact(cfg, row: np.ndarray, weight: np.ndarray, d: int, stored) -> list[str]:

@@ -28,6 +28,7 @@ Method (verified rounding; docs/numerics.md has the proof):
 Sums are products with ones; cumulative sums are prefix sums, each correctly rounded the same way.
 """
 
+import builtins
 import contextlib
 import contextvars
 import math
@@ -257,5 +258,5 @@ def exact_dot(a: np.ndarray, b: np.ndarray) -> tuple[Fraction, np.float32]:
     """The exact sum_k a_k b_k of two float vectors as a Fraction, and its RNE32 (what matmul stores): for
     `refimpl explain`, which shows a stored element as this function of its inputs."""
     a64, b64 = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    exact = sum((Fraction(x) * Fraction(y) for x, y in zip(a64.tolist(), b64.tolist())), Fraction(0))
+    exact = builtins.sum((Fraction(x) * Fraction(y) for x, y in zip(a64.tolist(), b64.tolist())), Fraction(0))
     return exact, _exact_sum_rounded((a64 * b64).tolist())

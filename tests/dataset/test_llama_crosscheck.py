@@ -52,8 +52,12 @@ def test_matches_llama_perplexity(reference, quant):
         same.append(b)
     kl, same = np.concatenate(kl), np.concatenate(same)
     ours_llama_def = {"kld/mean": kl.mean(), "kld/median": np.median(kl), "kld/max": kl.max()}
+    # llama.cpp forms max_logit + log_sum_exp, and each p_base * (log p_base - logit + that), in float32: every
+    # term of a row's KLD shares that rounding, so its KLD can move by up to an ulp of the largest float it adds
+    float32_slack = max(float(np.spacing(np.float32(np.abs(x).max() + np.log(x.shape[-1]))))    # |max + lse|
+                        for x in (logits[f"{k}/logits"] for k in range(ref.count)))
     for key, value in ours_llama_def.items():
-        assert abs(value - printed[key][0]) <= PRINTED + 1e-6 * value, key
+        assert abs(value - printed[key][0]) <= PRINTED + float32_slack, key
     assert same.mean() == pytest.approx(printed["same_top"][0], abs=5e-6)
     # 2. refimpl's statistics (exact NLL, renormalised KLD over every entry) agree with llama-perplexity's within
     #    the compact form's stated bound: the mean within the mean bound, order statistics within the largest
