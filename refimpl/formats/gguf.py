@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ConfigError, FormatError, WeightsError
+from ..kernels.elementary import log
 from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
 from ..models.config import HYBRID_TYPES, config_from_dict
 
@@ -687,7 +688,7 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
     a, dt, conv, out_proj = (f"{b}.{n}" for n in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_out.weight"))
     out = {
         # ssm_a = -exp(A_log)  ->  A_log = ln(-ssm_a), in float64 then rounded
-        f"{p}.A_log": lazy((Hv,), lambda: untile(np.log(-src(a).astype(np.float64)), 0, 1), a),
+        f"{p}.A_log": lazy((Hv,), lambda: untile(log(-src(a).astype(np.float32)), 0, 1), a),
         f"{p}.dt_bias": lazy((Hv,), lambda: untile(src(dt), 0, 1), dt),
         f"{p}.conv1d.weight": lazy((conv_dim, 1, Kc), lambda: untile(src(conv), 0, Dv, 2 * key_dim)[:, None, :], conv),
         f"{p}.norm.weight": direct(f"{b}.ssm_norm.weight", (Dv,)),
