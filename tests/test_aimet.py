@@ -1,0 +1,49 @@
+"""refimpl with AIMET encodings against AIMET's own QuantizationSimModel (aimet-torch, the [aimet] extra; skipped
+where it is not installed).
+
+For each tiny random Qwen3 / Qwen3-MoE / Qwen3.5 (and Qwen3.5-MoE) model and each bit-width mix, QuantSim is built
+(post_training_tf, AIMET's default config), calibrated on four 16-token sequences, and its encodings saved as
+aimet-torch writes them; refimpl loads the saved checkpoint with that file and runs the same 4 x 48 tokens.
+
+- placement: refimpl puts a quantiser exactly where QuantSim has one (module, input / output, index), nothing
+  unplaced;
+- weights: QuantSim's quantise-dequantised parameters and refimpl's weights are bit-identical;
+- arithmetic: refimpl's quantiser on QuantSim's own quantiser inputs gives QuantSim's outputs bit for bit;
+- codes: with every quantised module's inputs and outputs set to QuantSim's (teacher forcing), each quantiser's
+  codes are refimpl's; a code that differs is one step off, and only where the two float32 values in front of the
+  quantiser (refimpl's op and torch's, summed in other orders) are within 1 % of a step of each other, i.e.
+  straddle a rounding boundary; over all quantisers >= 99.9 % are identical;
+- logits: max |refimpl - QuantSim| <= 1 % of max |float model - QuantSim|. MoE routers: quantised router logits
+  tie, and torch.topk breaks an exact tie at the k-th place in its own partition order where refimpl takes the
+  lower expert id (ONNX TopK); those tokens are routed as QuantSim routed them for this bar, and every token
+  routed differently in layer 0 must be such a tie.
+"""
+
+import numpy as np
+import pytest
+
+from aimet_oracle import MIXES, measure
+
+pytestmark = pytest.mark.oracle
+
+CASES = [(arch, mix) for arch in ("Qwen3", "Qwen3-MoE", "Qwen3.5") for mix in MIXES] + [("Qwen3.5-MoE", "W8A16")]
+
+
+@pytest.mark.parametrize("arch, mix", CASES)
+def test_refimpl_with_aimet_encodings_reproduces_quantsim(arch, mix, tmp_path):
+    m = measure(arch, mix, tmp_path)
+    assert m["quantisers_refimpl"] == m["quantisers_quantsim"] and not m["unplaced"]
+    assert m["weights_differing"] == 0
+    assert m["arithmetic_differences"] == 0
+    rows = m["codes"].values()
+    for key, row in m["codes"].items():
+        forced = row["forced"]
+        assert forced["max_step"] <= 1, key
+        assert forced.get("max_float_gap_steps", 0) < 0.01, key
+    identical = sum(r["forced"]["identical"] * r["elements"] for r in rows) / sum(r["elements"] for r in rows)
+    assert identical >= 0.999
+    gap = m["max_refimpl_vs_quantsim_routed_as_quantsim"] if "max_refimpl_vs_quantsim_routed_as_quantsim" in m \
+        else m["max_refimpl_vs_quantsim"]
+    assert gap <= 0.01 * m["max_float_vs_quantsim"]
+    if m.get("router_choices_differing"):
+        assert m["router_ties"] > 0          # routing can only start to differ at an exact tie
