@@ -8,6 +8,7 @@ Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with
 import argparse
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -49,7 +50,9 @@ def _load(args, source=None):
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
-        fields.update(weights="encodings", encodings=args.encodings)
+        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
+    elif args.strict_encodings:
+        raise InputError("--strict-encodings needs --encodings")
     return load(source or args.model, dtype=args.dtype, precision=Policy(**fields))
 
 
@@ -60,7 +63,10 @@ def _precision_flags(p) -> None:
     p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
-    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
+    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its activations "
+                                       "quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
+    p.add_argument("--strict-encodings", action="store_true",
+                   help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
 
 
 def cmd_info(args) -> int:
@@ -139,9 +145,11 @@ def cmd_golden(args) -> int:
         path = write_golden(args.out, model, args.input_ids[0], source=source, convention=args.convention,
                             params=params, decode_steps=args.decode_steps, taps=args.taps,
                             exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
-                            overwrite=args.overwrite, progress=progress)
+                            overwrite=args.overwrite, progress=progress, codes=args.codes)
+    quantised = model.quantisers.describe(model.modules)["quantisers"] if model.quantisers else []
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
-          f"{args.decode_steps} decode steps, {model.precision.activations} activations)")
+          f"{args.decode_steps} decode steps, {model.precision.activations} activations"
+          + (f", {len(quantised)} activation quantisers" if quantised else "") + ")")
     return 0
 
 
@@ -278,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_flags(g)
     g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
     g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
+    g.add_argument("--codes", action="store_true", help="with --encodings: also write each quantised tap's integer "
+                                                         "codes (taps <name>.codes, uint8 / uint16)")
     g.add_argument("--out", required=True, help="bundle directory to create")
     g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -311,8 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning(message, category, filename, lineno, file=None, line=None):
+    print(f"refimpl: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _warning  # one line each, as errors are
     try:
         return args.func(args)
     except RefimplError as e:

@@ -55,11 +55,24 @@ class Encoding:
         return 0, 2 ** self.bitwidth - 1
 
     def describe(self) -> dict:
-        """The encoding as a manifest records it (float scales as float32 values, exactly)."""
+        """The encoding as a manifest records it (float scales as float32 values, exactly); from_record reads it."""
         if self.float_dtype is not None:
             return {"dtype": np.dtype(self.float_dtype).name, "bitwidth": self.bitwidth}
         return {"dtype": "int", "bitwidth": self.bitwidth, "signed": self.signed,
                 "scale": np.asarray(self.scale, np.float32).tolist(), "offset": np.asarray(self.offset).tolist()}
+
+    @classmethod
+    def from_record(cls, r: dict) -> "Encoding":
+        if r["dtype"] != "int":
+            return cls(int(r["bitwidth"]), np.float32(1), np.int32(0), float_dtype=_FLOATS[r["dtype"]])
+        return cls(int(r["bitwidth"]), np.array(r["scale"], np.float32), np.array(r["offset"], np.int32),
+                   signed=bool(r["signed"]))
+
+    @property
+    def code_dtype(self) -> np.dtype:
+        """The integer dtype a device stores the codes in (4-bit codes one per byte)."""
+        bits = 8 if self.bitwidth <= 8 else 16 if self.bitwidth <= 16 else 32
+        return np.dtype(f"{'int' if self.signed else 'uint'}{bits}")
 
     def fake_quant(self, w: np.ndarray) -> np.ndarray:
         """A weight w [out, ...] -> (q + offset) * scale as QuantSim computes it: the device's values."""
@@ -98,6 +111,9 @@ class Encoding:
     def dequantize(self, q: np.ndarray) -> np.ndarray:
         """Integer codes (a device's integer dump) -> float32 values."""
         return quant.qnn_dequantize(q, self.scale, self.offset, axis=-1 if np.ndim(self.scale) else None)
+
+
+_FLOATS = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ def _torchvision_stand_in() -> None:
     try:
         import torchvision  # noqa: F401
         return
-    except Exception:  # absent, or a wheel built for another torch
+    except (ImportError, OSError, RuntimeError):  # absent, or a wheel built for another torch
         sys.modules.pop("torchvision", None)
     from transformers.utils import import_utils
     import_utils.is_torchvision_available()  # cached False before the stand-in exists
@@ -151,11 +151,12 @@ ARCHITECTURES = {  # tiny random models of each family (tests/oracle.build_hf ra
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True}},
 }
-ARCHITECTURES["Qwen3.5-MoE"] = {**ARCHITECTURES["Qwen3.5"], "model_type": "qwen3_5_moe_text", "moe_intermediate_size": 12,
-                                "shared_expert_intermediate_size": 20, "num_experts": 8, "num_experts_per_tok": 2}
-BASE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, intermediate_size=40, hidden_act="silu",
-            max_position_embeddings=256, rms_norm_eps=1e-6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ARCHITECTURES["Qwen3.5-MoE"] = {**ARCHITECTURES["Qwen3.5"], "model_type": "qwen3_5_moe_text",
+                                "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20, "num_experts": 8,
+                                "num_experts_per_tok": 2}
+BASE = {"vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 40, "hidden_act": "silu",
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 MIXES = {"W8A16": (8, 16), "W4A16": (4, 16), "W8A8": (8, 8)}
 
 
@@ -316,3 +317,71 @@ def _weights_differing(sim, ref) -> int:
 
 def _max_abs(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+
+
+def quantsim_dump(sim, ids, bundle, directory, codes=(), fault=None):
+    """QuantSim as the quantised device: its module outputs on `ids` written as a dump of `bundle` (a refimpl
+    golden of the same prompt, hf convention, with taps): steps/0/taps/<module>.raw float32 and
+    steps/0/outputs/logits.raw; taps named in `codes` as their integer codes (the bundle's encodings) instead.
+    fault: (module name, f(array) -> array) planted on that module's output inside the run, so everything after it
+    computes on the faulty value."""
+    from refimpl.diff.quantised import tap_encodings
+    hook = None
+    if fault is not None:
+        module = sim.model.get_submodule(fault[0])
+        hook = module.register_forward_hook(lambda m, a, out: torch.as_tensor(fault[1](plain(out))))
+    try:
+        logits, pairs, _ = quantiser_values(sim, ids)
+    finally:
+        if hook is not None:
+            hook.remove()
+    encodings = tap_encodings(bundle)
+    out = directory / "steps" / "0"
+    (out / "taps").mkdir(parents=True)
+    (out / "outputs").mkdir()
+    for (module, io, _), (_, value) in pairs.items():
+        rec = bundle.manifest["tensors"].get(f"0/tap/{module}")
+        if io != "output" or rec is None:
+            continue
+        a = to_refimpl(module, value, rec["shape"]).astype(np.float32)
+        if fault is not None and module == fault[0]:   # the quantiser ran before the hook: the dump has the fault
+            a = fault[1](a)
+        if module in codes:
+            a = encodings[module].codes(a).astype(encodings[module].code_dtype)
+        a.tofile(out / "taps" / f"{module}.raw")
+    logits.astype(np.float32).tofile(out / "outputs" / "logits.raw")
+
+
+def plain(t) -> np.ndarray:
+    return t.detach().as_subclass(torch.Tensor).numpy().copy()
+
+
+def three_way_case(arch: str, mix: str, directory, fault=None, prompt_length: int = 24, seed: int = 1) -> dict:
+    """The three-way setting with QuantSim as the quantised device: a float golden and a quantised golden of the
+    same prompt (hf convention, every tap, the quantised one with its integer codes), and QuantSim's dump of it
+    (every other quantised tap as integer codes), with `fault` = (module, f) planted in its run."""
+    from oracle import build_hf
+
+    import refimpl
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.quantised import tap_encodings
+    from refimpl.golden import write_golden
+    from refimpl.precision import Policy
+    hf = build_hf({**BASE, **ARCHITECTURES[arch]}, seed=seed)
+    hf.save_pretrained(directory / "hf")
+    model = CausalLM(hf)
+    if arch.startswith("Qwen3.5"):
+        conv1d_as_module(model)
+    rng = np.random.default_rng(seed)
+    sim = quantsim(model, [rng.integers(0, BASE["vocab_size"], (1, 16)) for _ in range(4)], *MIXES[mix])
+    encodings = save_legacy(sim, directory)
+    prompt = rng.integers(0, BASE["vocab_size"], prompt_length)
+    source = str(directory / "hf")
+    write_golden(directory / "float", refimpl.load(source), prompt, source=source, taps=".")
+    write_golden(directory / "quantised", refimpl.load(source, precision=Policy(weights="encodings", encodings=encodings)),
+                 prompt, source=source, taps=".", codes=True)
+    quantised = read_bundle(directory / "quantised")
+    as_codes = [n for i, n in enumerate(tap_encodings(quantised)) if i % 2]
+    quantsim_dump(sim, prompt[None], quantised, directory / "device", codes=as_codes, fault=fault)
+    return {"float": directory / "float", "quantised": directory / "quantised", "device": directory / "device",
+            "encodings": encodings}

@@ -19,12 +19,11 @@ aimet-torch writes them; refimpl loads the saved checkpoint with that file and r
   routed differently in layer 0 must be such a tie.
 """
 
-import numpy as np
 import pytest
-
 from aimet_oracle import MIXES, measure
 
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 CASES = [(arch, mix) for arch in ("Qwen3", "Qwen3-MoE", "Qwen3.5") for mix in MIXES] + [("Qwen3.5-MoE", "W8A16")]
 
@@ -47,3 +46,37 @@ def test_refimpl_with_aimet_encodings_reproduces_quantsim(arch, mix, tmp_path):
     assert gap <= 0.01 * m["max_float_vs_quantsim"]
     if m.get("router_choices_differing"):
         assert m["router_ties"] > 0          # routing can only start to differ at an exact tie
+
+
+def _channel_scaled(a):
+    """One output channel 2 % too large: a wrong per-channel scale, on top of the quantisation."""
+    a = a.copy()
+    a[..., 7] *= 1.02
+    return a
+
+
+@pytest.mark.parametrize("arch, mix, planted", [("Qwen3", "W8A16", "model.layers.1.mlp.up_proj"),
+                                                ("Qwen3.5", "W4A16", "model.layers.0.linear_attn.in_proj_z")])
+def test_three_way_diff_of_quantsim_explains_it_and_finds_a_planted_fault(arch, mix, planted, tmp_path):
+    """QuantSim as the device: every dumped tensor is explained by quantisation (its distance to the quantised
+    golden far below quantisation's own distance to the float golden), half of them read as integer codes; the
+    same run with one fault planted is flagged at the planted tap first."""
+    from aimet_oracle import three_way_case
+
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.compare import make_policy
+    from refimpl.diff.dump import read_dump
+    from refimpl.diff.quantised import compare_three_way, decode_codes, tap_encodings
+    policy = make_policy({"ignore": ["^present"]})   # the KV outputs: QuantSim's run keeps no cache to dump
+    for fault in (None, (planted, _channel_scaled)):
+        case = three_way_case(arch, mix, tmp_path / ("faulty" if fault else "clean"), fault)
+        float_bundle, quantised = read_bundle(case["float"]), read_bundle(case["quantised"])
+        dump = read_dump(case["device"], quantised)
+        assert decode_codes(dump, quantised, tap_encodings(quantised, case["encodings"]))
+        report, rows = compare_three_way(float_bundle, quantised, dump, policy)
+        assert len(rows) > 20 and not dump.unknown
+        if fault is None:
+            assert not report.failed, [(r.name, r.failures) for r in report.failed]
+            assert max(r.excess for r in rows) < 0.1 * 0.01          # QuantSim: < 1e-3 of quantisation's error
+        else:
+            assert report.first_divergence[0] == f"0/tap/{planted}"
