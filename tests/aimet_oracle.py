@@ -161,25 +161,39 @@ MIXES = {"W8A16": (8, 16), "W4A16": (4, 16), "W8A8": (8, 8)}
 
 
 class Recording:
-    """Wraps a refimpl model's quantisers: records each quantiser's (input, output) by (module, io, i)."""
+    """Wraps a refimpl model's quantisers: records each quantiser's (input, output) by (module, io, i).
+    align: QuantSim's {(module, io, i): (input, output)}; where refimpl's code is one step from QuantSim's and the
+    two float32 values in front of the quantiser are within 1 % of a step (the same value, rounded differently
+    by two float orders, on either side of a rounding boundary), refimpl continues with QuantSim's value.
+    `aligned` counts those elements."""
 
-    def __init__(self, quantisers):
-        self.q, self.seen = quantisers, {}
+    def __init__(self, quantisers, align: dict | None = None):
+        self.q, self.seen, self.align, self.aligned = quantisers, {}, align or {}, 0
 
     def __bool__(self):
         return bool(self.q)
 
     def input(self, module, x, i=0):
-        y = self.q.input(module, x, i)
+        y = self._aligned((module, "input", i), x, self.q.input(module, x, i))
         if (module, i) in self.q.inputs:
             self.seen[module, "input", i] = (x, y)
         return y
 
     def output(self, module, y):
-        z = self.q.output(module, y)
+        z = self._aligned((module, "output", 0), y, self.q.output(module, y))
         if module in self.q.outputs:
             self.seen[module, "output", 0] = (y, z)
         return z
+
+    def _aligned(self, key, x, y):
+        if key not in self.align:
+            return y
+        x_sim, y_sim = (to_refimpl(key[0], a, y.shape) for a in self.align[key])
+        enc = self.encoding(key)
+        gap = np.abs(x.astype(np.float64) - x_sim) / np.broadcast_to(enc.scale, x.shape)
+        straddle = (np.abs(enc.codes(y).astype(np.int64) - enc.codes(y_sim)) == 1) & (gap < 0.01)
+        self.aligned += int(straddle.sum())
+        return np.where(straddle, y_sim, y).astype(y.dtype)
 
     def encoding(self, key):
         return self.q.inputs[key[0], key[2]] if key[1] == "input" else self.q.outputs[key[0]]
@@ -249,6 +263,12 @@ def measure(arch: str, mix: str, directory, calibration: int = 4, eval_shape=(4,
         with refimpl.trace(overrides=overrides):
             out["max_refimpl_vs_quantsim_routed_as_quantsim"] = _max_abs(ref.forward(ids), sim_logits)
         free = dict(rec.seen)
+    # free running again, one-step codes at a rounding boundary taken from QuantSim (Recording.align)
+    aligning = Recording(rec.q, pairs)
+    ref.quantisers = aligning
+    with refimpl.trace(overrides=overrides):
+        out["max_refimpl_vs_quantsim_aligned"] = _max_abs(ref.forward(ids), sim_logits)
+    out["aligned_codes"], ref.quantisers = aligning.aligned, rec
 
     # the quantiser arithmetic itself, on QuantSim's own inputs
     out["arithmetic_differences"] = sum(int((rec.encoding(k).apply(x) != y).sum()) for k, (x, y) in pairs.items()
