@@ -18,6 +18,8 @@ $(VENV)/.dev: pyproject.toml
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,oracle]'
+	($(PIP) install -q --no-deps aimet-torch==2.42.0 && $(PIP) install -q -e '.[aimet]') \
+		|| echo "aimet-torch could not be installed: tests/test_aimet.py will skip"
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime
