@@ -160,6 +160,21 @@ BASE = {"vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 2, "intermedia
 MIXES = {"W8A16": (8, 16), "W4A16": (4, 16), "W8A8": (8, 8)}
 
 
+def calibrated(arch: str, mix: str, directory, seed: int = 1, calibration: int = 4):
+    """The tiny `arch` model (saved to directory/hf), its QuantSim at `mix` calibrated on `calibration` random
+    16-token sequences, the saved legacy encodings file, and the random generator to draw evaluation ids from.
+    -> (torch model, sim, encodings path, rng)"""
+    from oracle import build_hf
+    hf = build_hf({**BASE, **ARCHITECTURES[arch]}, seed=seed)
+    hf.save_pretrained(directory / "hf")
+    model = CausalLM(hf)
+    if arch.startswith("Qwen3.5"):
+        conv1d_as_module(model)
+    rng = np.random.default_rng(seed)
+    sim = quantsim(model, [rng.integers(0, BASE["vocab_size"], (1, 16)) for _ in range(calibration)], *MIXES[mix])
+    return model, sim, save_legacy(sim, directory), rng
+
+
 class Recording:
     """Wraps a refimpl model's quantisers: records each quantiser's (input, output) by (module, io, i).
     align: QuantSim's {(module, io, i): (input, output)}; where refimpl's code is one step from QuantSim's and the
@@ -211,21 +226,11 @@ def measure(arch: str, mix: str, directory, calibration: int = 4, eval_shape=(4,
     """Build the tiny model, QuantSim it (post_training_tf, default config) at `mix`, calibrate on `calibration`
     random sequences, save the legacy encodings, and compare refimpl with them against sim.model.
     Returns the numbers the acceptance is judged by (see test_aimet.py)."""
-    from oracle import build_hf
-
     import refimpl
     from refimpl.precision import Policy
-    param_bw, act_bw = MIXES[mix]
-    hf = build_hf({**BASE, **ARCHITECTURES[arch]}, seed=seed)
-    hf.save_pretrained(directory / "hf")
-    model = CausalLM(hf)
-    if arch.startswith("Qwen3.5"):
-        conv1d_as_module(model)
-    rng = np.random.default_rng(seed)
     start = time.perf_counter()
-    sim = quantsim(model, [rng.integers(0, BASE["vocab_size"], (1, 16)) for _ in range(calibration)], param_bw, act_bw)
+    model, sim, encodings, rng = calibrated(arch, mix, directory, seed, calibration)
     seconds = time.perf_counter() - start
-    encodings = save_legacy(sim, directory)
     ids = rng.integers(0, BASE["vocab_size"], eval_shape)
     with torch.no_grad():
         float_logits = model(torch.as_tensor(ids)).numpy()
@@ -254,6 +259,7 @@ def measure(arch: str, mix: str, directory, calibration: int = 4, eval_shape=(4,
         differ = (np.sort(mine, -1) != np.sort(experts, -1)).any(-1)
         out.setdefault("router_choices_differing", 0)
         out["router_choices_differing"] += int(differ.sum())
+        out.setdefault("first_router_untied_differences", int((differ & ~tied).sum()))  # layer 0: only ties
         ties += int((differ & tied).sum())
         overrides[f"{p}.selected_experts"] = experts.reshape(tr[f"{p}.selected_experts"].shape)
         overrides[f"{p}.routing_weights"] = weights.reshape(tr[f"{p}.routing_weights"].shape)
@@ -380,21 +386,12 @@ def three_way_case(arch: str, mix: str, directory, fault=None, prompt_length: in
     """The three-way setting with QuantSim as the quantised device: a float golden and a quantised golden of the
     same prompt (hf convention, every tap, the quantised one with its integer codes), and QuantSim's dump of it
     (every other quantised tap as integer codes), with `fault` = (module, f) planted in its run."""
-    from oracle import build_hf
-
     import refimpl
     from refimpl.bundle import read_bundle
     from refimpl.diff.quantised import tap_encodings
     from refimpl.golden import write_golden
     from refimpl.precision import Policy
-    hf = build_hf({**BASE, **ARCHITECTURES[arch]}, seed=seed)
-    hf.save_pretrained(directory / "hf")
-    model = CausalLM(hf)
-    if arch.startswith("Qwen3.5"):
-        conv1d_as_module(model)
-    rng = np.random.default_rng(seed)
-    sim = quantsim(model, [rng.integers(0, BASE["vocab_size"], (1, 16)) for _ in range(4)], *MIXES[mix])
-    encodings = save_legacy(sim, directory)
+    _, sim, encodings, rng = calibrated(arch, mix, directory, seed)
     prompt = rng.integers(0, BASE["vocab_size"], prompt_length)
     source = str(directory / "hf")
     write_golden(directory / "float", refimpl.load(source), prompt, source=source, taps=".")
