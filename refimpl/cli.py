@@ -88,8 +88,10 @@ def cmd_info(args) -> int:
     print(f"parameters   {n_params:,} ({w.nbytes() / 2**20:.1f} MiB stored)"
           f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
     p = model.precision
+    placed = model.quantisers.describe(model.modules) if model.quantisers else None
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
-          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
+          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else "")
+          + (f", {len(placed['quantisers'])} activation quantisers" if placed else ""))
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:
