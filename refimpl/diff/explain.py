@@ -137,7 +137,7 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         e = np.exp(s - s.max())
         return [f"scores row: max {_f(s.max())} at slot {int(np.argmax(s))}; s[{j}] = {_f(s[j])}",
                 f"p = exp(s[j] - max) / sum = {_f(e[j])} / {_f(e.sum())} = {_f(e[j] / e.sum())}"]
-    if name.endswith(".mlp.hidden") or name.endswith(".shared_expert.hidden"):
+    if name.endswith((".mlp.hidden", ".shared_expert.hidden")):
         m = name.rsplit(".", 1)[0]
         g, a, u = values[f"{m}.gate_proj"][idx], values[f"{m}.act_fn"][idx], values[f"{m}.up_proj"][idx]
         return [f"gate = {_f(g)}, act_fn = act(gate) = {_f(a)} (silu: {_f(g / (1 + np.exp(-float(g))))}), up = {_f(u)}",

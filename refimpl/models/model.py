@@ -4,17 +4,25 @@ import dataclasses
 
 import numpy as np
 
+from ..encodings import read_activation_encodings
 from ..errors import InputError
 from ..kernels.attention import causal_mask
-from ..encodings import read_activation_encodings
 from ..kernels.linear import embedding
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
-from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, rounder, weight_transform
+from ..precision import (
+    FLOAT_WEIGHTS,
+    Policy,
+    check_encodings,
+    policy,
+    rounder,
+    weight_transform,
+)
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
 from .config import ModelConfig
-from .quantisers import NONE as NO_QUANTISERS, Quantisers, place
+from .quantisers import NONE as NO_QUANTISERS
+from .quantisers import Quantisers, place
 from .weights import Weights
 
 
