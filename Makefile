@@ -23,6 +23,8 @@ $(VENV)/.dev: pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,oracle,scale]'
 	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
+	($(PIP) install -q --no-deps aimet-torch==2.42.0 && $(PIP) install -q -e '.[aimet]') \
+		|| echo "aimet-torch could not be installed: tests/test_aimet.py will skip"
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,9 @@ def _load(args, source=None, strict=True):
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
-        fields.update(weights="encodings", encodings=args.encodings)
+        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
+    elif args.strict_encodings:
+        raise InputError("--strict-encodings needs --encodings")
     return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict)
 
 
@@ -67,7 +70,10 @@ def _precision_flags(p) -> None:
     p.add_argument("--fast", action="store_true",
                    help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
                         "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
-    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
+    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its activations "
+                                       "quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
+    p.add_argument("--strict-encodings", action="store_true",
+                   help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
 
 
 def _mib(n) -> str:
@@ -103,8 +109,10 @@ def cmd_info(args) -> int:
     if cfg.semantics != "transformers" or cfg.semantic_differences():
         print(f"semantics    {cfg.semantics}" + "".join(f"; {d}" for d in cfg.semantic_differences()))
     p = model.precision
+    placed = model.quantisers.describe(model.modules) if model.quantisers else None
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
-          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
+          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else "")
+          + (f", {len(placed['quantisers'])} activation quantisers" if placed else ""))
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:
@@ -162,9 +170,11 @@ def cmd_golden(args) -> int:
         path = write_golden(args.out, model, args.input_ids[0], source=source, convention=args.convention,
                             params=params, decode_steps=args.decode_steps, taps=args.taps,
                             exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
-                            overwrite=args.overwrite, progress=progress)
+                            overwrite=args.overwrite, progress=progress, codes=args.codes)
+    quantised = model.quantisers.describe(model.modules)["quantisers"] if model.quantisers else []
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
-          f"{args.decode_steps} decode steps, {model.precision.activations} activations)")
+          f"{args.decode_steps} decode steps, {model.precision.activations} activations"
+          + (f", {len(quantised)} activation quantisers" if quantised else "") + ")")
     return 0
 
 
@@ -307,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_flags(g)
     g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
     g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
+    g.add_argument("--codes", action="store_true", help="with --encodings: also write each quantised tap's integer "
+                                                         "codes (taps <name>.codes, uint8 / uint16)")
     g.add_argument("--out", required=True, help="bundle directory to create")
     g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -353,9 +365,14 @@ def _notes_to_stderr() -> None:
         log.propagate = False
 
 
+def _warning(message, category, filename, lineno, file=None, line=None):
+    print(f"refimpl: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _notes_to_stderr()
+    warnings.showwarning = _warning  # one line each, as errors are
     try:
         return args.func(args)
     except RefimplError as e:

@@ -53,12 +53,19 @@ def run_graph(model, manifest: dict, inputs: dict) -> dict:
     return module.graph(model, inputs, module.Options(**conv["params"]))
 
 
-def bundle_steps(result: list) -> list[list[Tensor]]:
+def bundle_steps(result: list, codes: dict | None = None) -> list[list[Tensor]]:
+    """Each call's tensors. codes: {tap: Encoding} of the taps whose integer codes are also written, as taps
+    `<tap>.codes` (uint8 / uint16, int8 / int16 for signed grids) right after the tap."""
     steps = []
     for c in result:
         tensors = [Tensor(n, "input", a, c.axes.get(n), c.valid.get(n)) for n, a in c.inputs.items()]
         tensors += [Tensor(n, "output", a, c.axes.get(n), c.valid.get(n)) for n, a in c.outputs.items()]
-        tensors += [Tensor(n, "tap", a, None, c.valid.get(n)) for n, a in c.taps.items()]
+        for n, a in c.taps.items():
+            tensors.append(Tensor(n, "tap", a, None, c.valid.get(n)))
+            enc = (codes or {}).get(n)
+            if enc is not None and enc.float_dtype is None:
+                tensors.append(Tensor(f"{n}.codes", "tap", enc.codes(a).astype(enc.code_dtype), None, c.valid.get(n),
+                                      {"codes_of": n}))
         steps.append(tensors)
     return steps
 
@@ -87,8 +94,9 @@ def generation_record(result: list, n_prompt: int) -> dict:
 
 def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "hf", params: dict | None = None,
                  decode_steps: int = 0, taps: str | None = None, exports=(), aimet: bool = False,
-                 overwrite: bool = False, progress=None):
-    """Compute and write one golden bundle; returns its path."""
+                 overwrite: bool = False, progress=None, codes: bool = False):
+    """Compute and write one golden bundle; returns its path. codes: with activation encodings, also write each
+    output-quantised tap as its integer codes (`<tap>.codes`)."""
     result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps)
     prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]  # checked by the convention
     n_prompt = sum(c.graph in ("prompt", "prefill") for c in result)
@@ -106,8 +114,15 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
     }
     if model.config.is_hybrid and convention != "hf":
         manifest["convention"]["gdn_padding"] = "pad steps leave the conv and recurrent state untouched"
-    return write_bundle(out_dir, manifest, bundle_steps(result), exports=exports, aimet=aimet,
-                        overwrite=overwrite, progress=progress, platform=platform_fingerprint())
+    if model.quantisers or model.precision.encodings is not None:
+        manifest["quantisation"] = {"encodings": manifest["precision"]["encodings"],
+                                    **model.quantisers.describe(model.modules)}
+    if codes and not model.quantisers.outputs:
+        raise InputError("--codes needs activation encodings that quantise some tap (an encodings file with "
+                         "activation_encodings)")
+    return write_bundle(out_dir, manifest, bundle_steps(result, model.quantisers.outputs if codes else None),
+                        exports=exports, aimet=aimet, overwrite=overwrite, progress=progress,
+                        platform=platform_fingerprint())
 
 
 def platform_fingerprint() -> dict:

@@ -190,11 +190,11 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         e = np.exp(s - s.max())
         return [f"scores row: max {_f(s.max())} at slot {int(np.argmax(s))}; s[{j}] = {_f(s[j])}",
                 f"p = exp(s[j] - max) / sum = {_f(e[j])} / {_f(e.sum())} = {_f(e[j] / e.sum())}"]
-    if node.op == "swiglu":
+    if name.endswith((".mlp.hidden", ".shared_expert.hidden")):
         m = name.rsplit(".", 1)[0]
-        g, u = values[f"{m}.gate_proj"][idx], values[f"{m}.up_proj"][idx]
-        return [f"gate = {_f(g)}, silu(gate) = {_f(g / (1 + np.exp(-float(g))))}, up = {_f(u)}",
-                f"hidden = silu(gate) * up = {_f(g / (1 + np.exp(-float(g))) * u)}"]
+        g, a, u = values[f"{m}.gate_proj"][idx], values[f"{m}.act_fn"][idx], values[f"{m}.up_proj"][idx]
+        return [f"gate = {_f(g)}, act_fn = act(gate) = {_f(a)} (silu: {_f(g / (1 + np.exp(-float(g))))}), up = {_f(u)}",
+                f"hidden = act_fn * up = {_f(a * u)}"]
     out = []
     for n in src:  # generic: the inputs at the same token ([B, T, ...] taps; not caches, states or masks)
         if not n.startswith(("model.", "lm_head")):

@@ -7,6 +7,13 @@ ONNX:              q signed or unsigned,           x = (q - zero_point) * scale
                    q = saturate(round(x / scale) + zero_point)   (QuantizeLinear)
 
 round is round-half-to-even in both (ONNX specifies it; for QNN it is an assumption, as AIMET's torch.round).
+
+AIMET QuantSim (aimet-torch 2.x, on CPU) computes the QNN codes in float32, in one of two ways (docs/numerics.md):
+  per tensor / per channel (torch.fake_quantize_per_{tensor,channel}_affine, its inference path):
+                   q = clip(round(x * fl(1 / scale)) - offset, qmin, qmax)     the reciprocal rounded first
+  per block, LPBQ (its own QuantDequantFunc):
+                   q = clip(round(fl(x / scale)) - offset, qmin, qmax)
+                   the two differ by one code for ~1e-4 of the elements (a quotient within an ulp of k + 1/2).
 Granularity is given by the shape of scale / offset:
   per tensor:   scalars
   per channel:  1-D [x.shape[axis]], one per index along `axis`
@@ -16,6 +23,7 @@ Everything is computed in float64 and returned in float32 (dequantised) or int32
 value is (q + offset) * scale evaluated once in float32, as a device's float32 dequantise does.
 """
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import InputError
@@ -71,6 +79,35 @@ def _divide(x, scale) -> np.ndarray:
     """x / scale in float32, as ONNX Runtime, the onnx reference and QNN divide (float32 scales): a float64
     quotient rounds differently at half-way codes (e.g. -0.43664998 / 0.0123 is -35.5 in float32, not -35.49...)."""
     return np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+
+
+def quantsim_quantize(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """AIMET QuantSim's codes on CPU  -> int32, x's shape (offset is QNN's, <= 0; [qmin, qmax] the code range:
+    [0, 2^bw - 1] unsigned, [-2^(bw-1), 2^(bw-1) - 1] signed).
+
+    per tensor / per channel:  q = clip(round_half_even(x32 * fl32(1 / s)) - offset, qmin, qmax)
+    per block:                 q = clip(round_half_even(fl32(x32 / s)) - offset, qmin, qmax)
+    """
+    x = np.asarray(x, np.float32)
+    s = expand(np.asarray(scale, np.float32), x.shape, axis, block_size)
+    o = expand(np.asarray(offset, np.float32), x.shape, axis, block_size)
+    scaled = x / s if block_size is not None else x * (np.float32(1) / s)
+    return np.clip(np.rint(scaled) - o, qmin, qmax).astype(np.int32)
+
+
+def quantsim_fake_quant(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """x -> (q + offset) * scale with q = quantsim_quantize(x): one float32 product, as torch's fake_quantize
+    and AIMET's QuantDequantFunc dequantise  -> float32."""
+    q = quantsim_quantize(x, scale, offset, qmin, qmax, axis, block_size)
+    return qnn_dequantize(q, scale, offset, axis, block_size)
+
+
+def float_fake_cast(x, dtype) -> np.ndarray:
+    """AIMET's float quantiser of a 16-bit float encoding (scale 1): x clipped to +-finfo(dtype).max (it
+    saturates), rounded to dtype (round-to-nearest-even) and back  -> x's dtype."""
+    x = np.asarray(x)
+    big = x.dtype.type(ml_dtypes.finfo(dtype).max)
+    return np.clip(x, -big, big).astype(dtype).astype(x.dtype)
 
 
 def onnx_dequantize(q, scale, zero_point, axis=None, block_size=None) -> np.ndarray:

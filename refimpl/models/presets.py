@@ -70,7 +70,7 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
     weights N(0, 0.1^2); biases N(0, 0.1^2); per-model extras (A_log, dt_bias, ...) as their module says.
     """
     from .model import _architecture
-    expected, _ = _architecture(config)
+    expected = _architecture(config)[0]
     out = {}
     for name, shape in sorted(expected(config).items()):
         r = _rng(seed, name)
