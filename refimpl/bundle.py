@@ -32,7 +32,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, brief
+from .files import expect, inside, integer, load_json, read_exact, regular_file, sha256_file
 from .formats.safetensors import DTYPES as _SAFETENSORS_DTYPES, write_safetensors
 
 SCHEMA_VERSION = 1
@@ -148,13 +149,17 @@ def _check_tensor(t, k: int) -> tuple[dict, np.ndarray]:
 
 def _check_valid(valid, shape, where) -> list:
     try:
+        if not isinstance(valid, (list, tuple)) or not all(isinstance(box, (list, tuple)) for box in valid):
+            raise TypeError
         boxes = [[[operator.index(lo), operator.index(hi)] for lo, hi in box] for box in valid]
+        if any(isinstance(v, bool) for box in valid for pair in box for v in pair):
+            raise TypeError
     except (TypeError, ValueError):
         raise InputError(f"{where}: valid must be a list of boxes, each one [start, stop) per axis; "
-                         f"got {valid!r}") from None
+                         f"got {brief(valid)}") from None
     for box in boxes:
         if len(box) != len(shape) or not all(0 <= lo <= hi <= n for (lo, hi), n in zip(box, shape)):
-            raise InputError(f"{where}: valid box {box} does not fit shape {list(shape)}")
+            raise InputError(f"{where}: valid box {brief(box)} does not fit shape {list(shape)}")
     return boxes
 
 
@@ -328,6 +333,16 @@ def _alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- reading
+#
+# A bundle comes from another team or a CI system: reading one never touches anything outside its directory.
+# Every path it names is checked to resolve inside it (refimpl.files.inside: no absolute path, no '..', no symlink
+# leaving it), every file is checked to be a regular file of the declared size before it is read or mapped, and
+# hashes are computed by streaming. The manifest is checked whole on opening, so the tools that read it (diff,
+# replay, explain) can trust its structure.
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_DIMS = 32
+
 
 class Bundle:
     """A golden bundle opened by read_bundle. Tensors are read lazily, one file per call.
@@ -356,32 +371,37 @@ class Bundle:
         return (self.manifest["tensors"][key] for key in _execution_order(self.manifest["steps"]))
 
     def input_list(self) -> list[dict[str, str]]:
-        """input_list.txt parsed back: one {input name: path relative to the bundle} per step."""
-        path = self.path / "input_list.txt"
+        """input_list.txt parsed back: one {input name: path relative to the bundle} per step (every path checked
+        to stay inside the bundle)."""
+        path = inside(self.path, "input_list.txt", "input list")
+        data = read_exact(path, regular_file(path, "input list (input_list.txt)"))
         try:
-            lines = path.read_text().splitlines()
-        except FileNotFoundError:
-            raise FormatError(f"{path}: missing") from None
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        if len(lines) != self.steps:
+            raise FormatError(f"{path}: {len(lines)} lines, but the bundle has {self.steps} steps (one line each)")
         out = []
         for i, line in enumerate(lines):
             items = [item.partition(":=") for item in line.split()]
-            if any(not sep or not n for n, sep, _ in items):
-                raise FormatError(f"{path}:{i + 1}: expected `name:=path` items, got {line!r}")
+            if any(not sep or not n or not p for n, sep, p in items):
+                raise FormatError(f"{path}:{i + 1}: expected `name:=path` items, got {brief(line)}")
+            for _, _, p in items:
+                inside(self.path, p, f"input_list.txt line {i + 1}")
             out.append({n: p for n, _, p in items})
         return out
 
     def verify(self) -> None:
-        """Check every raw file's size and sha256, and every derived file (input list, exports, AIMET)."""
+        """Check every raw file's size and sha256, and every derived file (input list, exports, AIMET), streaming."""
         for rec in self.records():
-            _load(self.path, rec, True)
+            f = _tensor_file(self.path, rec)
+            if sha256_file(f)[0] != rec["sha256"]:
+                raise FormatError(f"{f}: sha256 mismatch (tensor {_key(rec)})")
         for rel, info in self.manifest["derived"].items():
-            path = self.path / rel
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                raise FormatError(f"{path}: missing (derived file listed in manifest.json)") from None
-            if len(data) != info["size"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
-                raise FormatError(f"{path}: sha256 mismatch ({len(data)} bytes, manifest says {info['size']})")
+            f = inside(self.path, rel, f"derived file {rel!r}")
+            size = regular_file(f, "derived file listed in manifest.json")
+            if size != info["size"] or sha256_file(f)[0] != info["sha256"]:
+                raise FormatError(f"{f}: sha256 mismatch ({size} bytes, manifest says {info['size']})")
 
     def __repr__(self):
         return f"Bundle({str(self.path)!r}, steps={self.steps}, tensors={len(self.manifest['tensors'])})"
@@ -390,67 +410,139 @@ class Bundle:
 def read_bundle(path, *, verify: bool = True) -> Bundle:
     """Open a bundle: parse and check manifest.json; with verify, also check every raw file's size."""
     path = Path(path)
-    mf = path / "manifest.json"
-    try:
-        manifest = json.loads(mf.read_text())
-    except FileNotFoundError:
-        raise FormatError(f"{mf}: missing (not a golden bundle)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{mf}: corrupt JSON ({e})") from None
+    if not path.is_dir():
+        raise FormatError(f"{path}: {'not a directory' if path.exists() else 'no such directory'} "
+                          f"(a golden bundle is a directory with a manifest.json)")
+    mf = inside(path, "manifest.json", "manifest")
+    if not mf.exists() and not mf.is_symlink():
+        raise FormatError(f"{mf}: missing (not a golden bundle)")
+    manifest = load_json(mf, "bundle manifest")
     _check_manifest_out(manifest, mf)
     if verify:
         for rec in manifest["tensors"].values():
-            _check_size(path / rec["file"], rec)
+            _tensor_file(path, rec)
     return Bundle(path, manifest, verify)
 
 
+def _key(rec: dict) -> str:
+    return f"{rec['step']}/{rec['role']}/{rec['name']}"
+
+
 def _check_manifest_out(m, mf: Path) -> None:
+    """The manifest's structure, whole: the tensor index, the step lists and the derived files (what the readers
+    index and open), and the types of the records refimpl golden writes (model, convention, precision,
+    quantisation) when present."""
     if not isinstance(m, dict) or "schema_version" not in m:
         raise FormatError(f"{mf}: no schema_version (not a golden bundle manifest)")
-    if m["schema_version"] != SCHEMA_VERSION:
-        raise FormatError(f"{mf}: schema_version {m['schema_version']!r}, this refimpl reads {SCHEMA_VERSION}")
+    if m["schema_version"] != SCHEMA_VERSION or isinstance(m["schema_version"], bool):
+        raise FormatError(f"{mf}: schema_version {brief(m['schema_version'])}, this refimpl reads {SCHEMA_VERSION}")
     tensors, steps = m.get("tensors"), m.get("steps")
     if not isinstance(tensors, dict) or not isinstance(steps, list) or not isinstance(m.get("derived"), dict):
         raise FormatError(f"{mf}: 'tensors' (object), 'steps' (list) and 'derived' (object) are required")
-    for key, rec in tensors.items():
-        try:
-            ok = (_NAME.fullmatch(rec["name"]) and key == f"{rec['step']}/{rec['role']}/{rec['name']}"
-                  and rec["file"] == f"steps/{rec['step']}/{ROLES[rec['role']]}/{rec['name']}.raw"
-                  and rec["dtype"] in DTYPES and isinstance(rec["sha256"], str)
-                  and all(isinstance(n, int) and n >= 0 for n in rec["shape"]))
-        except (KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise FormatError(f"{mf}: tensor index entry {key!r} is malformed: {rec!r}")
     for k, s in enumerate(steps):
+        where = f"{mf}: steps[{k}]"
+        expect(s, dict, where)
+        if s.get("index", k) != k or isinstance(s.get("index"), bool):
+            raise FormatError(f"{where}: index {brief(s.get('index'))}, expected {k}")
+        for r in ROLES:
+            names = expect(s.get(ROLES[r]), list, f"{where}.{ROLES[r]}", what="a list of tensor names")
+            if not all(isinstance(n, str) and _NAME.fullmatch(n) for n in names):
+                raise FormatError(f"{where}.{ROLES[r]}: tensor names hold only [A-Za-z0-9_.], got {brief(names)}")
+            if len(set(names)) != len(names):
+                raise FormatError(f"{where}.{ROLES[r]}: a name is listed twice")
+            missing = [n for n in names if f"{k}/{r}/{n}" not in tensors]
+            if missing:
+                raise FormatError(f"{where} names tensors missing from the index: {brief(missing)}")
+        if s.get("tokens") is not None:
+            expect(s["tokens"], list, f"{where}.tokens")
+            for t in s["tokens"]:
+                integer(t, f"{where}.tokens", lo=0)
+    for key, rec in tensors.items():
+        _check_record(key, rec, len(steps), f"{mf}: tensor index entry {brief(key)}")
+    for rel, info in m["derived"].items():
+        where = f"{mf}: derived {brief(rel)}"
+        inside(mf.parent, rel, "derived file")
+        expect(info, dict, where)
+        integer(info.get("size"), f"{where}.size", lo=0)
+        if not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
+            raise FormatError(f"{where}.sha256: expected 64 hex digits, got {brief(info.get('sha256'))}")
+    _check_golden_records(m, mf)
+
+
+def _check_record(key, rec, n_steps: int, where: str) -> None:
+    expect(rec, dict, where)
+    name, step, role = rec.get("name"), rec.get("step"), rec.get("role")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise FormatError(f"{where}: name {brief(name)} is not a tensor name ([A-Za-z0-9_.])")
+    integer(step, f"{where}: step", hi=n_steps - 1, lo=0)
+    if role not in ROLES:
+        raise FormatError(f"{where}: role {brief(role)} is not one of {', '.join(ROLES)}")
+    if key != f"{step}/{role}/{name}":
+        raise FormatError(f"{where}: the key does not match step / role / name ({step}/{role}/{name})")
+    if rec.get("file") != f"steps/{step}/{ROLES[role]}/{name}.raw":
+        raise FormatError(f"{where}: file {brief(rec.get('file'))}, expected steps/{step}/{ROLES[role]}/{name}.raw")
+    if rec.get("dtype") not in DTYPES:
+        raise FormatError(f"{where}: dtype {brief(rec.get('dtype'))} is not one of {', '.join(DTYPES)}")
+    shape = expect(rec.get("shape"), list, f"{where}: shape")
+    if len(shape) > MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise FormatError(f"{where}: shape {brief(shape)} is not a list of at most {MAX_DIMS} sizes >= 0")
+    axes = rec.get("axes")
+    if axes is not None and (not isinstance(axes, str) or len(axes.split(",") if axes else []) != len(shape)):
+        raise FormatError(f"{where}: axes {brief(axes)} must name each of the {len(shape)} axes, comma-separated")
+    if rec.get("valid") is not None:
         try:
-            missing = [f"{k}/{r}/{n}" for r in ROLES for n in s[ROLES[r]] if f"{k}/{r}/{n}" not in tensors]
-        except (KeyError, TypeError):
-            raise FormatError(f"{mf}: steps[{k}] needs 'inputs', 'outputs' and 'taps' lists") from None
-        if missing:
-            raise FormatError(f"{mf}: steps[{k}] names tensors missing from the index: {missing}")
+            _check_valid(rec["valid"], shape, where)
+        except InputError as e:
+            raise FormatError(str(e)) from None
+    if not isinstance(rec.get("sha256"), str) or not _SHA256.fullmatch(rec["sha256"]):
+        raise FormatError(f"{where}: sha256 {brief(rec.get('sha256'))} is not 64 hex digits")
 
 
-def _check_size(path: Path, rec: dict) -> int:
-    key = f"{rec['step']}/{rec['role']}/{rec['name']}"
+def _check_golden_records(m: dict, mf: Path) -> None:
+    """Types of the records refimpl golden writes, where present (the diff tools read them)."""
+    fields = {"model": dict, "convention": dict, "precision": dict, "quantisation": dict, "prompt_ids": list,
+              "generated_ids": list}
+    for key, kind in fields.items():
+        if m.get(key) is not None:
+            expect(m[key], kind, f"{mf}: {key}")
+    model, conv = m.get("model") or {}, m.get("convention") or {}
+    for key, kind in (("source", str), ("config", dict), ("weights_sha256", str)):
+        if model.get(key) is not None:
+            expect(model[key], kind, f"{mf}: model.{key}")
+    if conv.get("name") is not None:
+        expect(conv["name"], str, f"{mf}: convention.name")
+    if conv.get("params") is not None:
+        expect(conv["params"], dict, f"{mf}: convention.params")
+    for key in ("prompt_ids", "generated_ids"):
+        for t in m.get(key) or []:
+            integer(t, f"{mf}: {key}", lo=0)
+    quantisers = (m.get("quantisation") or {}).get("quantisers")
+    if quantisers is not None:
+        for i, q in enumerate(expect(quantisers, list, f"{mf}: quantisation.quantisers")):
+            expect(q, dict, f"{mf}: quantisation.quantisers[{i}]")
+
+
+def _tensor_file(root: Path, rec: dict) -> Path:
+    """The record's raw file, checked: inside the bundle, a regular file, of exactly the declared size."""
+    key = _key(rec)
+    path = inside(root, rec["file"], f"tensor {key}")
     nbytes = math.prod(rec["shape"]) * DTYPES[rec["dtype"]].itemsize
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing (tensor {key})") from None
+    if not path.exists() and not path.is_symlink():
+        raise FormatError(f"{path}: missing (tensor {key})")
+    size = regular_file(path, f"raw file of tensor {key}")
     if size != nbytes:
         raise FormatError(f"{path}: {size} bytes, expected {nbytes} for {rec['dtype']} {rec['shape']} "
                           f"(tensor {key}; truncated or corrupt)")
-    return nbytes
+    return path
 
 
 def _load(root: Path, rec: dict, verify: bool) -> np.ndarray:
-    path, dtype, shape = root / rec["file"], DTYPES[rec["dtype"]], tuple(rec["shape"])
-    nbytes = _check_size(path, rec)
+    path, dtype, shape = _tensor_file(root, rec), DTYPES[rec["dtype"]], tuple(rec["shape"])
+    nbytes = math.prod(shape) * dtype.itemsize
     if verify:
-        data = path.read_bytes()
+        data = read_exact(path, nbytes)
         if hashlib.sha256(data).hexdigest() != rec["sha256"]:
-            raise FormatError(f"{path}: sha256 mismatch (tensor {rec['step']}/{rec['role']}/{rec['name']})")
+            raise FormatError(f"{path}: sha256 mismatch (tensor {_key(rec)})")
         return np.frombuffer(data, dtype).reshape(shape)
     return np.memmap(path, dtype, "r", shape=shape) if nbytes else np.zeros(shape, dtype)
 
@@ -460,6 +552,6 @@ def valid_mask(shape, valid) -> np.ndarray:
     if valid is None:
         return np.ones(shape, bool)
     mask = np.zeros(shape, bool)
-    for box in valid:
+    for box in _check_valid(valid, shape, "valid_mask"):
         mask[tuple(slice(lo, hi) for lo, hi in box)] = True
     return mask

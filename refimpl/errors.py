@@ -23,3 +23,14 @@ class FormatError(RefimplError):
 
 class InputError(RefimplError):
     """Bad arguments to a forward pass, a CLI command or a convention (ids, masks, shapes)."""
+
+
+def brief(value, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: a message quotes bad input without repeating a huge or deeply nested
+    document (whose repr could itself fail)."""
+    try:
+        text = repr(value) if not isinstance(value, (dict, list)) or len(value) < 64 else \
+            f"<{type(value).__name__} of {len(value)} items>"
+    except RecursionError:
+        text = f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 4] + " ..."

@@ -156,13 +156,16 @@ def test_manifest_checked_on_read(bundle_dir):
         read_bundle(path)
     m["tensors"]["0/output/logits"]["file"] = "../../etc/passwd"
     mf.write_text(json.dumps(m))
-    with pytest.raises(FormatError, match="0/output/logits.*malformed"):
+    with pytest.raises(FormatError, match="0/output/logits.*file '../../etc/passwd', expected steps/0/outputs/logits"):
         read_bundle(path)
     mf.write_text("{not json")
-    with pytest.raises(FormatError, match="manifest.json: corrupt JSON"):
+    with pytest.raises(FormatError, match="manifest.json: not valid JSON"):
         read_bundle(path)
-    with pytest.raises(FormatError, match="manifest.json: missing"):
+    with pytest.raises(FormatError, match="nowhere: no such directory"):
         read_bundle(path.parent / "nowhere")
+    (path.parent / "empty").mkdir()
+    with pytest.raises(FormatError, match="manifest.json: missing"):
+        read_bundle(path.parent / "empty")
 
 
 @pytest.mark.parametrize("name", ["past-key", "a:b", "a/b", "", "with space", "../x"])

@@ -1,0 +1,160 @@
+"""Reading files other tools wrote, defensively: one place for the checks every reader makes before it trusts a file.
+
+    doc = load_json(path, "policy", InputError)           # bounded size and nesting, UTF-8, one-line errors
+    f = inside(bundle_dir, rec["file"], "tensor 0/input/x")  # a path a file names, kept inside its directory
+    size = regular_file(f, "tensor 0/input/x")              # a regular file (not a directory, FIFO or /dev/zero)
+    data = read_exact(f, size)                              # never more than the bytes declared
+    digest = sha256_file(f)                                 # streamed: a 10 GB file is never held at once
+
+Every failure is the given refimpl error (FormatError by default) whose one-line message names the file and the
+field. The limits are far above what real files hold: they stop a damaged or hostile file from making a reader
+recurse, allocate or read without bound, not real models.
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from .errors import FormatError, brief
+
+MAX_JSON_DEPTH = 64            # deepest nesting any JSON refimpl reads has is ~6 (encodings, manifests)
+MAX_JSON_BYTES = 2 << 30       # a manifest of a 100-layer model with every tap is a few MB; AIMET encodings ~100 MB
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)      # a JSON string literal, escapes included
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of [ and { in JSON text (brackets inside strings not counted)."""
+    skeleton = np.frombuffer(_STRING.sub(b"", data), np.uint8)
+    steps = _BRACKETS[skeleton]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0)) if steps.size else 0
+
+
+def parse_json(data: bytes | str, where: str, error=FormatError, max_depth: int = MAX_JSON_DEPTH):
+    """JSON text -> Python objects, or `error` naming `where`: not UTF-8, not JSON, nested deeper than max_depth
+    (a recursive reader of it, or json itself, would run out of stack), or numbers beyond Python's int limit."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise error(f"{where}: JSON nested {depth} levels deep; at most {max_depth} are read")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:   # e.g. an integer of more than 4300 digits
+        raise error(f"{where}: not readable JSON ({brief(str(e), 120)})") from None
+
+
+def load_json(path, what: str = "JSON", error=FormatError, max_bytes: int = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH):
+    """A JSON file, bounded: a regular file of at most max_bytes, valid UTF-8 JSON nested at most max_depth levels.
+    `what` names the file's role in messages ("policy", "encodings", ...)."""
+    path = Path(path)
+    size = regular_file(path, f"{what} file", error)
+    if size > max_bytes:
+        raise error(f"{path}: {what} file of {size} bytes; at most {max_bytes} are read")
+    return parse_json(read_exact(path, size, error), str(path), error, max_depth)
+
+
+def regular_file(path, what: str = "file", error=FormatError) -> int:
+    """The size of `path`, which must be a regular file (symlinks followed): not missing, not a directory, FIFO,
+    socket or device (reading /dev/zero never ends)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except (OSError, ValueError) as e:   # ValueError: a NUL in the path
+        raise error(f"{path}: {what} cannot be opened ({getattr(e, 'strerror', None) or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise error(f"{path}: {what} is a directory, expected a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: {what} is not a regular file (a device, FIFO or socket)")
+    return st.st_size
+
+
+def read_exact(path, size: int, error=FormatError) -> bytes:
+    """The first `size` bytes of a file, and a check that there are no more (a file that changes while read)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(size + 1)
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(data) != size:
+        raise error(f"{path}: {len(data) if len(data) <= size else 'more than ' + str(size)} bytes, expected "
+                    f"{size} (changed while read?)")
+    return data
+
+
+def sha256_file(path, error=FormatError, chunk: int = 1 << 22) -> tuple[str, int]:
+    """(sha256 hex digest, size) of a file, read in chunks."""
+    h, n = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+                n += len(block)
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    return h.hexdigest(), n
+
+
+def inside(root, rel, what: str, error=FormatError) -> Path:
+    """root / rel for a relative path `rel` that a file names (a bundle's tensor file, a checkpoint's shard), checked
+    to stay inside root: a non-empty relative str with no '..' part and no NUL, which (symlinks followed) resolves
+    inside root. The file need not exist."""
+    root = Path(root)
+    if not isinstance(rel, str) or not rel or "\0" in rel or "\\" in rel:
+        raise error(f"{root}: {what}: path {brief(rel)} is not a relative file path")
+    parts = Path(rel).parts
+    if Path(rel).is_absolute() or ".." in parts:
+        raise error(f"{root}: {what}: path {brief(rel)} leaves the directory (absolute, or with '..')")
+    path = root / rel
+    try:
+        real, base = path.resolve(), root.resolve()
+    except (OSError, RuntimeError) as e:   # a symlink loop
+        raise error(f"{root}: {what}: path {brief(rel)} cannot be resolved ({e})") from None
+    if not real.is_relative_to(base):
+        raise error(f"{root}: {what}: {brief(rel)} is a symlink to {brief(str(real))}, outside the directory")
+    return path
+
+
+# ------------------------------------------------------------------------------------ fields of parsed documents
+
+def expect(value, types, where: str, error=FormatError, what: str | None = None):
+    """value, checked to be an instance of `types` (bool never counts as int or float)."""
+    types = types if isinstance(types, tuple) else (types,)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        names = what or " or ".join({dict: "an object", list: "a list", str: "a string", int: "an integer",
+                                     float: "a number", bool: "true / false", type(None): "null"}.get(t, t.__name__)
+                                    for t in types)
+        raise error(f"{where}: expected {names}, got {brief(value)}")
+    return value
+
+
+def integer(value, where: str, error=FormatError, lo: int | None = None, hi: int | None = None) -> int:
+    """An int (not a bool) in [lo, hi]."""
+    expect(value, int, where, error)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise error(f"{where}: {brief(value)} is out of range (expected {bounds})")
+    return value
+
+
+def number(value, where: str, error=FormatError, finite: bool = True) -> float:
+    """An int or float (not a bool), finite unless told otherwise."""
+    expect(value, (int, float), where, error, "a number")
+    if finite and not math.isfinite(value):
+        raise error(f"{where}: expected a finite number, got {value!r}")
+    return value
