@@ -23,13 +23,13 @@ the model code (refimpl/models/quantisers.py reads those declarations).
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from .errors import FormatError, InputError
+from .errors import FormatError, InputError, brief
+from .files import expect, integer, load_json, number
 from .kernels import quant
 
 
@@ -81,6 +81,8 @@ class Encoding:
         x = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w   # channels = every output row (fused experts too)
         scale, offset, kw = self.scale, self.offset, {}
         if scale.ndim and self.block_size is None:
+            if scale.size != x.shape[0]:
+                raise InputError(f"per-channel encodings: {scale.size} scales for {x.shape[0]} channels")
             kw = {"axis": 0}
         elif scale.ndim:
             kw = {"axis": 1, "block_size": self.block_size}
@@ -89,7 +91,9 @@ class Encoding:
                 raise InputError(f"block encodings: {scale.size} scales for {x.shape[0]} channels x {blocks} "
                                  f"blocks of {self.block_size}")
             scale = scale.reshape(x.shape[0], blocks)
-            offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size == x.shape[0] else offset.reshape(
+            if offset.size not in (1, x.shape[0], scale.size):
+                raise InputError(f"block encodings: {offset.size} offsets for {x.shape[0]} channels x {blocks} blocks")
+            offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size in (1, x.shape[0]) else offset.reshape(
                 x.shape[0], blocks), scale.shape)
         return quant.quantsim_fake_quant(x, scale, offset, *self.qrange, **kw).reshape(w.shape).astype(w.dtype)
 
@@ -130,71 +134,123 @@ class ActivationEntry:
         return self.name if self.io is None else f"{self.name} {self.io} {self.index}"
 
 
+MAX_BITWIDTH = 32
+
+
 def _doc(path) -> dict:
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: not an encodings JSON ({e})") from None
+    doc = load_json(path, "encodings")
     if not isinstance(doc, dict) or ("param_encodings" not in doc and "activation_encodings" not in doc):
         raise FormatError(f"{path}: not an encodings JSON with param_encodings / activation_encodings")
     return doc
 
 
-def _float_dtype(e: dict, bw: int):
+def _float_dtype(e: dict, bw: int, where: str):
     """The dtype of a float encoding: bw 16 -> float16 (bfloat16 with exponent_bits 8), 32 -> float32."""
     if bw == 32:
         return np.float32
     if bw == 16:
-        return ml_dtypes.bfloat16 if int(e.get("exponent_bits", e.get("exp_bits", 5))) == 8 else np.float16
-    raise ValueError(f"float encoding of bitwidth {bw}: only 16 and 32 exist in these formats")
+        exponent = e.get("exponent_bits", e.get("exp_bits", 5))
+        return ml_dtypes.bfloat16 if integer(exponent, f"{where}: exponent_bits", lo=1, hi=15) == 8 else np.float16
+    raise FormatError(f"{where}: float encoding of bitwidth {bw}: only 16 and 32 exist in these formats")
 
 
-def _legacy(encs) -> Encoding:
-    """One legacy encoding (a dict, or a list of per-channel dicts) -> Encoding."""
+def _scales(values, where: str) -> np.ndarray:
+    """Scales: finite positive numbers, as float32 (QNN's and AIMET's scale dtype)."""
+    for v in values:
+        if not (number(v, f"{where}: scale") > 0) or not np.isfinite(np.float32(v)) or np.float32(v) == 0:
+            raise FormatError(f"{where}: scale {brief(v)} is not a positive float32 number")
+    return np.array(values, np.float32)
+
+
+def _offsets(values, bw: int, where: str) -> np.ndarray:
+    """Offsets: whole numbers in [-2^bw, 0] (QNN's negative zero point; > 0 is explained by _check_offsets)."""
+    for v in values:
+        number(v, f"{where}: offset")
+        if v != int(v) or not -2 ** bw <= v <= 2 ** bw:
+            raise FormatError(f"{where}: offset {brief(v)} is not a whole number within +-2^{bw}")
+    return np.array([int(v) for v in values], np.int64).astype(np.int32)
+
+
+def _symmetric(value, where: str) -> bool:
+    """AIMET writes is_symmetric as the strings "True" / "False" (legacy) or a bool (1.0.0)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise FormatError(f"{where}: is_symmetric {brief(value)} is not true / false")
+
+
+def _legacy(encs, where: str) -> Encoding:
+    """One legacy encoding (a dict, or a non-empty list of per-channel dicts) -> Encoding."""
     encs = encs if isinstance(encs, list) else [encs]
+    if not encs:
+        raise FormatError(f"{where}: an empty list of encodings")
+    for e in encs:
+        expect(e, dict, where, what="an encoding object")
     first = encs[0]
     if "zero_point_shift" in first:
-        raise ValueError("zero_point_shift encodings are not supported")
-    bw = int(first["bitwidth"])
-    if str(first.get("dtype", "int")).lower() == "float":
-        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(first, bw))
-    scale = np.array([e["scale"] for e in encs], np.float32)
-    offset = np.array([e["offset"] for e in encs], np.int32)
+        raise FormatError(f"{where}: zero_point_shift encodings are not supported")
+    bw = integer(first.get("bitwidth"), f"{where}: bitwidth", lo=1, hi=MAX_BITWIDTH)
+    if any(e.get("bitwidth") != bw for e in encs):
+        raise FormatError(f"{where}: per-channel entries of different bitwidths")
+    kind = expect(first.get("dtype", "int"), str, f"{where}: dtype").lower()
+    if kind == "float":
+        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(first, bw, where))
+    if kind != "int":
+        raise FormatError(f"{where}: dtype {brief(first.get('dtype'))} is not int or float")
+    scale = _scales([e.get("scale") for e in encs], where)
+    offset = _offsets([e.get("offset") for e in encs], bw, where)
     if len(encs) == 1:
         scale, offset = scale[0], offset[0]
-    sym = str(first.get("is_symmetric", "False")).lower() == "true"
+    sym = _symmetric(first.get("is_symmetric", "False"), where)
     return Encoding(bw, scale, offset, signed=sym and not offset.any())
 
 
-def _v1(e: dict) -> Encoding:
+def _v1(e, where: str) -> Encoding:
     """One 1.0.0 encoding -> Encoding (LPBQ expanded to per-block float scales)."""
+    expect(e, dict, where, what="an encoding object")
     if "zero_point_shift" in e:
-        raise ValueError("zero_point_shift encodings are not supported")
-    bw = int(e["bw"])
-    if str(e.get("dtype", "INT")).lower() == "float":
-        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw))
-    kind = e.get("enc_type", "PER_TENSOR")
-    scale = np.array(e["scale"], np.float32)
-    offset = np.array(e["offset"], np.int32)
-    block = e.get("block_size")
-    if kind == "PER_TENSOR":
-        scale, offset, block = scale.reshape(()), offset.reshape(()), None
-    elif kind == "PER_CHANNEL":
-        block = None
-    elif kind == "PER_BLOCK":
-        block = int(block)  # flat [out * blocks]; shaped [out, blocks] when applied
-    elif kind == "LPBQ":
-        ints = np.array(e["per_block_int_scale"], np.float32).reshape(len(scale), -1)
-        scale, block = scale[:, None] * ints, int(block)
-        offset = np.broadcast_to(offset.reshape(-1, 1), scale.shape)
+        raise FormatError(f"{where}: zero_point_shift encodings are not supported")
+    bw = integer(e.get("bw"), f"{where}: bw", lo=1, hi=MAX_BITWIDTH)
+    kind = expect(e.get("dtype", "INT"), str, f"{where}: dtype").lower()
+    if kind == "float":
+        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where))
+    if kind != "int":
+        raise FormatError(f"{where}: dtype {brief(e.get('dtype'))} is not INT or FLOAT")
+    enc_type = e.get("enc_type", "PER_TENSOR")
+    scale = _scales(expect(e.get("scale"), list, f"{where}: scale"), where)
+    offset = _offsets(expect(e.get("offset"), list, f"{where}: offset"), bw, where)
+    if not scale.size or offset.size not in (1, scale.size):
+        raise FormatError(f"{where}: {scale.size} scales and {offset.size} offsets (expected one offset, or one "
+                          f"per scale)")
+    block = None
+    if enc_type == "PER_TENSOR":
+        if scale.size != 1:
+            raise FormatError(f"{where}: PER_TENSOR with {scale.size} scales")
+        scale, offset = scale.reshape(()), offset.reshape(())
+    elif enc_type == "PER_CHANNEL":
+        offset = np.broadcast_to(offset, scale.shape)
+    elif enc_type in ("PER_BLOCK", "LPBQ"):
+        block = integer(e.get("block_size"), f"{where}: block_size", lo=1)
+        if enc_type == "PER_BLOCK":
+            offset = np.broadcast_to(offset, scale.shape)   # flat [out * blocks]; shaped [out, blocks] when applied
+        else:
+            ints = expect(e.get("per_block_int_scale"), list, f"{where}: per_block_int_scale")
+            for v in ints:
+                integer(v, f"{where}: per_block_int_scale", lo=1, hi=2 ** MAX_BITWIDTH)
+            if not ints or len(ints) % scale.size:
+                raise FormatError(f"{where}: {len(ints)} per_block_int_scale entries for {scale.size} channels")
+            scale = scale[:, None] * np.array(ints, np.float32).reshape(scale.size, -1)
+            offset = np.broadcast_to(np.broadcast_to(offset, (scale.shape[0],))[:, None], scale.shape)
     else:
-        raise ValueError(f"unknown enc_type {kind!r}")
-    signed = bool(e.get("is_sym")) and not offset.any()
-    if kind == "LPBQ" and "compressed_bw" in e:
+        raise FormatError(f"{where}: unknown enc_type {brief(enc_type)} (PER_TENSOR, PER_CHANNEL, PER_BLOCK, LPBQ)")
+    signed = _symmetric(e.get("is_sym", False), where) and not offset.any()
+    if enc_type == "LPBQ" and "compressed_bw" in e:
         # AIMET writes bw as the expanded width (8) with offset -2^(bw-1); the codes are the compressed width's
         # signed range: q in [-2^(cbw-1), 2^(cbw-1) - 1], no offset
-        bw, signed, offset = int(e["compressed_bw"]), True, np.zeros_like(offset)
+        bw, signed = integer(e["compressed_bw"], f"{where}: compressed_bw", lo=1, hi=bw), True
+        offset = np.zeros_like(offset)
     return Encoding(bw, scale, offset, block, signed)
 
 
@@ -202,6 +258,12 @@ def _check_offsets(path, name: str, enc: Encoding) -> None:
     if enc.float_dtype is None and np.any(enc.offset > 0):
         raise FormatError(f"{path}: {name}: offset {int(np.max(enc.offset))} > 0; QNN offsets are <= 0 (the "
                           f"negative zero point) — was a zero point given?")
+
+
+def _name(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise FormatError(f"{where}: name {brief(value)} is not a tensor / module name")
+    return value
 
 
 def read_encodings(path) -> dict[str, Encoding]:
@@ -213,16 +275,21 @@ def read_encodings(path) -> dict[str, Encoding]:
     quantiser does); bw 32 leaves it alone.
     """
     params = _doc(path).get("param_encodings", {})
+    where = f"{path}: param_encodings"
     out = {}
-    try:
-        items = params.items() if isinstance(params, dict) else ((e["name"], e) for e in params)
-        for name, e in items:
-            enc = _legacy(e) if isinstance(params, dict) else _v1(e)
-            if enc.float_dtype is np.float32:
-                continue                                  # kept in float32: nothing to do
-            out[model_name(name)] = enc
-    except (KeyError, TypeError, ValueError) as err:
-        raise FormatError(f"{path}: malformed param encoding ({type(err).__name__}: {err})") from None
+    if isinstance(params, dict):
+        items = [(_name(name, where), e, f"{where}: {brief(name)}") for name, e in params.items()]
+        parse = _legacy
+    else:
+        expect(params, list, where, what="an object (legacy schema) or a list (1.0.0)")
+        items = [(_name(expect(e, dict, f"{where}[{i}]").get("name"), f"{where}[{i}]"), e,
+                  f"{where}[{i}] {brief(e.get('name'))}") for i, e in enumerate(params)]
+        parse = _v1
+    for name, e, at in items:
+        enc = parse(e, at)
+        if enc.float_dtype is np.float32:
+            continue                                  # kept in float32: nothing to do
+        out[model_name(name)] = enc
     for name, enc in out.items():
         _check_offsets(path, name, enc)
     return out
@@ -231,19 +298,23 @@ def read_encodings(path) -> dict[str, Encoding]:
 def read_activation_encodings(path) -> list[ActivationEntry]:
     """activation_encodings -> entries in file order (an empty list when the file has none)."""
     acts = _doc(path).get("activation_encodings", {})
+    where = f"{path}: activation_encodings"
     out = []
-    try:
-        if isinstance(acts, dict):
-            for module, ios in acts.items():
-                for io, entries in ios.items():
-                    if io not in ("input", "output"):
-                        raise ValueError(f"{module}: {io!r} is neither 'input' nor 'output'")
-                    for i, e in entries.items():
-                        out.append(ActivationEntry(module, io, int(i), _legacy(e)))
-        else:
-            out = [ActivationEntry(e["name"], None, 0, _v1(e)) for e in acts]
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise FormatError(f"{path}: malformed activation encoding ({type(err).__name__}: {err})") from None
+    if isinstance(acts, dict):
+        for module, ios in acts.items():
+            at = f"{where}: {brief(_name(module, where))}"
+            for io, entries in expect(ios, dict, at).items():
+                if io not in ("input", "output"):
+                    raise FormatError(f"{at}: {brief(io)} is neither 'input' nor 'output'")
+                for i, e in expect(entries, dict, f"{at}.{io}").items():
+                    if not (isinstance(i, str) and i.isdigit() and len(i) <= 3):
+                        raise FormatError(f"{at}.{io}: index {brief(i)} is not a small whole number")
+                    out.append(ActivationEntry(module, io, int(i), _legacy(e, f"{at} {io} {i}")))
+    else:
+        expect(acts, list, where, what="an object (legacy schema) or a list (1.0.0)")
+        for i, e in enumerate(acts):
+            name = _name(expect(e, dict, f"{where}[{i}]").get("name"), f"{where}[{i}]")
+            out.append(ActivationEntry(name, None, 0, _v1(e, f"{where}[{i}] {brief(name)}")))
     for entry in out:
         _check_offsets(path, entry.label, entry.encoding)
         if entry.encoding.block_size is not None:

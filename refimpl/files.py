@@ -96,8 +96,9 @@ def read_exact(path, size: int, error=FormatError) -> bytes:
     return data
 
 
-def sha256_file(path, error=FormatError, chunk: int = 1 << 22) -> tuple[str, int]:
-    """(sha256 hex digest, size) of a file, read in chunks."""
+def sha256_file(path, what: str = "file", error=FormatError, chunk: int = 1 << 22) -> tuple[str, int]:
+    """(sha256 hex digest, size) of a regular file, read in chunks."""
+    regular_file(path, what, error)
     h, n = hashlib.sha256(), 0
     try:
         with open(path, "rb") as f:

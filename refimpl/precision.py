@@ -29,7 +29,6 @@ float32 and float64 make every hook the identity: the float32 path is bit-identi
 """
 
 import dataclasses
-import hashlib
 import re
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from .encodings import Encoding, read_encodings  # noqa: F401  (re-exported: refimpl.precision's API)
 from .errors import FormatError, InputError
+from .files import sha256_file
 from .kernels import quant
 from .kernels.activation import identity
 
@@ -129,7 +129,7 @@ class Policy:
         encodings = None
         if self.encodings is not None:
             encodings = {"file": Path(self.encodings).name,
-                         "sha256": hashlib.sha256(Path(self.encodings).read_bytes()).hexdigest()}
+                         "sha256": sha256_file(self.encodings, "encodings file", InputError)[0]}
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
@@ -159,7 +159,7 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
                          f"({(recorded.get('encodings') or {}).get('file')}); give it again (--encodings)")
-    got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
+    got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
     return Policy(activations, "encodings", kv, str(encodings), fast=fast)

@@ -218,7 +218,7 @@ def test_policy_round_trips_through_a_manifest(tmp_path):
 def test_bad_encodings_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(FormatError, match="not an encodings JSON"):
+    with pytest.raises(FormatError, match="bad.json: not valid JSON"):
         read_encodings(bad)
     wrong = tmp_path / "wrong.json"
     name = "model.layers.0.mlp.down_proj.weight"

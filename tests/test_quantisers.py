@@ -67,7 +67,7 @@ def test_both_schemas_read(tmp_path):
     ({"m": {"output": {"0": {**ENC16, "offset": 5}}}}, "offset 5 > 0"),
     ({"m": {"output": {"0": {**ENC16, "zero_point_shift": 0.5}}}}, "zero_point_shift"),
     ({"m": {"middle": {"0": ENC16}}}, "neither 'input' nor 'output'"),
-    ({"m": {"output": {"0": {"dtype": "int"}}}}, "malformed activation encoding"),
+    ({"m": {"output": {"0": {"dtype": "int"}}}}, "'m' output 0: bitwidth: expected an integer, got None"),
 ])
 def test_bad_activation_encodings(tmp_path, bad, message):
     with pytest.raises(FormatError, match=message):

@@ -24,7 +24,6 @@ Q are not the same computation and are judged by the plain bar (a note says so).
 """
 
 import dataclasses
-import hashlib
 import math
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import numpy as np
 from ..bundle import valid_mask
 from ..encodings import Encoding, read_activation_encodings
 from ..errors import InputError
+from ..files import sha256_file
 from .compare import Policy, compare, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
@@ -46,7 +46,7 @@ def tap_encodings(bundle, encodings=None) -> dict:
     if encodings is None:
         return {q["tap"]: Encoding.from_record(q) for q in record.get("quantisers", []) if q["io"] == "output"}
     want = (record.get("encodings") or {}).get("sha256")
-    got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
+    got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
     from ..models.config import config_from_dict
