@@ -73,8 +73,8 @@ def regular_file(path, what: str = "file", error=FormatError) -> int:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise error(f"{path}: {what} not found") from None
-    except (OSError, ValueError) as e:   # ValueError: a NUL in the path
+        raise error(f"{path}: no such file ({what})") from None
+    except (OSError, ValueError) as e:   # ValueError: a NUL in the path, ELOOP: a symlink loop
         raise error(f"{path}: {what} cannot be opened ({getattr(e, 'strerror', None) or e})") from None
     if stat.S_ISDIR(st.st_mode):
         raise error(f"{path}: {what} is a directory, expected a file")

@@ -36,13 +36,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..errors import ConfigError, FormatError, WeightsError
+from ..errors import ConfigError, FormatError, WeightsError, brief
+from ..files import integer, number, regular_file
 from ..kernels.elementary import log
 from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
 from ..models.config import HYBRID_TYPES, config_from_dict
 
 _log = logging.getLogger(__name__)
 MAGIC = b"GGUF"
+MAX_ARRAY_NESTING = 8    # metadata arrays of arrays: llama.cpp reads none; deeper nesting is corruption
+MAX_DIMS = 4             # GGML_MAX_DIMS
 # metadata value types
 _U8, _I8, _U16, _I16, _U32, _I32, _F32, _BOOL, _STRING, _ARRAY, _U64, _I64, _F64 = range(13)
 _NUMERIC = {_U8: "<u1", _I8: "<i1", _U16: "<u2", _I16: "<i2", _U32: "<u4", _I32: "<i4", _F32: "<f4", _BOOL: "?",
@@ -174,20 +177,20 @@ class _Cursor:
         if count * 8 > self.size - pos:  # every string has an 8-byte length: a corrupt count, not a huge list
             raise FormatError(f"{self.path}: truncated or corrupt GGUF header: {what} claims {count} strings, more "
                               f"than the {self.size - pos} bytes left could hold")
-        starts = [0] * count
-        try:
-            for i in range(count):
-                starts[i] = pos
-                pos += 8 + unpack("<Q", buf, pos)[0]
-        except struct.error:
-            pos = self.size + 1
+        starts, size = [0] * count, self.size
+        for i in range(count):
+            if pos + 8 > size:
+                pos = size + 1
+                break
+            starts[i] = pos
+            pos += 8 + unpack("<Q", buf, pos)[0]
         if pos > self.size:
             raise FormatError(f"{self.path}: truncated GGUF header: {what} ({count} strings) runs past the end of "
                               f"the file ({self.size} bytes)")
         self.pos = pos
         return StringArray(buf, starts, pos, f"{self.path}: {what}")
 
-    def value(self, vtype: int, key: str):
+    def value(self, vtype: int, key: str, depth: int = 0):
         if vtype == _STRING:
             return self.string(f"metadata {key!r}")
         if vtype in _NUMERIC:
@@ -207,7 +210,13 @@ class _Cursor:
                 self.pos += count * dtype.itemsize
                 return out
             if etype == _ARRAY:  # nested arrays: none of our keys use them; read them generically
-                return [self.value(_ARRAY, key) for _ in range(count)]
+                if depth >= MAX_ARRAY_NESTING:
+                    raise FormatError(f"{self.path}: metadata {key!r}: arrays nested more than {MAX_ARRAY_NESTING} "
+                                      f"deep")
+                if count * 12 > self.size - self.pos:   # each inner array has a 4-byte type and an 8-byte count
+                    raise FormatError(f"{self.path}: truncated or corrupt GGUF header: metadata {key!r} claims {count} "
+                                      f"arrays, more than the {self.size - self.pos} bytes left could hold")
+                return [self.value(_ARRAY, key, depth + 1) for _ in range(count)]
             raise FormatError(f"{self.path}: metadata {key!r}: unknown array element type {etype}")
         raise FormatError(f"{self.path}: metadata {key!r}: unknown value type {vtype}")
 
@@ -266,6 +275,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        regular_file(self.path, "GGUF file")   # not a FIFO or device (opening one would block or never end)
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -285,24 +295,36 @@ class GGUFFile:
             hint = " (a big-endian GGUF?)" if self.version in (2 << 24, 3 << 24) else ""
             raise FormatError(f"{self.path}: unsupported GGUF version {self.version}{hint}; supported: 2, 3")
         n_tensors, n_kv = c.unpack("<QQ", "tensor and metadata counts")
+        # every entry takes bytes: a count the rest of the file cannot hold is corruption, not a loop to run
+        # (a metadata entry: key length 8 + type 4 + a value of >= 1; a tensor info: 8 + 4 + 4 + 8)
+        if n_kv * 13 + n_tensors * 24 > size - c.pos:
+            raise FormatError(f"{self.path}: truncated or corrupt GGUF header: {n_kv} metadata entries and {n_tensors} tensors "
+                              f"cannot fit in the {size - c.pos} bytes after the header")
         self.metadata = {}
         for _ in range(n_kv):
             key = c.string("a metadata key")
-            self.metadata[key] = c.value(c.unpack("<I", f"metadata {key!r} type"), key)
-        infos = []
+            if key in self.metadata:
+                raise FormatError(f"{self.path}: metadata key {brief(key)} appears twice")
+            self.metadata[key] = c.value(c.unpack("<I", f"metadata {brief(key)} type"), brief(key))
+        infos, names = [], set()
         for _ in range(n_tensors):
             name = c.string("a tensor name")
-            n_dims = c.unpack("<I", f"tensor {name!r}")
-            if n_dims > 8:
-                raise FormatError(f"{self.path}: tensor {name!r}: corrupt header ({n_dims} dimensions)")
+            if name in names:
+                raise FormatError(f"{self.path}: tensor {brief(name)} appears twice")
+            names.add(name)
+            n_dims = c.unpack("<I", f"tensor {brief(name)}")
+            if n_dims > MAX_DIMS:
+                raise FormatError(f"{self.path}: tensor {brief(name)}: {n_dims} dimensions, GGUF has at most "
+                                  f"{MAX_DIMS} (corrupt header)")
             ne = c.unpack(f"<{n_dims}Q", f"tensor {name!r}") if n_dims else ()
             ne = (ne,) if isinstance(ne, int) else ne
-            ggml_type, offset = c.unpack("<IQ", f"tensor {name!r}")
+            ggml_type, offset = c.unpack("<IQ", f"tensor {brief(name)}")
             infos.append((name, tuple(reversed(ne)), ggml_type, offset))
         alignment = self.metadata.get("general.alignment", 32)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
-            raise FormatError(f"{self.path}: metadata 'general.alignment' must be a positive multiple of 8, "
-                              f"got {alignment!r}")
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment % 8 \
+                or alignment & (alignment - 1):
+            raise FormatError(f"{self.path}: metadata 'general.alignment' must be a power of two >= 8, "
+                              f"got {brief(alignment)}")
         data_start = -(-c.pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, offset in infos:
@@ -325,7 +347,8 @@ class GGUFFile:
 
     @property
     def architecture(self) -> str:
-        return self.metadata.get("general.architecture", "")
+        arch = self.metadata.get("general.architecture", "")
+        return arch if isinstance(arch, str) else ""
 
     def raw(self, name: str, index=None) -> np.ndarray:
         """The stored bytes of a tensor as [..., row bytes] uint8, or part `index` (int, slice or int array) of its
@@ -366,20 +389,47 @@ class GGUFFile:
 
 # ---------------------------------------------------------------------------------------------------- metadata
 
-def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None, array: bool = False):
+def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None, kind: str = "int"):
+    """Metadata `{arch}.{key}` of type `kind`: "int" (a size, >= 0), "count" (an int >= 1), "float" (finite), "str",
+    or "ints" (a numeric array, returned as a list of ints)."""
     full = f"{arch}.{key}"
-    if full in g.metadata:
-        v = g.metadata[full]
-        if array:
-            return v
-        if isinstance(v, np.ndarray):   # per-layer arrays: accepted when uniform
-            if v.size == 0 or (v != v.flat[0]).any():
-                raise ConfigError(f"{g.path}: metadata {full!r} varies per layer ({v.tolist()}); not supported")
-            v = v.flat[0].item()
+    if full not in g.metadata:
+        if required:
+            raise ConfigError(f"{g.path}: missing metadata {full!r} (needed for architecture {arch!r})")
+        return default
+    return typed(g, full, kind)
+
+
+def typed(g: GGUFFile, key: str, kind: str):
+    """g.metadata[key] checked to be of type `kind` (see _key), or ConfigError naming it."""
+    v, where = g.metadata[key], f"{g.path}: metadata {key!r}"
+    if kind == "ints":
+        if not isinstance(v, np.ndarray) or v.dtype.kind not in "iub" or v.ndim != 1:
+            raise ConfigError(f"{where}: expected an array of integers, got {brief(v)}")
+        return [int(x) for x in v]
+    if isinstance(v, np.ndarray) and kind != "str" and v.dtype.kind in "iubf" and v.ndim == 1:
+        if v.size == 0 or (v != v.flat[0]).any():   # per-layer arrays: accepted when uniform
+            raise ConfigError(f"{where} varies per layer ({brief(v.tolist())}); not supported")
+        v = v.flat[0].item()
+    if kind in ("int", "count"):
+        return integer(v, where, ConfigError, lo=0 if kind == "int" else 1)
+    if kind == "bool":
+        if not isinstance(v, bool):
+            raise ConfigError(f"{where}: expected true / false, got {brief(v)}")
         return v
-    if required:
-        raise ConfigError(f"{g.path}: missing metadata {full!r} (needed for architecture {arch!r})")
-    return default
+    if kind == "float":
+        return number(v, where, ConfigError)
+    if not isinstance(v, str):
+        raise ConfigError(f"{where}: expected a string, got {brief(v)}")
+    return v
+
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+def _token_id(g: GGUFFile, which: str) -> int | None:
+    key = f"tokenizer.ggml.{which}_token_id"
+    return typed(g, key, "int") if key in g.metadata else None
 
 
 def _f32(x: float) -> float:
@@ -397,42 +447,59 @@ def config_dict(g: GGUFFile) -> dict:
     k = lambda key, *a, **kw: _key(g, arch, key, *a, **kw)
     if "token_embd.weight" not in g.tensors:
         raise WeightsError(f"{g.path}: missing tensor 'token_embd.weight'")
+    if len(g.tensors["token_embd.weight"].shape) != 2:
+        raise WeightsError(f"{g.path}: tensor 'token_embd.weight' has shape "
+                           f"{list(g.tensors['token_embd.weight'].shape)}, expected [vocab, hidden]")
     vocab, hidden = g.tensors["token_embd.weight"].shape
     tokens = g.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None and not isinstance(tokens, StringArray):
+        raise ConfigError(f"{g.path}: metadata 'tokenizer.ggml.tokens': expected an array of strings, got "
+                          f"{brief(tokens)}")
     if tokens is not None and len(tokens) != vocab:
         raise WeightsError(f"{g.path}: tensor 'token_embd.weight' has {vocab} rows but tokenizer.ggml.tokens has "
                            f"{len(tokens)} entries")
     if k("embedding_length") != hidden:
         raise WeightsError(f"{g.path}: tensor 'token_embd.weight' is {vocab} x {hidden}, but "
                            f"{arch}.embedding_length is {k('embedding_length')}")
-    nextn = int(k("nextn_predict_layers", required=False, default=0))
-    n_layers = k("block_count") - nextn
-    heads = k("attention.head_count")
+    nextn = k("nextn_predict_layers", required=False, default=0)
+    blocks, block_count = len({m[1] for n in g.tensors if (m := _BLOCK.match(n))}), k("block_count", kind="count")
+    if block_count > blocks or nextn >= block_count:   # counts checked against the file before any loop runs
+        raise WeightsError(f"{g.path}: {arch}.block_count is {block_count} (nextn_predict_layers {nextn}), but the "
+                           f"file holds tensors of {blocks} blocks")
+    n_layers = block_count - nextn
+    heads = k("attention.head_count", kind="count")
     head_dim = k("attention.key_length", required=False, default=None) or hidden // heads
+    if head_dim < 1:
+        raise ConfigError(f"{g.path}: no head dim: {arch}.attention.key_length is missing and embedding_length "
+                          f"{hidden} < head_count {heads}")
     d = {
         "model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": n_layers,
         "num_attention_heads": heads, "num_key_value_heads": k("attention.head_count_kv", required=False,
                                                                default=heads),
         "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": k("context_length", required=False, default=32768),
-        "rms_norm_eps": _f32(k("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(k("attention.layer_norm_rms_epsilon", kind="float")),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": any(f"blk.{i}.attn_q.bias" in g.tensors for i in range(n_layers)),
-        "bos_token_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": g.metadata.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": g.metadata.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _token_id(g, "bos"), "eos_token_id": _token_id(g, "eos"),
+        "pad_token_id": _token_id(g, "padding"),
     }
     if (ff := k("feed_forward_length", required=False)) is not None:
         d["intermediate_size"] = ff
-    rope = {"rope_type": "default", "rope_theta": _f32(k("rope.freq_base", required=False, default=10000.0))}
+    rope = {"rope_type": "default", "rope_theta": _f32(k("rope.freq_base", required=False, default=10000.0,
+                                                         kind="float"))}
     # llama.cpp's reading (llama_model_base::load_hparams, llama_context): the scaling type defaults to linear, the
     # factor to rope.scaling.factor, else the older rope.scale_linear, else none; YaRN's original context to
     # context_length. For these architectures it reads no rope.scaling.yarn_* key (ignored_metadata): beta_fast 32,
     # beta_slow 1 and the attention factor mscale(factor) = 0.1 ln(factor) + 1 always, times
     # rope.scaling.attn_factor, which it applies to every rope type.
-    scaling = k("rope.scaling.type", required=False, default="linear")
-    factor = k("rope.scaling.factor", required=False) or k("rope.scale_linear", required=False) or 0.0
-    attn_factor = k("rope.scaling.attn_factor", required=False, default=1.0)
+    scaling = k("rope.scaling.type", required=False, default="linear", kind="str")
+    factor = (k("rope.scaling.factor", required=False, kind="float") or k("rope.scale_linear", required=False,
+                                                                          kind="float") or 0.0)
+    attn_factor = k("rope.scaling.attn_factor", required=False, default=1.0, kind="float")
+    if factor < 0 or attn_factor <= 0:
+        raise ConfigError(f"{g.path}: {arch}.rope.scaling factor {factor:g} / attn_factor {attn_factor:g}: expected "
+                          f"positive numbers")
     if scaling == "yarn":
         factor = factor or 1.0
         rope.update(rope_type="yarn", factor=_f32(factor), original_max_position_embeddings=k(
@@ -459,7 +526,7 @@ def config_dict(g: GGUFFile) -> dict:
         rope["partial_rotary_factor"] = prf
     if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         # norm_topk_prob is not stored: llama.cpp always renormalises the top-k weights (models.md §7.2)
-        d.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
+        d.update(num_experts=k("expert_count", kind="count"), num_experts_per_tok=k("expert_used_count", kind="count"),
                  moe_intermediate_size=k("expert_feed_forward_length"), norm_topk_prob=True)
         dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]
         if model_type != "qwen3_5_moe_text":
@@ -470,17 +537,17 @@ def config_dict(g: GGUFFile) -> dict:
         if model_type != "qwen3_moe":
             d["shared_expert_intermediate_size"] = k("expert_shared_feed_forward_length")
     if model_type in HYBRID_TYPES:
-        dt_rank = k("ssm.time_step_rank")
+        dt_rank = k("ssm.time_step_rank", kind="count")
         d.update(linear_conv_kernel_dim=k("ssm.conv_kernel"), linear_key_head_dim=k("ssm.state_size"),
                  linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=dt_rank,
                  linear_value_head_dim=k("ssm.inner_size") // dt_rank)
-        recurrent = g.metadata.get(f"{arch}.attention.recurrent_layers")
+        recurrent = k("attention.recurrent_layers", required=False, kind="ints")
         if recurrent is not None:
-            d["layer_types"] = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
+            d["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
         else:
-            d["full_attention_interval"] = k("full_attention_interval", required=False, default=4)
+            d["full_attention_interval"] = k("full_attention_interval", required=False, default=4, kind="count")
         if model_type != "qwen3_next":   # llama.cpp requires the sections: [T, H, W, E], E (llama.cpp's) usually 0
-            sections = [int(v) for v in k("rope.dimension_sections", array=True)]
+            sections = k("rope.dimension_sections", kind="ints")
             if len(sections) != 4:
                 raise ConfigError(f"{g.path}: metadata '{arch}.rope.dimension_sections' must have 4 entries, got "
                                   f"{sections}")
@@ -739,10 +806,11 @@ def reading_notes(g: GGUFFile) -> list[str]:
     parameters llama.cpp's converter writes as rope.scaling.yarn_* are read only by other architectures (grok,
     mistral3), and a scaling factor without a scaling type is linear scaling."""
     arch, m = g.architecture, g.metadata
-    ignored = [f"{arch}.rope.scaling.yarn_{key} {_f32(m[f'{arch}.rope.scaling.yarn_{key}']):g}"
+    ignored = [f"{arch}.rope.scaling.yarn_{key} {_f32(typed(g, f'{arch}.rope.scaling.yarn_{key}', 'float')):g}"
                for key in ("beta_fast", "beta_slow", "attn_factor", "ext_factor") if f"{arch}.rope.scaling.yarn_{key}" in m]
     notes = [f"not read (llama.cpp does not): {', '.join(ignored)}"] if ignored else []
-    factor = m.get(f"{arch}.rope.scaling.factor") or m.get(f"{arch}.rope.scale_linear")
+    factor = _key(g, arch, "rope.scaling.factor", False, kind="float") or _key(g, arch, "rope.scale_linear", False,
+                                                                               kind="float")
     if factor not in (None, 0, 1) and f"{arch}.rope.scaling.type" not in m:
         notes.append(f"rope scaling factor {_f32(factor):g} without a scaling type: linear, llama.cpp's default")
     return notes
@@ -1020,15 +1088,23 @@ def tokenizer_metadata(source) -> dict:
     m = g.metadata
     if "tokenizer.ggml.model" not in m:
         raise ConfigError(f"{g.path}: no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
-    types = m.get("tokenizer.ggml.token_type")
+
+    def get(key, kind):
+        return typed(g, f"tokenizer.{key}", kind) if f"tokenizer.{key}" in m else None
+
+    def strings(key):
+        v = m.get(f"tokenizer.ggml.{key}")
+        if v is None:
+            return []
+        if not isinstance(v, StringArray):
+            raise ConfigError(f"{g.path}: metadata 'tokenizer.ggml.{key}': expected an array of strings, got "
+                              f"{brief(v)}")
+        return list(v)
     return {
-        "model": m["tokenizer.ggml.model"], "pre": m.get("tokenizer.ggml.pre"),
-        "tokens": list(m.get("tokenizer.ggml.tokens", [])),
-        "token_types": [] if types is None else np.asarray(types).astype(int).tolist(),
-        "merges": list(m.get("tokenizer.ggml.merges", [])),
-        "bos_token_id": m.get("tokenizer.ggml.bos_token_id"), "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": m.get("tokenizer.ggml.padding_token_id"),
-        "unk_token_id": m.get("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": m.get("tokenizer.ggml.add_bos_token"), "add_eos_token": m.get("tokenizer.ggml.add_eos_token"),
-        "chat_template": m.get("tokenizer.chat_template"),
+        "model": get("ggml.model", "str"), "pre": get("ggml.pre", "str"), "tokens": strings("tokens"),
+        "token_types": get("ggml.token_type", "ints") or [], "merges": strings("merges"),
+        **{f"{key}_token_id": _token_id(g, which) for key, which in (("bos", "bos"), ("eos", "eos"),
+                                                                      ("pad", "padding"), ("unk", "unknown"))},
+        "add_bos_token": get("ggml.add_bos_token", "bool"), "add_eos_token": get("ggml.add_eos_token", "bool"),
+        "chat_template": get("chat_template", "str"),
     }

@@ -381,8 +381,17 @@ def tokenizer_from_gguf(path_or_metadata):
     bad = next((m for m in merges if len(m) != 2), None)
     if bad is not None:
         raise ConfigError(f"{source}: tokenizer.ggml.merges entry {' '.join(bad)!r} is not 'left right'")
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, byte_fallback=False,
-                               ignore_merges=False))
+    for key in ("bos_token_id", "eos_token_id"):
+        if meta.get(key) is not None and not (isinstance(meta[key], int) and 0 <= meta[key] < len(tokens)):
+            raise ConfigError(f"{source}: tokenizer.ggml.{key} {meta[key]!r} is not a token id (the vocabulary has "
+                              f"{len(tokens)} tokens)")
+    vocab = {t: i for i, t in enumerate(tokens)}      # a repeated token string keeps its last id, as in llama.cpp
+    known = set(vocab)
+    bad = next((m for m in merges if m[0] not in known or m[1] not in known or m[0] + m[1] not in known), None)
+    if bad is not None:
+        raise ConfigError(f"{source}: tokenizer.ggml.merges entry {' '.join(bad)!r} merges tokens (or makes one) "
+                          f"that are not in tokenizer.ggml.tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=False))
     tok.pre_tokenizer = split_then_bytes(GGUF_PRE_TOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

@@ -5,10 +5,10 @@ config.json that lacks them is broken and a silent default would build the wrong
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
+from ..files import expect, integer, load_json, number
 from ..kernels.activation import ACTIVATIONS
 from ..kernels.rope import interleaved_mrope_axes
 
@@ -30,6 +30,11 @@ _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_next": 256, "qwen3_5_text": 256, "qwen
 _DEFAULT_NORM_TOPK = {"qwen3_moe": False, "qwen3_next": True, "qwen3_5_moe_text": True}
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 _LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+# Upper bounds far beyond any real model (Qwen3: 94 layers, 512 experts, vocab 248k): loops run over layers and
+# experts, so a damaged config.json (or manifest, or GGUF) must not make them run for hours.
+MAX_SIZE = 2**31 - 1          # any size or count (ONNX / QNN shapes are int32 here)
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +146,10 @@ def _standardize_rope(d: dict, hybrid: bool, source: str) -> dict:
     """transformers 5.x `rope_parameters`, as its config standardisation builds them: a `rope_scaling` dict wins
     over `rope_parameters` (the Qwen YaRN recipe adds one to a v5 config), rope_theta from that dict, else the
     top-level field, else 10000; a top-level original_max_position_embeddings overrides the dict's."""
-    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+    rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{source}: rope_parameters / rope_scaling must be an object, got {brief(rope)}")
+    rope = dict(rope)
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.setdefault("rope_type", "default")
@@ -156,15 +164,43 @@ def _standardize_rope(d: dict, hybrid: bool, source: str) -> dict:
             rope["original_max_position_embeddings"] = d["original_max_position_embeddings"]
         else:
             rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 32768))
-    if kind not in _ROPE_KEYS:
-        raise ConfigError(f"{source}: unknown rope_type {kind!r}; supported: {', '.join(_ROPE_KEYS)}")
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        raise ConfigError(f"{source}: unknown rope_type {brief(kind)}; supported: {', '.join(_ROPE_KEYS)}")
     theta = rope["rope_theta"]
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < float("inf"):
-        raise ConfigError(f"{source}: rope_theta must be a finite number > 1, got {theta!r}")
+        raise ConfigError(f"{source}: rope_theta must be a finite number > 1, got {brief(theta)}")
     for key in _ROPE_KEYS[kind]:
         if rope.get(key) is None:
             raise ConfigError(f"{source}: rope_type {kind!r} needs {key!r} in rope_parameters")
+    _check_rope_values(rope, source)
     return rope
+
+
+# rope_parameters fields the kernels read: a positive number, a number, a positive size, a bool, a list
+_POSITIVE = ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+_NUMBERS = ("low_freq_factor", "high_freq_factor")
+
+
+def _check_rope_values(rope: dict, source: str) -> None:
+    where = f"{source}: rope_parameters"
+    for key in _POSITIVE + _NUMBERS:
+        if rope.get(key) is not None:
+            v = number(rope[key], f"{where}.{key}", ConfigError)
+            if key in _POSITIVE and not v > 0:
+                raise ConfigError(f"{where}.{key} must be positive, got {v!r}")
+    if rope.get("original_max_position_embeddings") is not None:
+        integer(rope["original_max_position_embeddings"], f"{where}.original_max_position_embeddings", ConfigError,
+                lo=1, hi=MAX_SIZE)
+    prf = rope.get("partial_rotary_factor")
+    if prf is not None and not 0 < number(prf, f"{where}.partial_rotary_factor", ConfigError) <= 1:
+        raise ConfigError(f"{where}.partial_rotary_factor must be in (0, 1], got {prf!r}")
+    for key in ("short_factor", "long_factor"):
+        if rope.get(key) is not None:
+            for v in expect(rope[key], list, f"{where}.{key}", ConfigError):
+                number(v, f"{where}.{key}", ConfigError)
+    if rope.get("mrope_section") is not None:
+        for v in expect(rope["mrope_section"], list, f"{where}.mrope_section", ConfigError):
+            integer(v, f"{where}.mrope_section", ConfigError, lo=0, hi=MAX_SIZE)
 
 
 def config_from_dict(d: dict, source: str = "config.json", semantics: str = "transformers") -> ModelConfig:
@@ -175,6 +211,8 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: model_type {brief(model_type)} is not a string; supported: {', '.join(SUPPORTED)}")
     if model_type in MULTIMODAL_WRAPPERS:
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -184,7 +222,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
         text["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
         d = text
         model_type = d["model_type"]
-    if model_type not in SUPPORTED:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED:
         raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
     hybrid = model_type in HYBRID_TYPES
 
@@ -195,12 +233,30 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
             raise ConfigError(f"{source}: missing field {key!r} (needed for model_type {model_type!r})")
         return _DEFAULTS.get(key, default)
 
-    def positive_int(key, value):
+    def positive_int(key, value, hi=MAX_SIZE):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {brief(value)}")
+        if value > hi:
+            raise ConfigError(f"{source}: field {key!r} is {value}, beyond the {hi} refimpl accepts (a corrupt "
+                              f"config?)")
         return value
 
-    req = {k: positive_int(k, get(k, required=True)) for k in _REQUIRED}
+    def flag(key):
+        value = get(key)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: field {key!r} must be true or false, got {brief(value)}")
+        return value
+
+    def token_ids(key, many=False):
+        value = d.get(key)
+        values = value if many and isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ConfigError(f"{source}: field {key!r} must be a token id{' or a list of them' if many else ''}, "
+                              f"got {brief(value)}")
+        return value
+
+    req = {k: positive_int(k, get(k, required=True), MAX_LAYERS if k == "num_hidden_layers" else MAX_SIZE)
+           for k in _REQUIRED}
     L, heads = req["num_hidden_layers"], req["num_attention_heads"]
     kv_heads = positive_int("num_key_value_heads", get("num_key_value_heads", default=heads))
     if heads % kv_heads:
@@ -213,12 +269,19 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
         d = {**d, "num_experts": d["num_local_experts"]}
     num_experts = get("num_experts", required=moe) if moe else 0
     if moe:
-        positive_int("num_experts", num_experts)
-    mlp_only = tuple(get("mlp_only_layers") or ())
+        positive_int("num_experts", num_experts, MAX_EXPERTS)
+    mlp_only = get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < L
+                                                  for i in mlp_only):
+        raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices in [0, {L}), got "
+                          f"{brief(mlp_only)}")
+    mlp_only = tuple(mlp_only)
     sparse_step = get("decoder_sparse_step")
     needs_dense = not moe or model_type != "qwen3_5_moe_text" and (
         mlp_only or sparse_step != 1)
     intermediate = get("intermediate_size", required=needs_dense)
+    if intermediate is not None:
+        positive_int("intermediate_size", intermediate)
 
     rope = _standardize_rope(d, hybrid, source)
     if hybrid:
@@ -229,10 +292,14 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
         raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
 
     # null stays null: transformers then has no window at all
-    sliding_window = d.get("sliding_window", _DEFAULTS["sliding_window"]) if get("use_sliding_window") else None
+    sliding_window = d.get("sliding_window", _DEFAULTS["sliding_window"]) if flag("use_sliding_window") else None
+    if sliding_window is not None:
+        positive_int("sliding_window", sliding_window)
     # transformers' Qwen3-MoE has no layer_types: the window, when set, applies to every layer
     layer_types = None if model_type == "qwen3_moe" else d.get("layer_types")
     if layer_types is not None:  # transformers' legacy names
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"{source}: layer_types must be a list of layer type names, got {brief(layer_types)}")
         layer_types = [{"attention": "full_attention", "mamba": "linear_attention"}.get(t, t) for t in layer_types]
     if layer_types is None:
         if hybrid:
@@ -240,6 +307,8 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
         elif model_type == "qwen3":
             window_layers = get("max_window_layers")
+            if not isinstance(window_layers, int) or isinstance(window_layers, bool):
+                raise ConfigError(f"{source}: field 'max_window_layers' must be an integer, got {brief(window_layers)}")
             layer_types = ["sliding_attention" if sliding_window is not None and i >= window_layers
                            else "full_attention" for i in range(L)]
         else:  # qwen3_moe applies the window, when enabled, to every layer
@@ -254,20 +323,29 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     if not hybrid and "linear_attention" in layer_types:
         raise ConfigError(f"{source}: model_type {model_type!r} has no linear_attention layers")
 
-    if get("hidden_act") not in ACTIVATIONS:
-        raise ConfigError(f"{source}: unsupported hidden_act {get('hidden_act')!r}; supported: {', '.join(ACTIVATIONS)}")
+    if not isinstance(get("hidden_act"), str) or get("hidden_act") not in ACTIVATIONS:
+        raise ConfigError(f"{source}: unsupported hidden_act {brief(get('hidden_act'))}; supported: "
+                          f"{', '.join(ACTIVATIONS)}")
+    positive_int("max_position_embeddings", get("max_position_embeddings"))
     eps = get("rms_norm_eps")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
         raise ConfigError(f"{source}: rms_norm_eps must be a small non-negative number, got {eps!r}")
+
+    def flag_or(key, default):
+        value = get(key, default=default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: field {key!r} must be true or false, got {brief(value)}")
+        return value
 
     extra = {}
     if moe:
         extra.update(
             num_experts=num_experts,
-            num_experts_per_tok=positive_int("num_experts_per_tok", get("num_experts_per_tok", required=True)),
+            num_experts_per_tok=positive_int("num_experts_per_tok", get("num_experts_per_tok", required=True),
+                                             MAX_EXPERTS),
             moe_intermediate_size=positive_int("moe_intermediate_size", get("moe_intermediate_size", required=True)),
-            norm_topk_prob=True if model_type == "qwen3_5_moe_text" else bool(
-                get("norm_topk_prob", default=_DEFAULT_NORM_TOPK[model_type])),
+            norm_topk_prob=True if model_type == "qwen3_5_moe_text" else flag_or(
+                "norm_topk_prob", _DEFAULT_NORM_TOPK[model_type]),
             decoder_sparse_step=positive_int("decoder_sparse_step", sparse_step),
             mlp_only_layers=mlp_only,
         )
@@ -288,16 +366,20 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
             extra["mrope_section"] = tuple(rope.get("mrope_section") or (11, 11, 10))
             if len(extra["mrope_section"]) not in (3, 4):
                 raise ConfigError(f"{source}: mrope_section must have 3 entries (T, H, W; a GGUF's fourth is "
-                                  f"llama.cpp's extra axis), got {list(extra['mrope_section'])}")
-        extra["mtp_layers"] = int(d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or 0)
+                                  f"llama.cpp's extra axis), got {brief(list(extra['mrope_section']))}")
+        mtp = d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or 0
+        if not isinstance(mtp, int) or isinstance(mtp, bool) or not 0 <= mtp <= MAX_LAYERS:
+            raise ConfigError(f"{source}: mtp_num_hidden_layers must be a small integer >= 0, got {brief(mtp)}")
+        extra["mtp_layers"] = mtp
 
     return ModelConfig(
         model_type=model_type, **req, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=intermediate, hidden_act=get("hidden_act"),
         max_position_embeddings=get("max_position_embeddings"), rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
+        tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=flag("attention_bias"),
         rope=rope, rotary_dim=rotary_dim, layer_types=tuple(layer_types), sliding_window=sliding_window,
-        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
+        bos_token_id=token_ids("bos_token_id"), eos_token_id=token_ids("eos_token_id", many=True),
+        pad_token_id=token_ids("pad_token_id"),
         source=source, semantics=semantics, **extra,
     )
 
@@ -307,12 +389,4 @@ def load_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return config_from_dict(d, source=str(path))
+    return config_from_dict(load_json(path, "config", ConfigError), source=str(path))

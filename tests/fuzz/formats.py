@@ -26,6 +26,7 @@ class Format:
     """Base files in `root`/<base name>/; ops from a seed; the target."""
     name = ""
     edits = (1, 3)      # ops per case: uniform in this range
+    contained = False   # whether reading a case must never open a file outside its directory
 
     def prepare(self, scratch: Path) -> None:
         self.root = scratch / f"base-{self.name}"
@@ -281,6 +282,7 @@ def _check_bundle(path: Path, model_dir: Path, same: Path):
 
 class Bundle(Format):
     name = "bundle"
+    contained = True
 
     def build(self, root):
         model_dir, bundle = _golden(root)
@@ -315,6 +317,7 @@ class Bundle(Format):
 class Dump(Format):
     """Device dumps of the bundle: a qnn-net-run directory, .npz, .safetensors, a directory of .npy."""
     name = "dump"
+    contained = True
 
     def build(self, root):
         from refimpl.bundle import read_bundle

@@ -181,7 +181,7 @@ def apply(root: Path, op: list) -> None:
             path.write_bytes(bytes.fromhex(op[2]))
     elif kind == "copy":
         src, dst = root / op[1], root / op[2]
-        if src.is_file() and not src.is_symlink():
+        if src.is_file() and not src.is_symlink() and src != dst:
             _remove(dst)
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(src.read_bytes())
