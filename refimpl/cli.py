@@ -8,8 +8,11 @@ Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -33,6 +36,25 @@ def _ids(text: str) -> np.ndarray:
     if any(not 0 <= t < 2**31 for t in ids):
         raise argparse.ArgumentTypeError(f"--input-ids must be token ids in [0, 2^31), got {text!r}")
     return np.array([ids], dtype=np.int64)
+
+
+def _regex(text: str) -> str:
+    """A user-given regular expression, compiled once here so a bad one is an argument error."""
+    try:
+        re.compile(text)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise argparse.ArgumentTypeError(f"invalid regular expression {text!r} ({e})") from None
+    return text
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -235,13 +257,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
 def _nonnegative(text: str) -> int:
     try:
         value = int(text)
@@ -294,24 +309,26 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 128); qeff: seq_len (default 32)")
-    g.add_argument("--cl", type=int, help="genie: context length (CL, default 4096); qeff: ctx_len (default 128)")
-    g.add_argument("--decode-ar", type=int, help="genie: token slots of the token graph (default 1)")
-    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
+    g.add_argument("--ar", type=_positive, help="genie: token slots per call (AR, default 128); qeff: seq_len "
+                                                "(default 32)")
+    g.add_argument("--cl", type=_positive, help="genie: context length (CL, default 4096; a multiple of AR and of the "
+                                                "decode AR); qeff: ctx_len (default 128)")
+    g.add_argument("--decode-ar", type=_positive, help="genie: token slots of the token graph (default 1; at most AR)")
+    g.add_argument("--mask-floor", type=_finite, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
                                                     "host driver; Genie's fp16 runtime uses -1000, quantised -50)")
     g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
     g.add_argument("--pad-side", choices=["left", "right"],
                    help="genie: left (default; AI Hub's host driver: the pads lead the first prompt chunk) or right "
                         "(the Genie runtime: the pads trail the last chunk)")
-    g.add_argument("--conv-state-len", type=int,
+    g.add_argument("--conv-state-len", type=_positive,
                    help="genie, hybrid models: columns of conv_state_{i} (default Kc, as AI Hub exports it)")
     g.add_argument("--key-layout", choices=["transposed", "plain"],
                    help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
     g.add_argument("--kv-output", choices=["new", "window"],
                    help="genie: past_key/value outputs hold the AR new entries or the updated window")
     g.add_argument("--k-prescale", action="store_true", help="genie: scores as q . (k / sqrt(D))")
-    g.add_argument("--decode-steps", type=int, default=0, help="greedy tokens after the prompt")
-    g.add_argument("--taps", default=".", help="regex of the trace taps to record per step (default: all of "
+    g.add_argument("--decode-steps", type=_nonnegative, default=0, help="greedy tokens after the prompt")
+    g.add_argument("--taps", type=_regex, default=".", help="regex of the trace taps to record per step (default: all of "
                                                "them; e.g. 'layers\\.0\\.'); see docs/taps.md")
     g.add_argument("--no-taps", dest="taps", action="store_const", const=None, help="record no taps")
     _precision_flags(g)
@@ -335,11 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokenizer", help="tokenizer source if not the model's: preset, qwen3 | qwen3.5, HF "
                                          "directory or tokenizer.json")
     gen.add_argument("--max-new-tokens", type=_nonnegative, default=32)
-    gen.add_argument("--temperature", type=_number, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--temperature", type=_finite, default=0.0, help="0: greedy (default)")
     gen.add_argument("--top-k", type=_nonnegative, default=0, help="0: off")
-    gen.add_argument("--top-p", type=_number, default=1.0, help="1: off")
-    gen.add_argument("--min-p", type=_number, default=0.0, help="0: off")
-    gen.add_argument("--repetition-penalty", type=_number, default=1.0, help="1: off")
+    gen.add_argument("--top-p", type=_finite, default=1.0, help="1: off")
+    gen.add_argument("--min-p", type=_finite, default=0.0, help="0: off")
+    gen.add_argument("--repetition-penalty", type=_finite, default=1.0, help="1: off")
     gen.add_argument("--seed", type=_nonnegative, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn / eos tokens")
@@ -365,28 +382,48 @@ def _notes_to_stderr() -> None:
         log.propagate = False
 
 
+def _one_line(text) -> str:
+    """A message as one line: line breaks (from a file name, a quoted value) shown escaped."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _warning(message, category, filename, lineno, file=None, line=None):
-    print(f"refimpl: warning: {message}", file=sys.stderr)
+    print(f"refimpl: warning: {_one_line(message)}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
+    """Run the command line; returns the exit status: 0 done, 1 a diff found a mismatch, 2 bad input (one line
+    on stderr, nothing written), 3 an internal error (one line; REFIMPL_TRACEBACK=1 prints the traceback), 130
+    interrupted."""
     args = build_parser().parse_args(argv)
     _notes_to_stderr()
     warnings.showwarning = _warning  # one line each, as errors are
     try:
         return args.func(args)
     except RefimplError as e:
-        print(f"refimpl: error: {e}", file=sys.stderr)
+        print(f"refimpl: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of our output went away (e.g. `| head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:  # an unreadable input or unwritable output the checks above did not name
-        print(f"refimpl: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"refimpl: error: {_one_line(e.filename or '')}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("refimpl: error: out of memory (a smaller --cl / --ar / prompt, or a machine with more memory)",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("refimpl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:   # noqa: BLE001 - a bug of refimpl's: one line, and how to see where
+        if os.environ.get("REFIMPL_TRACEBACK"):
+            traceback.print_exc()
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        print(f"refimpl: internal error: {type(e).__name__} in {where.name} ({Path(where.filename).name}:"
+              f"{where.lineno}): {_one_line(str(e))[:300]}; please report it (REFIMPL_TRACEBACK=1 prints the "
+              f"traceback)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_generate_without_a_tokenizer_prints_ids(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--prompt", "x", "--temperature", "-1"], "temperature must be"),
     (["--prompt", "x", "--top-p", "2"], "top_p must be"),
-    (["--prompt", "x", "--top-p", "abc"], "expected a number"),
+    (["--prompt", "x", "--top-p", "abc"], "expected a finite number"),
     (["--prompt", "x", "--max-new-tokens", "-1"], "integer >= 0"),
     (["--prompt", "x", "--max-new-tokens", "262144"], "exceeds the model's context limit"),
     (["--input-ids", "1,2", "--chat"], "apply to --prompt text"),

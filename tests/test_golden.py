@@ -84,12 +84,12 @@ def test_cli_bundles_identical_across_runs_and_blas_threads(tmp_path):
     (["--convention", "genie", "--pad-id", "-3"], "pad-id must be"),
     (["--convention", "tflite"], "invalid choice"),
     (["--kv-output", "all"], "invalid choice"),
-    (["--decode-steps", "x"], "invalid int"),
+    (["--decode-steps", "x"], "expected an integer >= 0, got 'x'"),
     (["--convention", "qeff", "--mask-floor", "-50"], "--mask-floor does not apply to --convention qeff"),
     (["--ar", "4"], "--ar does not apply to --convention hf"),
     (["--convention", "qeff", "--pad-side", "left"], "--pad-side does not apply to --convention qeff"),
     (["--convention", "genie", "--pad-side", "middle"], "invalid choice"),
-    (["--convention", "genie", "--conv-state-len", "2"], "conv_state_len must be an integer >= Kc - 1 = 3"),
+    (["--convention", "genie", "--conv-state-len", "2"], "conv_state_len must be an integer from Kc - 1 = 3 to CL"),
     (["--convention", "genie", "--model", "tiny-qwen3", "--conv-state-len", "4"], "hybrid (Gated DeltaNet) models only"),
 ])
 def test_cli_bad_arguments_exit_2(args, message, tmp_path):

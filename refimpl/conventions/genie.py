@@ -26,6 +26,7 @@ Pad query rows and empty cache slots are don't-care: `valid` marks what may be s
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -58,11 +59,28 @@ class Options:
                                                                           if cfg.is_hybrid else None))
 
     def check(self, model) -> None:
+        """The options against what a Genie / AI Hub graph pair allows (InputError naming the allowed values): both
+        graphs share the CL-slot context, so CL is a whole number of either graph's calls, and the token graph
+        takes no more slots than the prompt graph."""
+        cfg = model.config
         for name in ("ar", "cl", "decode_ar"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise InputError(f"genie: {name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputError(f"genie: {name} must be a positive integer, got {value!r}")
         if self.ar >= self.cl or self.decode_ar >= self.cl:
             raise InputError(f"genie: AR ({self.ar}, token graph {self.decode_ar}) must be smaller than CL ({self.cl})")
+        if self.decode_ar > self.ar:
+            raise InputError(f"genie: the token graph's AR (decode_ar {self.decode_ar}) exceeds the prompt graph's "
+                             f"({self.ar}); allowed: 1 to {self.ar}")
+        for name, slots in (("AR", self.ar), ("decode AR", self.decode_ar)):
+            if self.cl % slots:
+                lower, upper = self.cl // slots * slots, -(-self.cl // slots) * slots
+                allowed = " or ".join(str(c) for c in (lower, upper) if c > max(self.ar, self.decode_ar))
+                raise InputError(f"genie: CL {self.cl} is not a multiple of the {name} {slots} (the context holds "
+                                 f"whole calls); allowed nearby: {allowed}")
+        if self.cl > cfg.max_position_embeddings:
+            raise InputError(f"genie: CL {self.cl} exceeds the model's context (max_position_embeddings "
+                             f"{cfg.max_position_embeddings})")
         if self.pad_side not in ("left", "right"):
             raise InputError(f"genie: pad_side must be 'left' or 'right', got {self.pad_side!r}")
         if self.kv_output not in ("new", "window"):
@@ -70,18 +88,21 @@ class Options:
         if self.kv_output == "window" and max(self.ar, self.decode_ar) > self.cl - max(self.ar, self.decode_ar):
             raise InputError(f"genie: kv_output='window' needs AR <= CL - AR (the window must hold a call's new "
                              f"entries); AR {max(self.ar, self.decode_ar)}, CL {self.cl}")
-        if self.pad_id is not None and not 0 <= self.pad_id < model.config.vocab_size:
-            raise InputError(f"genie: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
-        if not self.mask_floor < 0:
-            raise InputError(f"genie: mask_floor must be negative, got {self.mask_floor}")
-        if "sliding_attention" in model.config.layer_types:
+        if self.pad_id is not None and (not isinstance(self.pad_id, int) or not 0 <= self.pad_id < cfg.vocab_size):
+            raise InputError(f"genie: pad_id {self.pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
+        if not isinstance(self.mask_floor, (int, float)) or not -math.inf < self.mask_floor < 0:
+            raise InputError(f"genie: mask_floor must be a finite negative number, got {self.mask_floor}")
+        for name in ("key_transposed", "k_prescale"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"genie: {name} must be true or false, got {getattr(self, name)!r}")
+        if "sliding_attention" in cfg.layer_types:
             raise InputError("genie: sliding-window layers need a second mask input, which this convention lacks")
         if self.conv_state_len is not None:
-            Kc = model.config.linear_conv_kernel_dim
-            if not model.config.is_hybrid:
+            Kc = cfg.linear_conv_kernel_dim
+            if not cfg.is_hybrid:
                 raise InputError("genie: conv_state_len applies to hybrid (Gated DeltaNet) models only")
-            if not isinstance(self.conv_state_len, int) or self.conv_state_len < Kc - 1:
-                raise InputError(f"genie: conv_state_len must be an integer >= Kc - 1 = {Kc - 1}, "
+            if not isinstance(self.conv_state_len, int) or not Kc - 1 <= self.conv_state_len <= self.cl:
+                raise InputError(f"genie: conv_state_len must be an integer from Kc - 1 = {Kc - 1} to CL = {self.cl}, "
                                  f"got {self.conv_state_len!r}")
 
 

@@ -40,7 +40,10 @@ class Options:
                 raise InputError(f"qeff: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.seq_len > self.ctx_len:
             raise InputError(f"qeff: seq_len ({self.seq_len}) must not exceed ctx_len ({self.ctx_len})")
-        if self.pad_id is not None and not 0 <= self.pad_id < model.config.vocab_size:
+        if self.ctx_len > model.config.max_position_embeddings:
+            raise InputError(f"qeff: ctx_len {self.ctx_len} exceeds the model's context (max_position_embeddings "
+                             f"{model.config.max_position_embeddings})")
+        if self.pad_id is not None and (not isinstance(self.pad_id, int) or not 0 <= self.pad_id < model.config.vocab_size):
             raise InputError(f"qeff: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
         if "sliding_attention" in model.config.layer_types:
             raise InputError("qeff: sliding-window layers are not supported by this convention")

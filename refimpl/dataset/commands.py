@@ -28,8 +28,8 @@ def add_commands(sub, positive, precision_flags, load) -> None:
                                                    "STRIDE positions scored (default: consecutive windows, the "
                                                    "second half scored)")
     r.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    r.add_argument("--ar", type=int, help="genie: token slots per call; qeff: seq_len")
-    r.add_argument("--cl", type=int, help="genie: context length; qeff: ctx_len")
+    r.add_argument("--ar", type=positive, help="genie: token slots per call; qeff: seq_len")
+    r.add_argument("--cl", type=positive, help="genie: context length; qeff: ctx_len")
     precision_flags(r)
     r.add_argument("--top-k", type=positive, default=10, help="reference top ids kept per position (default 10)")
     r.add_argument("--workers", type=positive, default=1, help="local processes (with --ray: Ray actors)")

@@ -154,7 +154,8 @@ def _chunk_setup(q, k, v, g, beta):
     return U_tilde, W, q_dec, A_qk, k_decT, lam
 
 
-def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, use_qk_l2norm=True, scale=None):
+def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, use_qk_l2norm=True, scale=None,
+                        allow_neg_inf=False):
     """The gated delta rule in chunks of C tokens (UT / WY transform, spec §3.2 = transformers 5.23.0's
     torch_chunk_gated_delta_rule). Same maths as gated_delta_recurrent, different rounding.
 
@@ -168,11 +169,12 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, 
         U = U~ - W S        O = exp(G) Q S + A_qk U        S <- exp(G_C) S + (exp(G_C - G) K)^T U
     T is zero-padded to a multiple of C; padded rows have k = v = beta = g = 0 and are inert. scale=None
     multiplies q by Dk^-1/2 (transformers' chunked form). g = -inf is rejected: the chunked form turns it into
-    NaN (spec §7.5); clamp it first, or use the recurrent form.
+    NaN (spec §7.5); clamp it first, or use the recurrent form. allow_neg_inf: compute anyway (the NaN that
+    transformers' chunked form computes: a model whose weights hold Inf runs on, as IEEE arithmetic says).
     """
     if not (isinstance(chunk_size, (int, np.integer)) and chunk_size >= 1):
         raise InputError(f"gated_delta_chunked: chunk_size must be a positive int; got {chunk_size!r}")
-    if np.isneginf(g).any():
+    if not allow_neg_inf and np.isneginf(g).any():
         raise InputError("gated_delta_chunked: g contains -inf, which makes every chunked output NaN "
                          "(gated_deltanet.md §7.5); clamp g to a finite floor or use gated_delta_recurrent")
     out_dtype = q.dtype

@@ -90,7 +90,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
-                                      use_qk_l2norm=False)                             # [B, T, Hv, Dv]
+                                      use_qk_l2norm=False, allow_neg_inf=True)         # [B, T, Hv, Dv]
     core = put("core", r(core))                                                        # float32 core, cast out
     normed = quant.output(f"{p}.norm", rms_norm_gated(quant.input(f"{p}.norm", core, 0), quant.input(f"{p}.norm", z, 1),
                                                       w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))

@@ -131,8 +131,10 @@ class Model:
 
     def run(self, ids: np.ndarray, ctx: Context, logits_to_keep: int = 0) -> np.ndarray:
         """The layers over checked ids [B, T] with a prepared context (positions' cos/sin, masks, cache):
-        what `forward` runs, and what a device convention runs on the inputs its graph receives."""
-        with products.plain_blas(self.precision.fast):
+        what `forward` runs, and what a device convention runs on the inputs its graph receives. NaN / Inf (from
+        weights that hold them: a NonFiniteWeightWarning names each such tensor) propagate as IEEE arithmetic says,
+        without NumPy's warnings at every op they reach."""
+        with products.plain_blas(self.precision.fast), np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             return self._layers(ids, ctx, logits_to_keep)
 
     def _layers(self, ids: np.ndarray, ctx: Context, logits_to_keep: int) -> np.ndarray:

@@ -8,12 +8,31 @@ Names are the checkpoint's own; the multimodal prefix `model.language_model.` is
 
 import hashlib
 import re
+import warnings
 
 import numpy as np
 
 from ..errors import WeightsError
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+class NonFiniteWeightWarning(UserWarning):
+    """A checkpoint tensor holds NaN or Inf values: the forward pass propagates them as IEEE arithmetic does."""
+
+
+def warn_nonfinite(source: str, name: str, a: np.ndarray) -> None:
+    """Warn, naming the tensor, when a weight holds NaN / Inf (one pass over it; silent when all are finite)."""
+    finite = np.isfinite(a)
+    if finite.all():
+        return
+    nan = int(np.isnan(a).sum())
+    pos = int(np.isposinf(a).sum())
+    where = np.unravel_index(int(np.argmin(finite)), a.shape) if a.ndim else ()
+    counts = ", ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (pos, "+Inf"), (a.size - int(finite.sum()) - nan -
+                                                                                   pos, "-Inf")) if n)
+    warnings.warn(f"{source}: tensor {name!r} holds {counts} of {a.size} values (first at {list(map(int, where))}); "
+                  f"the forward pass carries them as IEEE arithmetic does", NonFiniteWeightWarning, stacklevel=3)
 _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 
 
@@ -47,6 +66,7 @@ class Weights:
             if not isinstance(raw, np.ndarray):   # a lazy tensor (GGUF: dequantised / transformed on first use)
                 raw = np.asarray(raw)
             out = raw if raw.dtype == self.dtype else raw.astype(self.dtype)
+            warn_nonfinite(self.source, name, out)
             if self.transform is not None:
                 out = self.transform(name, out)
             self._converted[name] = out

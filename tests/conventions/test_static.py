@@ -2,6 +2,7 @@
 host accumulates and the GDN states, over drawn AR, CL, prompt lengths, decode steps and options."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -91,12 +92,13 @@ def test_static_equals_dynamic(name, dtype, data):
     ar = data.draw(st.integers(1, 9), label="ar")
     prompt_len = data.draw(st.integers(1, 20), label="prompt_len")
     decode = data.draw(st.integers(0, 3), label="decode_steps")
-    decode_ar = data.draw(st.sampled_from([1, 2]), label="decode_ar")
+    decode_ar = data.draw(st.sampled_from([1, 2] if ar >= 2 else [1]), label="decode_ar")
     kv_output = data.draw(st.sampled_from(["new", "window"]), label="kv_output")
-    low = max(ar, decode_ar) + prompt_len + decode  # every call's window holds all earlier tokens
+    low = ar + prompt_len + decode  # every call's window holds all earlier tokens
     if kv_output == "window":  # and the window returns all of a call's new entries
-        low = max(low, 2 * max(ar, decode_ar))
-    cl = data.draw(st.integers(low, low + 8), label="cl")
+        low = max(low, 2 * ar)
+    step = math.lcm(ar, decode_ar)  # the context holds whole calls of either graph
+    cl = data.draw(st.integers(-(-low // step), -(-low // step) + 3), label="cl / lcm(AR, decode AR)") * step
     m = model(name, dtype)
     Kc = m.config.linear_conv_kernel_dim
     opts = genie.Options(ar=ar, cl=cl, decode_ar=decode_ar,
@@ -245,6 +247,12 @@ def test_tap_valid_regions_mark_pad_rows():
     (genie.Options(ar=4, cl=16, mask_floor=5.0), "mask_floor"),
     (genie.Options(ar=4, cl=16, pad_side="middle"), "pad_side"),
     (genie.Options(ar=4, cl=16, conv_state_len=2), "conv_state_len applies to hybrid"),
+    (genie.Options(ar=4, cl=30), "CL 30 is not a multiple of the AR 4 .*allowed nearby: 28 or 32"),
+    (genie.Options(ar=4, cl=32, decode_ar=3), "CL 32 is not a multiple of the decode AR 3 .*allowed nearby: 30 or 33"),
+    (genie.Options(ar=4, cl=32, decode_ar=8), r"token graph's AR \(decode_ar 8\) exceeds the prompt graph's \(4\); "
+                                               "allowed: 1 to 4"),
+    (genie.Options(ar=4, cl=2**20), "CL 1048576 exceeds the model's context"),
+    (genie.Options(ar=4, cl=16, mask_floor=-float("inf")), "mask_floor must be a finite negative number"),
 ])
 def test_bad_options(opts, message):
     with pytest.raises(InputError, match=message):
