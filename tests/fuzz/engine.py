@@ -32,7 +32,7 @@ from pathlib import Path
 
 OUTCOMES = ("ok", "clean", "crash", "hang", "memory")
 MAX_MESSAGE = 1000
-_REFIMPL = str(Path(__file__).resolve().parents[2] / "refimpl")
+_REFIMPL = str(Path(__import__("refimpl").__file__).resolve().parent)
 
 
 @dataclasses.dataclass
