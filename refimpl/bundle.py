@@ -475,13 +475,13 @@ def _check_record(key, rec, n_steps: int, where: str) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise FormatError(f"{where}: name {brief(name)} is not a tensor name ([A-Za-z0-9_.])")
     integer(step, f"{where}: step", hi=n_steps - 1, lo=0)
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise FormatError(f"{where}: role {brief(role)} is not one of {', '.join(ROLES)}")
     if key != f"{step}/{role}/{name}":
         raise FormatError(f"{where}: the key does not match step / role / name ({step}/{role}/{name})")
     if rec.get("file") != f"steps/{step}/{ROLES[role]}/{name}.raw":
         raise FormatError(f"{where}: file {brief(rec.get('file'))}, expected steps/{step}/{ROLES[role]}/{name}.raw")
-    if rec.get("dtype") not in DTYPES:
+    if not isinstance(rec.get("dtype"), str) or rec["dtype"] not in DTYPES:
         raise FormatError(f"{where}: dtype {brief(rec.get('dtype'))} is not one of {', '.join(DTYPES)}")
     shape = expect(rec.get("shape"), list, f"{where}: shape")
     if len(shape) > MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):

@@ -184,7 +184,8 @@ def cmd_golden(args) -> int:
         params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
     model = _load(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, transient=True, disable=args.quiet) as bar:
+    # a bar only on a terminal: rich ends even a hidden one with a newline, output that a pipe or file would keep
+    with Progress(*columns, transient=True, disable=args.quiet or not sys.stdout.isatty()) as bar:
         task = bar.add_task(f"{args.convention} golden: computing {source}", total=None)
 
         def progress(k, total):

@@ -5,6 +5,7 @@ Exit codes: 0 done (compare-logits: every --policy bar met), 1 a bar missed, 2 b
 """
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def _progress_bar(quiet: bool, what: str, unit: str):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TextColumn(
-        "{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=quiet)
+        "{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        disable=quiet or not sys.stdout.isatty())  # on a terminal only: rich ends even a hidden bar with a newline
 
 
 def cmd_reference(args) -> int:

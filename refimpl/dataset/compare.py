@@ -11,7 +11,8 @@ import math
 
 import numpy as np
 
-from ..errors import FormatError, InputError
+from ..errors import FormatError, InputError, brief
+from ..files import number
 from . import compact, stats
 from .reference import Reference, top_ids
 
@@ -166,7 +167,6 @@ def _notes(report: dict) -> list[str]:
 
 def parse_policy(text: str) -> dict:
     """--policy: a JSON file {bar: value} or inline 'max_mean_kld=0.01,min_top1=0.9'."""
-    import json
     from pathlib import Path
     if Path(text).is_file():
         from ..diff.dump import read_json
@@ -180,14 +180,13 @@ def parse_policy(text: str) -> dict:
             if not sep:
                 raise InputError(f"--policy: expected BAR=VALUE or a JSON file, got {item!r}")
             try:
-                bars[key.strip()] = json.loads(value)
-            except json.JSONDecodeError:
-                raise InputError(f"--policy {key}: {value!r} is not a number") from None
+                bars[key.strip()] = float(value)
+            except ValueError:
+                raise InputError(f"--policy {key}: {brief(value)} is not a number") from None
     for key, value in bars.items():
         if key not in BARS:
-            raise InputError(f"--policy: unknown bar {key!r}; bars: {', '.join(BARS)}")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise InputError(f"--policy {key}: {value!r} is not a number")
+            raise InputError(f"--policy: unknown bar {brief(key)}; bars: {', '.join(BARS)}")
+        number(value, f"--policy {key}", InputError)
     return bars
 
 

@@ -13,12 +13,12 @@ writes the BOS after the batch is decoded, so the model never sees it there; we 
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import InputError
+from ..files import parse_json, read_exact, regular_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,22 +78,18 @@ def read_documents(text: str | None = None, jsonl: str | None = None, field: str
     if (text is None) == (jsonl is None):
         raise InputError("give the data as --text FILE or --jsonl FILE")
     path = Path(text or jsonl)
+    raw = read_exact(path, regular_file(path, "dataset", InputError), InputError)
     try:
-        data = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file") from None
+        data = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e})") from None
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     if text is not None:
         return [_encode(tokenizer, data, str(path))]
     docs = []
     for n, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e})") from None
+        record = parse_json(line, f"{path}:{n}", InputError)
         if not isinstance(record, dict):
             raise InputError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
         if "input_ids" in record:

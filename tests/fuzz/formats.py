@@ -459,7 +459,7 @@ def _encodings(root: Path) -> None:
          "scale": [0.01], "offset": [-128]},
         {"name": f"{L0}.mlp.up_proj.weight", "dtype": "FLOAT", "enc_type": "PER_TENSOR", "bw": 16, "scale": [],
          "offset": []}]
-    v1_acts = [{"name": f"/model/layers.0/self_attn/q_proj/MatMul_output_0", "dtype": "INT",
+    v1_acts = [{"name": "/model/layers.0/self_attn/q_proj/MatMul_output_0", "dtype": "INT",
                 "enc_type": "PER_TENSOR", "bw": 16, "is_sym": False, "scale": [act(f"{L0}.self_attn.q_proj")["scale"]],
                 "offset": [act(f"{L0}.self_attn.q_proj")["offset"]]},
                {"name": "model.norm", "dtype": "FLOAT", "enc_type": "PER_TENSOR", "bw": 16, "scale": [], "offset": []}]
