@@ -3,6 +3,7 @@
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -140,7 +141,7 @@ def cmd_diff(args) -> int:
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
     from ..bundle import valid_mask
-    from .compare import _candidates
+    from .compare import candidates, model_config, conv_kernel
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None
@@ -149,7 +150,7 @@ def _first_error(bundle, dump, report, policy):
     result = next(r for r in report.results if r.key == keys[0])
     if item is None or item.problem or item.array is None or result.metrics is None:
         return None  # unreadable: nothing to histogram
-    cands = dict(_candidates(item, rec, result.layout))
+    cands = dict(candidates(item, rec, result.layout, conv_kernel(model_config(bundle.manifest["model"].get("config")))))
     device = cands.get(result.layout)
     if device is None:
         return None
@@ -160,27 +161,32 @@ def _first_error(bundle, dump, report, policy):
 
 def cmd_replay(args) -> int:
     from rich.console import Console
-    from rich.table import Table
-    from .report import _fmt
+    from .report import fmt, print_table
     from .replay import replay
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings), layer=args.layer, tensor=args.tensor, step=args.step,
-                  policy=policy)
+    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings), layer=args.layer, tensor=args.tensor,
+                  step=args.step, policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
-    t = Table(title=f"replay {'layer ' + str(args.layer) if args.layer is not None else args.tensor}: "
-                    "SQNR dB (total = inherited + added)")
-    for col in ("step", "tensor", "total", "inherited", "added", "verdict"):
-        t.add_column(col)
+    cells, styles = [], []
     for r in rows:
-        t.add_row(str(r.step), r.name, _fmt(r.total["sqnr_db"], "sqnr_db"), _fmt(r.inherited["sqnr_db"], "sqnr_db"),
-                  _fmt(r.added["sqnr_db"], "sqnr_db"),
-                  ("cannot separate: not dumped: " + ", ".join(r.not_forced)) if r.not_forced else
-                  ("ADDS ERROR: " + "; ".join(r.failures)) if r.adds_error else "inherited only",
-                  style="red" if r.adds_error else None)
-    Console().print(t)
+        if r.not_forced:
+            verdict = "cannot separate: not dumped: " + ", ".join(r.not_forced)
+        elif r.adds_error:
+            verdict = "ADDS ERROR" + (f" (this op or the undumped {', '.join(x.rsplit('.', 1)[-1] for x in r.through)} "
+                                      f"before it)" if r.through else "") + ": " + "; ".join(r.failures)
+        else:
+            verdict = "inherited only"
+        cells.append([str(r.step), r.name, *(fmt(m["sqnr_db"], "sqnr_db") for m in (r.total, r.inherited, r.added)),
+                      verdict])
+        styles.append("red" if r.adds_error else None)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    what = f"layer {args.layer}" if args.layer is not None else args.tensor
+    print_table(console, f"replay {what}, op by op on the device's inputs: SQNR dB (total = inherited + added)",
+                [("step", None, False), ("tensor", None, False), ("total", 2, False), ("inherited", None, False),
+                 ("added", None, False), ("verdict", 1, True)], cells, styles)
     lacking = sorted({(r.step, n) for r in rows for n in r.golden_inputs if r.step > 0})
     if lacking:
         print(f"note: {len(lacking)} graph inputs of later steps are not in the dump (e.g. step {lacking[0][0]} "
@@ -197,12 +203,12 @@ def cmd_explain(args) -> int:
     if args.device:
         name, _ = parse(args.element)
         dump = _dump(args, bundle)
-        from .replay import _device
+        from .replay import device_tensor
         policy = _policy(args)   # declared --layout readings
         steps = [args.step] if args.step is not None else range(bundle.steps)
         for k in steps:
             for role in ("tap", "output", "input"):
-                d = _device(bundle, dump, k, role, name, policy)
+                d = device_tensor(bundle, dump, k, role, name, policy)
                 if d is not None:
                     device = {name: d}
                     break

@@ -36,6 +36,7 @@ from ..bundle import ROLES, valid_mask
 from ..conventions.genie import tap_token_axis
 from ..errors import InputError
 from ..models.config import config_from_dict
+from . import hooks
 from .dataflow import producer
 from .metrics import logits_metrics, sqnr_db, tensor_metrics
 
@@ -126,8 +127,8 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
         rules.append((_regex(r["match"], where), crit))
     layouts = [(_regex(p, where), a) for p, a in spec.get("layouts", {}).items()]
     for _, a in layouts:
-        if a not in ADAPTERS:
-            raise InputError(f"{where}: layout {a!r} is not one of {', '.join(ADAPTERS)}")
+        if a not in ADAPTERS and a != hooks.DECLARED:
+            raise InputError(f"{where}: layout {a!r} is not one of {', '.join([*ADAPTERS, hooks.DECLARED])}")
     return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])], float(three_way_k))
 
 
@@ -206,17 +207,29 @@ ADAPTERS = {
 }
 
 
-def _candidates(item, rec, declared: str | None):
-    """[(adapter or None, array in the golden layout)] to try, the declared / as-is reading first."""
+def candidates(item, rec, declared: str | None, conv_kernel: int | None = None):
+    """[(reading or None, array in the golden layout)] to try, the declared / as-is reading first. A tap is also
+    tried in the layouts of module hooks (refimpl.diff.hooks: flattened rows, [B, H, T, D], channels-first conv);
+    `declared` is an adapter of ADAPTERS, "hf-hooks" (hook readings, the value-changing ones too) or a reading
+    recorded earlier (e.g. "hf-hooks:rows"). conv_kernel: the model's causal conv width (padded conv outputs)."""
     shape, axes, a = tuple(rec["shape"]), rec.get("axes"), item.array
     flat = a.ndim == 1 and len(shape) != 1 and a.size == math.prod(shape)  # a raw file: the bundle's shape
+    tap = rec["role"] == "tap"
     out = []
-    names = [declared] if declared else [None, *ADAPTERS]
+    if declared is None or declared == hooks.DECLARED:  # as is, then (taps) as hooked, then the mix-ups
+        names = [None, *([hooks.DECLARED] if tap else []), *ADAPTERS]
+    else:
+        names = [hooks.DECLARED if declared.startswith(hooks.DECLARED + ":") else declared]
     for name in names:
         if name is None:
             if flat or a.shape == shape or (a.size == math.prod(shape)
                                             and [n for n in a.shape if n != 1] == [n for n in shape if n != 1]):
                 out.append((None, a.reshape(shape)))
+            continue
+        if name == hooks.DECLARED:
+            found = hooks.readings(a, rec["name"], shape, conv_kernel, declared == hooks.DECLARED,
+                                   getattr(item, "reading", None))
+            out += [r for r in found if declared in (None, hooks.DECLARED, r[0])]
             continue
         dev_shape, inverse, _ = ADAPTERS[name]
         ds = dev_shape(shape, axes)
@@ -283,7 +296,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     emulated: an optional Bundle of the same case run at the device's precision (three-way judging).
     progress(i, total): called after each of the bundle's tensors."""
     policy = policy or Policy()
-    cfg = _config(bundle.manifest["model"].get("config"))
+    cfg = model_config(bundle.manifest["model"].get("config"))
     conv = bundle.manifest.get("convention")
     results, absent = [], 0
     skipped = check_same_case(bundle, emulated) if emulated is not None else []
@@ -310,7 +323,8 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
             r.status, r.problem = "error", item.problem
             results.append(r)
             continue
-        _score(r, rec, item, bundle, policy, None if rec["step"] in skipped else emulated, starts[rec["step"]])
+        _score(r, rec, item, bundle, policy, None if rec["step"] in skipped else emulated, starts[rec["step"]],
+               conv_kernel(cfg))
         results.append(r)
     report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
                     dump.unknown, absent, [], bundle.manifest["model"].get("config"), conv)
@@ -322,7 +336,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     return report
 
 
-def _config(config: dict | None):
+def model_config(config: dict | None):
     """The model config of a bundle's manifest, or None (a bundle from elsewhere: no layer DAG, so every
     failure counts as added)."""
     try:
@@ -345,21 +359,26 @@ def _step_starts(manifest) -> list[int]:
     return starts
 
 
-def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int) -> None:
+def conv_kernel(cfg) -> int | None:
+    """The causal conv width of a hybrid model (hook dumps of its padded conv), else None."""
+    return cfg.linear_conv_kernel_dim if cfg is not None and cfg.is_hybrid else None
+
+
+def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int, kernel: int | None) -> None:
     golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
     integer = is_integer(golden.dtype)
     if emulated is not None and not integer:
         r.reference = _emulated_metrics(emulated, rec, golden, policy)
     criteria = policy.criteria(rec["name"], integer, r.reference)
     declared = policy.layout(rec["name"])
-    candidates = _candidates(item, rec, declared)
-    if not candidates:
+    found = candidates(item, rec, declared, kernel)
+    if not found:
         r.status = "error"
         r.problem = (f"shape {list(item.array.shape)} where the bundle has {rec['shape']}"
                      + (f" (declared layout {declared})" if declared else ""))
         return
     best = None
-    for adapter, device in candidates:
+    for adapter, device in found:
         m, lm = _metrics(golden, device, rec, policy.dtype)
         failures = judge(m, lm, criteria)
         if best is None:
@@ -371,7 +390,7 @@ def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: 
     r.layout = adapter
     if r.failures:
         r.status = "fail"
-    elif adapter is not None and adapter != declared:
+    elif adapter in ADAPTERS and adapter != declared:
         r.status = "layout"
         r.problem = f"matches the golden only when read as '{adapter}': {ADAPTERS[adapter][2]}"
     else:
@@ -454,7 +473,7 @@ def _positions(rec, golden, device, bundle, start: int) -> dict | None:
 
 def _localise(report: Report) -> None:
     """Mark each failure added / inherited and pick each step's first divergence."""
-    cfg = _config(report.config)
+    cfg = model_config(report.config)
     by_key = {r.key: r for r in report.results if r.status != "missing"}
     report.first_divergence = {k: None for k in report.first_divergence}
     memo = {}
@@ -490,26 +509,39 @@ def _compared_ancestors(cfg, conv, step: int, name: str, by_key: dict, memo: dic
 
 
 def _notes(report: Report) -> list[str]:
-    """Patterns worth a sentence: state drift over steps, cliffs along positions, where divergence starts."""
+    """Patterns worth a sentence: state drift over steps, cliffs along positions, where divergence starts. Drift
+    and cliffs are named only where they cross the tensor's bar (an honest run's error also grows with steps and
+    positions, well above the bar)."""
     notes = []
     fd = [(k, v) for k, v in report.first_divergence.items() if v]
     if fd:
         k, key = fd[0]
         notes.append(f"first divergence: step {k}, {key.split('/', 2)[2]}")
+    policy = make_policy(report.policy, where="the report's policy")
     series = {}
     for r in report.results:
         if r.role == "output" and r.metrics and r.name != "logits":
-            series.setdefault(r.name, []).append((r.step, r.metrics["sqnr_db"]))
-    for name, pts in series.items():
-        vals = [v for _, v in sorted(pts) if math.isfinite(v)]
-        if len(vals) >= 3 and all(b < a for a, b in zip(vals, vals[1:])):
-            notes.append(f"{name}: SQNR falls every step ({vals[0]:.1f} -> {vals[-1]:.1f} dB): state drift")
+            series.setdefault(r.name, []).append(r)
+    for name, rs in series.items():
+        rs = [r for r in sorted(rs, key=lambda r: r.step) if math.isfinite(r.metrics["sqnr_db"])]
+        vals = [r.metrics["sqnr_db"] for r in rs]
+        if len(vals) >= 3 and all(b < a for a, b in zip(vals, vals[1:])) and vals[-1] < bar_db(policy, rs[-1]):
+            below = next(r.step for r in rs if r.metrics["sqnr_db"] < bar_db(policy, r))
+            notes.append(f"{name}: SQNR falls every step ({vals[0]:.1f} -> {vals[-1]:.1f} dB), below the bar from "
+                         f"step {below}: state drift")
+    bars = {p: bar_db(policy, r) for r in report.results if r.name == "logits" and r.positions for p in r.positions}
     curve = position_curve(report, "logits")
     for (p0, v0), (p1, v1) in zip(curve, curve[1:]):
-        if math.isfinite(v0) and v0 - v1 > 20:
-            notes.append(f"logits: SQNR drops {v0 - v1:.0f} dB from position {p0} to {p1}")
+        if math.isfinite(v0) and v0 - v1 > 20 and v1 < bars[p1]:
+            notes.append(f"logits: SQNR drops {v0 - v1:.0f} dB from position {p0} to {p1}, below the bar")
             break
     return notes
+
+
+def bar_db(policy: Policy, r: Result) -> float:
+    """The SQNR (dB) a float tensor must reach under `policy`: its max_nmse bar in dB (inf if it has none)."""
+    limit = policy.criteria(r.name, bool((r.metrics or {}).get("integer")), r.reference).get("max_nmse")
+    return -10 * math.log10(limit) if limit else math.inf
 
 
 # ------------------------------------------------------------------------------------------------ curves

@@ -17,7 +17,8 @@ Raw files are headerless: float32 unless told (qnn-net-run writes dequantised fl
 cache, NHWC, AIMET) are tried by refimpl.diff.compare so a layout mix-up is reported as one.
 
 Names: the device toolchain rewrites ':', '/' and '-' to '_'; some also '.'. A name is matched exactly, then
-after that rewriting, then with every non-alphanumeric character as '_' (if that is unambiguous). A mapping
+after that rewriting, then as a module-hook name (`model.layers.3.self_attn.1`, `...o_proj.input`: refimpl.diff.hooks),
+then with every non-alphanumeric character as '_' (if that is unambiguous). A mapping
 {golden name: device name} (QAIRT's tensor_mapping.json direction) covers the rest. Files that match nothing
 are listed in `unknown`, never fatal; an unreadable or truncated file becomes an item with a `problem`.
 """
@@ -34,6 +35,7 @@ import numpy as np
 from ..bundle import DTYPES, ROLES
 from ..errors import FormatError, InputError
 from ..formats.safetensors import read_safetensors
+from . import hooks
 
 SUFFIXES = (".raw", ".npy", ".bin")
 _ROLE_DIRS = {**{v: k for k, v in ROLES.items()}, **{k: k for k in ROLES}}  # "inputs" or "input" -> "input"
@@ -46,6 +48,7 @@ class Item:
     source: str                     # file path (or container key) it came from
     array: np.ndarray | None        # as stored: 1-D for raw files (shape comes from the bundle)
     problem: str | None = None      # unreadable, truncated, ... (then array is None)
+    reading: str | None = None      # the layout its source implies (a module-hook dump: refimpl.diff.hooks)
 
 
 @dataclasses.dataclass
@@ -116,7 +119,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
             array, problem = load(rec, dtype), None
         except FormatError as e:
             array, problem = None, str(e)
-        dump.items[key] = Item(key, source, array, problem)
+        dump.items[key] = Item(key, source, array, problem, hooks.rename(parts[-1])[1])
     if not dump.items:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
                          f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")
@@ -242,6 +245,10 @@ class _Matcher:
             if roles:
                 r = role if role in roles else roles[0]
                 return f"{step}/{r}/{candidate}", ""
+        taps, _ = hooks.rename(name)  # a module-hook name (refimpl.diff.hooks)
+        for candidate in taps:
+            if "tap" in exact.get(candidate, ()):
+                return f"{step}/tap/{candidate}", ""
         hits = loose.get(_loose(name), [])
         if role:
             hits = [h for h in hits if h[0] == role] or hits
