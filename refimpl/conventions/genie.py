@@ -116,9 +116,11 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     return outputs
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None,
+        decode_ids: list | None = None) -> list[Call]:
     """The host loop: prompt chunks through the prompt graph, then `decode_steps` greedy tokens through the
-    token graph. Returns every call's inputs and outputs (and the taps matching the regex `taps`)."""
+    token graph (or the given `decode_ids`: teacher forcing). Returns every call's inputs and outputs (and the
+    taps matching the regex `taps`)."""
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
     prompt = prompt_list(prompt_ids, "genie")
@@ -138,7 +140,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         if step < len(chunks):
             name, AR, tokens = chunks[step]
         else:
-            name, AR, tokens = "token", opts.decode_ar, [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]
+            name, AR, tokens = "token", opts.decode_ar, [next_token(calls[-1].outputs["logits"][0, -1], decode_ids,
+                                                                    step - len(chunks))]
         W, n = opts.cl - AR, len(tokens)
         if cur > W:
             raise InputError(f"genie: context length CL={opts.cl} is too small: call {step} ({name} graph, AR={AR}) "
@@ -173,6 +176,11 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), valid, taps_))
         cur += n
     return calls
+
+
+def next_token(logits, decode_ids: list | None, j: int) -> int:
+    """Decode call j's token: the greedy choice of the previous call's last logits row, or decode_ids[j]."""
+    return int(decode_ids[j]) if decode_ids is not None else int(np.argmax(logits))
 
 
 def _eos(cfg) -> int:

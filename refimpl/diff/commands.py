@@ -3,7 +3,6 @@
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
 """
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,9 @@ def add_commands(sub) -> None:
     d.add_argument("--dump-dtype", help="dtype of raw dump files: float32 (qnn-net-run's; the default), native (the "
                                         "bundle's; the default for a dump that is itself a bundle), float16, ...")
     d.add_argument("--mapping", help="JSON {golden name: device name} for names sanitising does not explain")
-    d.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER",
-                   help="declare a dump layout: transposed, nhwc or aimet (e.g. '.=aimet', 'past_key_.*=transposed')")
+    d.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER",
+                   help="declare a dump layout: transposed, nhwc, aimet or hf-hooks (PyTorch module hooks), for "
+                        "the tensors REGEX matches (e.g. '.=aimet', 'past_key_.*=transposed'); a bare name: all")
     d.add_argument("--emulated", help="bundle of the same case at the device's precision: three-way judging "
                                       "(device error within k x the emulation's)")
     d.add_argument("--k", type=float, help="k of three-way judging (default 4)")
@@ -62,7 +62,7 @@ def _reading_flags(p) -> None:
     p.add_argument("--encodings", help="the AIMET / QNN encodings file of a bundle made with --weights encodings")
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
-    p.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER", help="declared dump layout")
+    p.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER", help="declared dump layout")
 
 
 def _policy(args):
@@ -70,8 +70,7 @@ def _policy(args):
     policy = load_policy(args.policy, args.dtype)
     for item in args.layout:
         pattern, sep, adapter = item.rpartition("=")
-        if not sep:
-            raise InputError(f"--layout expects REGEX=ADAPTER, got {item!r}")
+        pattern = pattern if sep else "."  # a bare adapter name: every tensor
         policy.layouts.insert(0, make_policy({"layouts": {pattern: adapter}}, policy.dtype, "--layout").layouts[0])
     if getattr(args, "k", None) is not None:
         if not args.k > 0:
@@ -160,8 +159,7 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
-    from rich.console import Console
-    from .report import fmt, print_table
+    from .report import fmt, print_table, terminal
     from .replay import replay
     bundle = _bundle(args.bundle)
     policy = _policy(args)
@@ -182,11 +180,11 @@ def cmd_replay(args) -> int:
         cells.append([str(r.step), r.name, *(fmt(m["sqnr_db"], "sqnr_db") for m in (r.total, r.inherited, r.added)),
                       verdict])
         styles.append("red" if r.adds_error else None)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = terminal()
     what = f"layer {args.layer}" if args.layer is not None else args.tensor
     print_table(console, f"replay {what}, op by op on the device's inputs: SQNR dB (total = inherited + added)",
                 [("step", None, False), ("tensor", None, False), ("total", 2, False), ("inherited", None, False),
-                 ("added", None, False), ("verdict", 1, True)], cells, styles)
+                 ("added", None, False), ("verdict", None, True)], cells, styles)
     lacking = sorted({(r.step, n) for r in rows for n in r.golden_inputs if r.step > 0})
     if lacking:
         print(f"note: {len(lacking)} graph inputs of later steps are not in the dump (e.g. step {lacking[0][0]} "

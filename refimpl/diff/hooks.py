@@ -21,7 +21,8 @@ lists the layout readings a tap's dumped array may need, by shape:
     padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1]: the first T columns, then the SiLU the
                     module leaves to its caller
     sigmoid         a module whose caller applies the sigmoid (transformers' shared_expert_gate is the gate's
-                    logit; the tap is the gate): only when the dump is declared `--layout hf-hooks`
+                    logit; the tap is the gate): the dump's layout when declared `--layout hf-hooks` (then tried
+                    first), else a mix-up to report (then tried last)
 
 Readings apply to taps only: a tap has no device contract, so reading it in its module's layout is not a mix-up.
 Graph inputs and outputs keep their contract, and the layout adapters of refimpl.diff.compare flag mix-ups there.
@@ -58,6 +59,7 @@ RENAMES = (
 )
 _LAYER = re.compile(r"(model\.layers\.\d+\.)(.+)")
 DECLARED = "hf-hooks"
+NEEDS_DECLARING = {f"{DECLARED}:sigmoid"}  # readings that change values: a dump's own layout only when declared
 
 
 def rename(name: str) -> tuple[list[str], str | None]:
@@ -78,8 +80,7 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, declared: bool,
-             source: str | None = None) -> list:
+def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, source: str | None = None) -> list:
     """[(reading, array in the tap's layout)] for a hooked array `a` of tap `name` (bundle shape `shape`).
     source: the reading the hook's source implies (rename), the only one tried when given."""
     out = []
@@ -96,7 +97,7 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, de
             out.append(("padded_conv", _silu(a[..., :T]).astype(a.dtype).swapaxes(1, 2)))
         elif columns == T or name.endswith(("linear_attn.conv1d", "linear_attn.mixed_qkv")):
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))
-    if declared and name.endswith("mlp.shared_expert_gate") and a.size == math.prod(shape):
+    if name.endswith("mlp.shared_expert_gate") and a.size == math.prod(shape):
         out.append(("sigmoid", (1 / (1 + np.exp(-a.astype(np.float64)))).astype(a.dtype).reshape(shape)))
     if source is not None:
         out = [r for r in out if r[0] == source]

@@ -11,7 +11,7 @@ before the override, so the reference's value R of a tensor is its op applied to
 
     total     = metrics(G, D)      what the diff reports
     inherited = metrics(G, R)      how far the device's inputs alone move the tensor
-    added     = metrics(R, D)      the error this op itself adds
+    added     = metrics(R, D)      the error this op itself adds (scored where R is finite)
 
 The faulty op fails `added`; every op downstream of it, inside its layer or after, shows a large `inherited` and a
 passing `added`. Where an op's inputs were not dumped, the reference computes them from the nearest dumped
@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from ..bundle import DTYPES
+from ..bundle import DTYPES, valid_mask
 from ..golden import run_graph
 from ..errors import InputError
 from ..trace import trace
@@ -127,8 +127,9 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
             rec = bundle.manifest["tensors"][f"{k}/{role}/{n}"]
             g, d = bundle.tensor(k, role, n), device_tensor(bundle, dump, k, role, n, policy)
             r = np.asarray(ref[n])
-            total, inherited, added = (tensor_metrics(a, b, rec["valid"], policy.dtype)
-                                       for a, b in ((g, d), (g, r), (r, d)))
+            total, inherited = (tensor_metrics(a, b, rec["valid"], policy.dtype) for a, b in ((g, d), (g, r)))
+            # where the op's reference value is itself NaN / Inf (fed one), the device's value there adds nothing
+            added = tensor_metrics(r, d, valid_mask(r.shape, rec["valid"]) & np.isfinite(r), policy.dtype)
             failures = judge(added, None, policy.criteria(n, is_integer(g.dtype)))
             through, outside = span(cfg, conv, n, given, ref)
             rows.append(ReplayRow(k, n, total, inherited, added, bool(failures) and not outside, failures, lacking,

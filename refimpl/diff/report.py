@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import math
+import os
 import sys
 
 import numpy as np
@@ -48,6 +49,12 @@ def ordered(report: Report) -> list:
     return sorted(report.results, key=key)
 
 
+def terminal() -> Console:
+    """The console tables print to: the terminal's width, else $COLUMNS, else 200 (a pipe or a file)."""
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 200)
+
+
 def print_table(console: Console, title: str, columns: list, rows: list, styles: list | None = None) -> list:
     """A table whose cells are never cut. columns: (header, drop order or None for a column that always shows,
     wraps) in display order; rows: lists of cell strings. Columns that do not fit the console are left out,
@@ -56,7 +63,7 @@ def print_table(console: Console, title: str, columns: list, rows: list, styles:
     Returns the headers left out."""
     def width(i):
         cells = [len(columns[i][0])] + [len(r[i]) for r in rows]
-        return (min(max(cells), 24) if columns[i][2] else max(cells)) + 3
+        return (min(max(cells), 12) if columns[i][2] else max(cells)) + 3
     kept = list(range(len(columns)))
     dropped = []
     while sum(width(i) for i in kept) + 1 > console.width:
@@ -93,7 +100,7 @@ _TABLE = (("step", None, False), ("tensor", None, False), ("role", 9, False), ("
 
 
 def print_report(report: Report, console: Console | None = None, top: int = 20) -> None:
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console = console or terminal()
     first = set(report.first_divergence.values())
     rows, styles = [], []
     ordered_rows = ordered(report)

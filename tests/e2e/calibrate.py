@@ -27,7 +27,7 @@ from refimpl.bundle import read_bundle  # noqa: E402
 from refimpl.diff.compare import compare, make_policy  # noqa: E402
 from refimpl.diff.dump import read_dump  # noqa: E402
 from refimpl.golden import write_golden  # noqa: E402
-from refimpl.models.presets import PRESETS, build  # noqa: E402
+from refimpl.models.presets import PRESETS, build, save_preset  # noqa: E402
 
 CASES = {  # convention -> (prompt, params)
     "hf": ([9707, 11, 1879, 13, 42, 7, 99], {}),
@@ -44,32 +44,47 @@ RUNTIMES = {  # name -> (dtype of the device, attention, conventions it runs)
 }
 
 
-def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, goldens: dict) -> dict:
+def prompts(case: str, extra: int) -> list:
+    """The case's prompt and `extra` seeded random ones of the same length (ids below 100000: every preset's)."""
+    prompt, _ = CASES[case]
+    rng = np.random.default_rng(len(prompt))
+    return [prompt] + [[int(t) for t in rng.integers(0, 100000, len(prompt))] for _ in range(extra)]
+
+
+def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, goldens: dict, prompt: list,
+               graphs: dict) -> dict:
     dtype, attn, _ = RUNTIMES[runtime]
-    prompt, params = CASES[case]
+    _, params = CASES[case]
     convention = "hf" if case == "hf" else "genie"
-    key = (preset, case, "float32")
+    key = (preset, case, "float32", tuple(prompt))
     if key not in goldens:
-        goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-golden", build(preset), prompt, source=preset,
+        goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-golden-{len(goldens)}", build(preset), prompt, source=preset,
                                                 convention=convention, params=params, decode_steps=steps, taps="."))
     bundle = goldens[key]
     emulated = None
     if dtype != "float32":
-        key = (preset, case, dtype)
+        key = (preset, case, dtype, tuple(prompt))
         if key not in goldens:
-            goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-{dtype}", build(preset, precision={"float16": "fp16", "bfloat16": "bf16"}[dtype]),
+            precision = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+            goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-{dtype}-{len(goldens)}", build(preset, precision=precision),
                                                     prompt, source=preset, convention=convention, params=params,
-                                                    decode_steps=steps, taps="."))
+                                                    decode_steps=steps, taps=".",
+                                                    decode_ids=bundle.manifest["generated_ids"]))
         emulated = goldens[key]
-    model = D.load_hf(preset, root / f"{preset}-ckpt", dtype, attn)
+    if not (root / f"{preset}-ckpt").is_dir():
+        save_preset(preset, root / f"{preset}-ckpt")
+    model = D.load_hf(root / f"{preset}-ckpt", dtype, attn, "batched_mm" if runtime.startswith("ort") else None)
     m = bundle.manifest
     t = time.time()
     if convention == "hf":
         calls = D.run_hf(model, m["prompt_ids"], m["generated_ids"])
     else:
         p = m["convention"]["params"]
-        if runtime.startswith("ort"):
-            graph = D.ort_graph(model, model.config, p, None, Path(tempfile.mkdtemp(dir=root)))
+        if runtime.startswith("ort"):  # one export per preset, runtime and call shape, kept across prompts
+            key = (preset, runtime)
+            if key not in graphs:
+                graphs[key] = D.ort_graph(model, model.config, p, None, Path(tempfile.mkdtemp(dir=root)))
+            graph = graphs[key]
         else:
             graph = D.eager_graph(model, model.config, p)
         calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], p)
@@ -101,9 +116,10 @@ def main(argv=None):
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--prompts", type=int, default=0, help="seeded random prompts per case besides the default one")
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="refimpl-calibration-"))
-    goldens, rows = {}, []
+    goldens, graphs, rows = {}, {}, []
     print(f"{'preset':18} {'runtime':9} {'case':13} {'verdict':7} {'n':>5} {'fail':>4} {'worst SQNR':>10} "
           f"{'margin dB':>9}  where")
     for preset in args.presets.split(","):
@@ -111,14 +127,16 @@ def main(argv=None):
             for case in RUNTIMES[runtime][2]:
                 if case not in args.cases.split(","):
                     continue
-                r = honest_run(preset, runtime, case, args.steps, root, goldens)
-                rows.append(r)
-                print(f"{preset:18} {runtime:9} {case:13} {r['verdict']:7} {r['tensors']:5d} {r['failed']:4d} "
-                      f"{r['worst_sqnr']:10.1f} {r['margin']:9.1f}  {r['margin_at']} ({r['seconds']:.0f} s)", flush=True)
-                for note in r["notes"]:
-                    print(f"    note: {note}")
-                for key, why in r["failures"]:
-                    print(f"    fail: {key}: {'; '.join(why)}")
+                for prompt in prompts(case, args.prompts):
+                    r = honest_run(preset, runtime, case, args.steps, root, goldens, prompt, graphs)
+                    rows.append(r)
+                    print(f"{preset:18} {runtime:9} {case:13} {r['verdict']:7} {r['tensors']:5d} {r['failed']:4d} "
+                          f"{r['worst_sqnr']:10.1f} {r['margin']:9.1f}  {r['margin_at']} ({r['seconds']:.0f} s)",
+                          flush=True)
+                    for note in r["notes"]:
+                        print(f"    note: {note}")
+                    for key, why in r["failures"]:
+                        print(f"    fail: {key}: {'; '.join(why)}")
     by = {}
     for r in rows:
         k = (r["runtime"], "hybrid" if PRESETS[r["preset"]].get("linear_conv_kernel_dim") else "attention")

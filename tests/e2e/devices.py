@@ -1,11 +1,11 @@
 """Independent devices for end-to-end tests of `refimpl diff`: implementations refimpl did not write, dumping what a
 bring-up engineer can hook, in the layouts their modules produce.
 
-- transformers (float32 eager / sdpa, bfloat16) on a preset saved with `save_preset`, driven by
+- transformers (float32 eager / sdpa, bfloat16) on a preset's weights (save_preset / hf_checkpoint), driven by
   `run_hf` (the dynamic convention: transformers' own cache, prefill then one token per call) or by `run_genie`
   (a Genie host loop written here from device_conventions.md §1.3 feeding `GenieGraph`, transformers behind the
   static-shape I/O of §1.2);
-- ONNX Runtime (CPU EP) running `GenieGraph` exported with torch.onnx.export, in float32 or float16 (`OrtGraph`).
+- ONNX Runtime (CPU EP) running `GenieGraph` exported with torch.onnx.export, in float32 or float16 (`ort_graph`).
 
 Every device records its taps with module forward hooks (and a few function hooks: RoPE, the causal conv, the gated
 delta rule) under the names `refimpl diff --layout hf-hooks` reads (docs/diff.md): `<module path>` for a module's
@@ -19,6 +19,7 @@ aligned; each carries its own cache and state from call to call. Faults are plan
 
 import contextlib
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -28,7 +29,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from refimpl.models.presets import save_preset  # noqa: E402
+from refimpl.formats.safetensors import write_safetensors  # noqa: E402
+from refimpl.models.config import config_from_dict  # noqa: E402
+from refimpl.models.model import Model  # noqa: E402
+from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights  # noqa: E402
+from refimpl.precision import policy  # noqa: E402
 
 # functions of transformers' modeling modules a bring-up engineer hooks besides the modules (outputs recorded)
 HOOKED_FUNCTIONS = ("apply_rotary_pos_emb", "eager_attention_forward", "causal_conv1d_fn", "causal_conv1d_update",
@@ -51,12 +56,35 @@ class Fault:
 
 # ------------------------------------------------------------------------------------------------ models
 
-def load_hf(preset: str, directory: Path, dtype: str = "float32", attn: str = "eager"):
-    """The preset (refimpl's seeded weights, written by save_preset) loaded by transformers."""
-    if not (directory / "config.json").is_file():
-        save_preset(preset, directory)
+def small_preset(preset: str, vocab: int = 2048, seed: int = 11) -> tuple[dict, dict]:
+    """A preset with a small vocabulary (fast goldens and devices), its seeded weights with the output head scaled
+    to logits of size ~2: (config dict, arrays)."""
+    config = {**PRESETS[preset], "vocab_size": vocab, "eos_token_id": vocab - 48, "bos_token_id": vocab - 49}
+    arrays = random_weights(config_from_dict(config), seed=seed)
+    head = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
+    arrays[head] = arrays[head] * np.float32(0.05)
+    return config, arrays
+
+
+def reference(config: dict, arrays: dict, precision: str | None = None):
+    """refimpl's model of the same weights (the golden), optionally at an emulated precision (bf16, fp16)."""
+    return Model.from_arrays(config_from_dict(config), arrays, "e2e", policy(precision or "float32"))
+
+
+def hf_checkpoint(config: dict, arrays: dict, directory: Path) -> Path:
+    """config.json + model.safetensors in the layout the released checkpoints of the architecture use."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    write_safetensors(directory / "model.safetensors", checkpoint_layout(config_from_dict(config), arrays))
+    return directory
+
+
+def load_hf(directory: Path, dtype: str = "float32", attn: str = "eager", experts: str | None = None):
+    """transformers' model of a checkpoint directory (preset weights written by save_preset or hf_checkpoint).
+    experts: the MoE experts implementation (default transformers' choice; "batched_mm" exports to ONNX)."""
+    kwargs = {"experts_implementation": experts} if experts else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=TORCH_DTYPES[dtype],
-                                                              attn_implementation=attn)
+                                                              attn_implementation=attn, **kwargs)
     return model.eval()
 
 
@@ -268,7 +296,6 @@ class GenieGraph(torch.nn.Module):
         super().__init__()
         self.model, self.key_transposed, self.fault = model, key_transposed, fault or Fault()
         self.rope = _TableRope()
-        model.model.rotary_emb = self.rope
         self.step = 0
         self.recorder = None
 
@@ -291,6 +318,7 @@ class GenieGraph(torch.nn.Module):
                 keys = a[:, 0].transpose(1, 2) if self.key_transposed else a[:, 0]          # [Hkv, W, D]
                 cache.update(keys[None], b[:, 0][None], i)
         self.rope.tables = (torch.cat([cos, cos], -1)[:, 0], torch.cat([sin, sin], -1)[:, 0])
+        own, self.model.model.rotary_emb = self.model.model.rotary_emb, self.rope
         chunk = torch.diagonal(attention_mask[0, 0, :, W:]) == 0                            # real slots
         if layer_types(cfg).count("linear_attention"):
             mask = {"full_attention": attention_mask,
@@ -298,8 +326,11 @@ class GenieGraph(torch.nn.Module):
         else:
             mask = attention_mask
         positions = torch.zeros_like(input_ids, dtype=torch.int64)  # unused: RoPE comes from the tables
-        logits = self.model(input_ids=input_ids.to(torch.int64), attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits
+        try:
+            logits = self.model(input_ids=input_ids.to(torch.int64), attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True).logits
+        finally:
+            self.model.model.rotary_emb = own
         outputs = [logits]
         it = iter(state)
         for i, kind in enumerate(layer_types(cfg)):
