@@ -107,19 +107,32 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     else:
         raise InputError(f"{path}: a dump must be a directory, a .npz or a .safetensors file")
     for parts, source, load in entries:
-        key, why = matcher.match(parts)
-        if key is None:
+        keys, why = matcher.match(parts)
+        if not keys:
             dump.unknown.append(f"{source} ({why})")
             continue
-        if key in dump.items:
-            dump.unknown.append(f"{source} (duplicate of {dump.items[key].source} for {key})")
+        taken = [k for k in keys if k in dump.items]
+        if taken:
+            dump.unknown.append(f"{source} (duplicate of {dump.items[taken[0]].source} for {taken[0]})")
             continue
-        rec = bundle.manifest["tensors"][key]
+        recs = [bundle.manifest["tensors"][k] for k in keys]
+        widths = [r["shape"][-1] if r["shape"] else 1 for r in recs]
+        whole = {**recs[0], "shape": [*recs[0]["shape"][:-1], sum(widths)]}  # a fused projection: side by side
         try:
-            array, problem = load(rec, dtype), None
+            array, problem = load(whole, dtype), None
+            if len(keys) > 1:
+                array = array.reshape(whole["shape"]) if array.ndim == 1 else array
+                if array.shape[-1] != sum(widths):
+                    raise FormatError(f"{source}: last axis {array.shape[-1]}, expected {' + '.join(map(str, widths))} "
+                                      f"for {', '.join(k.split('/', 2)[2] for k in keys)}")
         except FormatError as e:
             array, problem = None, str(e)
-        dump.items[key] = Item(key, source, array, problem, hooks.rename(parts[-1])[1])
+        reading = hooks.rename(parts[-1])[1] if len(keys) == 1 else None
+        start = 0
+        for key, width in zip(keys, widths):
+            part = array if array is None or len(keys) == 1 else array[..., start:start + width]
+            dump.items[key] = Item(key, source, part, problem, reading)
+            start += width
     if not dump.items:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
                          f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")
@@ -220,7 +233,8 @@ class _Matcher:
                     loose.setdefault(_loose(n), []).append((role, n))
             self.by_step.append((exact, loose))
 
-    def match(self, parts: tuple) -> tuple[str | None, str]:
+    def match(self, parts: tuple) -> tuple[list[str], str]:
+        """The bundle keys a dumped file holds (several: a fused projection) or [] and why not."""
         *dirs, name = parts
         step, role = None, None
         for i, d in enumerate(dirs):  # the first Result_<k> / layer_outputs_<k> / <k> directory is the step
@@ -234,28 +248,28 @@ class _Matcher:
             name = "/".join([*dirs, name])
         if step is None:
             if len(self.steps) != 1:
-                return None, "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
+                return [], "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
             step = 0
         if step >= len(self.steps):
-            return None, f"step {step}, the bundle has {len(self.steps)}"
+            return [], f"step {step}, the bundle has {len(self.steps)}"
         exact, loose = self.by_step[step]
         golden = self.mapping.get(name) or self.mapping.get(sanitize(name))
         for candidate in (golden, name, sanitize(name)):
             roles = exact.get(candidate) if candidate else None
             if roles:
                 r = role if role in roles else roles[0]
-                return f"{step}/{r}/{candidate}", ""
-        taps, _ = hooks.rename(name)  # a module-hook name (refimpl.diff.hooks)
-        for candidate in taps:
-            if "tap" in exact.get(candidate, ()):
-                return f"{step}/tap/{candidate}", ""
+                return [f"{step}/{r}/{candidate}"], ""
+        alternatives, _ = hooks.rename(name)  # a module-hook name (refimpl.diff.hooks)
+        for taps in alternatives:
+            if all("tap" in exact.get(t, ()) for t in taps):
+                return [f"{step}/tap/{t}" for t in taps], ""
         hits = loose.get(_loose(name), [])
         if role:
             hits = [h for h in hits if h[0] == role] or hits
         names = {n for _, n in hits}
         if len(names) == 1:
             r, n = hits[0]
-            return f"{step}/{r}/{n}", ""
+            return [f"{step}/{r}/{n}"], ""
         if len(names) > 1:
-            return None, f"ambiguous: matches {sorted(names)}; give a mapping file"
-        return None, f"no tensor of step {step} is named like it"
+            return [], f"ambiguous: matches {sorted(names)}; give a mapping file"
+        return [], f"no tensor of step {step} is named like it"

@@ -10,6 +10,9 @@ A hook dump names each tensor after what produced it:
     <module path>.<function>.input.<i> / .<keyword>   its positional / keyword tensor arguments (the gated delta
                                     rule's v, g and beta)
 
+A fused projection (vLLM-style `qkv_proj`, `gate_up_proj`) holds several taps side by side on its last axis, in
+the order the name says; each is read as its slice.
+
 and keeps the module's own layout. `rename` maps the names that are not tap names already (RENAMES); `readings`
 lists the layout readings a tap's dumped array may need, by shape:
 
@@ -33,8 +36,9 @@ import re
 
 import numpy as np
 
-# hook name (after "model.layers.<i>.") -> the tap it holds (the first of "a|b" the bundle has) and the layout its
-# source always has (None: known by shape), e.g. apply_rotary_pos_emb's [B, H, T, D] even when T == H
+# hook name (after "model.layers.<i>.") -> the tap it holds (the first of "a|b" the bundle has; "a+b+c": a fused
+# projection, the taps' last axes side by side) and the layout its source always has (None: known by shape), e.g.
+# apply_rotary_pos_emb's [B, H, T, D] even when T == H
 RENAMES = (
     (r"self_attn\.1", "self_attn.attn_probs", None),
     (r"self_attn\.apply_rotary_pos_emb(\.0)?", "self_attn.q_rope", "heads_first"),
@@ -56,22 +60,24 @@ RENAMES = (
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.1", "linear_attn.recurrent_state", None),
     (r"linear_attn\.norm\.input\.0", "linear_attn.core", "reshape"),
     (r"linear_attn\.norm\.input\.1", "linear_attn.z", "reshape"),
+    (r"self_attn\.qkv_proj", "self_attn.q_proj+self_attn.k_proj+self_attn.v_proj", "split"),
+    (r"mlp\.(shared_expert\.)?gate_up_proj", r"mlp.\1gate_proj+mlp.\1up_proj", "split"),
 )
 _LAYER = re.compile(r"(model\.layers\.\d+\.)(.+)")
 DECLARED = "hf-hooks"
 NEEDS_DECLARING = {f"{DECLARED}:sigmoid"}  # readings that change values: a dump's own layout only when declared
 
 
-def rename(name: str) -> tuple[list[str], str | None]:
-    """The tap names a hook name may hold, in preference order, and the reading its source implies
-    ([], None if it is no hook name)."""
+def rename(name: str) -> tuple[list[list[str]], str | None]:
+    """The taps a hook name may hold, as alternatives in preference order, each a list of taps (several: a fused
+    projection split along its last axis), and the reading its source implies ([], None if it is no hook name)."""
     m = _LAYER.fullmatch(name)
     if not m:
         return [], None
     for pattern, taps, reading in RENAMES:
         hit = re.fullmatch(pattern, m[2])
         if hit:
-            return [m[1] + t for t in hit.expand(taps).split("|")], reading
+            return [[m[1] + t for t in alt.split("+")] for alt in hit.expand(taps).split("|")], reading
     return [], None
 
 

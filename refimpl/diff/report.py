@@ -232,7 +232,7 @@ def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
         if key:
             r = by_key[key]
             parts.append(f"<li>step {k}: <b>{html.escape(r.name)}</b> ({r.role}, layer {r.layer}, op "
-                         f"{html.escape(str(r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
+                         f"{html.escape(op_name(r.name, r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
     if not any(report.first_divergence.values()):
         parts.append("<li>none</li>")
     parts.append("</ul>")

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -278,7 +279,7 @@ class _TableRope(torch.nn.Module):
     (the half-width table twice, as rotate_half pairs channel d with d + rot/2)."""
 
     def forward(self, x, position_ids):
-        return self.tables
+        return self.tables()
 
 
 class GenieGraph(torch.nn.Module):
@@ -317,7 +318,8 @@ class GenieGraph(torch.nn.Module):
             else:
                 keys = a[:, 0].transpose(1, 2) if self.key_transposed else a[:, 0]          # [Hkv, W, D]
                 cache.update(keys[None], b[:, 0][None], i)
-        self.rope.tables = (torch.cat([cos, cos], -1)[:, 0], torch.cat([sin, sin], -1)[:, 0])
+        tables = (torch.cat([cos, cos], -1)[:, 0], torch.cat([sin, sin], -1)[:, 0])
+        self.rope.tables = lambda: tables  # a callable, not a tensor attribute (torch.export warns about those)
         own, self.model.model.rotary_emb = self.model.model.rotary_emb, self.rope
         chunk = torch.diagonal(attention_mask[0, 0, :, W:]) == 0                            # real slots
         if layer_types(cfg).count("linear_attention"):
@@ -488,12 +490,14 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
         ar = inputs["input_ids"].shape[1]
         if ar not in sessions:
             with torch.no_grad(), planted(model, fault), Recorder(model, fault) as rec:
-                wrapped = _WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec)
+                wrapped = _WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
                 args = tuple(_arg(inputs[n], dtype) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"genie_ar{ar}.onnx"
-                torch.onnx.export(wrapped, args, f, input_names=ins, output_names=outs + wrapped.tap_names,
-                                  dynamo=True, external_data=False, optimize=True)
+                with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
+                    warnings.simplefilter("ignore", FutureWarning)
+                    torch.onnx.export(wrapped, args, f, input_names=ins, output_names=outs + wrapped.tap_names,
+                                      dynamo=True, external_data=False, optimize=True, verbose=False)
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads = 1
             sessions[ar] = (onnxruntime.InferenceSession(str(f), options, providers=["CPUExecutionProvider"]),
