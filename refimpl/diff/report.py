@@ -148,7 +148,8 @@ def _verdict(report: Report, bad: str, good: str) -> str:
         return bad.format("MISMATCH")
     if report.missing:
         return bad.format(f"INCOMPLETE ({len(report.missing)} graph outputs missing from the dump)")
-    return good.format("PASS")
+    diverged = sum(r.status == "diverged" for r in report.results)
+    return good.format(f"PASS ({diverged} tensors after a tie not judged)" if diverged else "PASS")
 
 
 # ------------------------------------------------------------------------------------------------ HTML

@@ -7,7 +7,8 @@ reduced-precision runtimes also the emulated bundle at that precision), an hones
 `refimpl diff` with the default policy of the runtime's dtype (three-way for bf16 / fp16). Prints one row per run:
 the verdict, the number of compared tensors, the worst SQNR over every compared float tensor of every step and
 where it sits, and the margin to the bar (fp32: worst SQNR - the bar's SQNR; three-way: how far the worst tensor's
-NMSE stays under k^2 x the emulation's, in dB). Notes the report raised are printed too (an honest run raises none).
+NMSE stays under its three-way bar, in dB; tensors after an exact tie the device broke the other way are not
+judged). Notes the report raised are printed too (an honest run raises none but a tie's).
 Not a test: it takes minutes (the ONNX exports of the prompt graphs dominate).
 """
 
@@ -92,7 +93,8 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
     dump = read_dump(D.write_dump(calls, Path(tempfile.mkdtemp(dir=root))), bundle)
     policy = make_policy({"layouts": {".": "hf-hooks"}}, dtype)
     report = compare(bundle, dump, policy, emulated=emulated)
-    scored = [r for r in report.results if r.metrics and not r.metrics.get("integer") and r.metrics["n"]]
+    scored = [r for r in report.results if r.metrics and not r.metrics.get("integer") and r.metrics["n"]
+              and r.status != "diverged"]  # after a tie the device follows another valid path: not judged
     worst = min(scored, key=lambda r: r.metrics["sqnr_db"])
     if emulated is None:
         bar = -10 * math.log10(policy.criteria(worst.name, False)["max_nmse"])
@@ -144,7 +146,7 @@ def main(argv=None):
     print("\nworst margin per runtime and architecture (dB):")
     for (runtime, arch), m in sorted(by.items()):
         print(f"  {runtime:9} {arch:9} {m:6.1f}")
-    return 0 if all(r["verdict"] == "PASS" and not r["notes"] for r in rows) else 1
+    return 0 if all(r["verdict"] == "PASS" and all(n.startswith("tie at") for n in r["notes"]) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -145,7 +146,7 @@ class Recorder:
         modeling = sys.modules[type(self.model).__module__]
         for fn in HOOKED_FUNCTIONS:
             if hasattr(modeling, fn):
-                self.patches.enter_context(_patched(modeling, fn, self._function(fn, getattr(modeling, fn))))
+                self.patches.enter_context(mock.patch.object(modeling, fn, self._function(fn, getattr(modeling, fn))))
         return self
 
     def __exit__(self, *exc):
@@ -190,16 +191,6 @@ class Recorder:
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     self._save(name if i == 0 else f"{name}.{i}", o)
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def _interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
