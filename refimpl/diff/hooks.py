@@ -10,11 +10,10 @@ A hook dump names each tensor after what produced it:
     <module path>.<function>.input.<i> / .<keyword>   its positional / keyword tensor arguments (the gated delta
                                     rule's v, g and beta)
 
-A fused projection (vLLM-style `qkv_proj`, `gate_up_proj`) holds several taps side by side on its last axis, in
-the order the name says; each is read as its slice.
-
-and keeps the module's own layout. `rename` maps the names that are not tap names already (RENAMES); `readings`
-lists the layout readings a tap's dumped array may need, by shape:
+and keeps the module's own layout. `rename` maps the names that are not tap names already (RENAMES); a fused
+projection (vLLM-style `qkv_proj`, `gate_up_proj`) holds several taps side by side on its last axis, in the
+order the name says, each read as its slice. `readings` lists the layout readings a tap's dumped array may need,
+by shape:
 
     reshape         the same elements in C order: flattened rows [B*T, X] or [B*T*H, D] (MoE blocks and routers,
                     the gated norm) for [B, T, ..., D]; heads split [B, T, H, D] for [B, T, H*D]
@@ -35,6 +34,8 @@ import math
 import re
 
 import numpy as np
+
+from ..kernels.activation import sigmoid, silu
 
 # hook name (after "model.layers.<i>.") -> the tap it holds (the first of "a|b" the bundle has; "a+b+c": a fused
 # projection, the taps' last axes side by side) and the layout its source always has (None: known by shape), e.g.
@@ -81,11 +82,6 @@ def rename(name: str) -> tuple[list[list[str]], str | None]:
     return [], None
 
 
-def _silu(x):
-    x = x.astype(np.float64)
-    return x / (1 + np.exp(-x))
-
-
 def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, source: str | None = None) -> list:
     """[(reading, array in the tap's layout)] for a hooked array `a` of tap `name` (bundle shape `shape`).
     source: the reading the hook's source implies (rename), the only one tried when given."""
@@ -100,11 +96,11 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
         T, columns = shape[1], a.shape[2]
         if name.endswith("linear_attn.conv1d") and conv_kernel and columns == T + conv_kernel - 1 \
                 and source != "channels_first":
-            out.append(("padded_conv", _silu(a[..., :T]).astype(a.dtype).swapaxes(1, 2)))
+            out.append(("padded_conv", silu(a[..., :T].astype(np.float64)).astype(a.dtype).swapaxes(1, 2)))
         elif columns == T or name.endswith(("linear_attn.conv1d", "linear_attn.mixed_qkv")):
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))
     if name.endswith("mlp.shared_expert_gate") and a.size == math.prod(shape):
-        out.append(("sigmoid", (1 / (1 + np.exp(-a.astype(np.float64)))).astype(a.dtype).reshape(shape)))
+        out.append(("sigmoid", sigmoid(a.astype(np.float64)).astype(a.dtype).reshape(shape)))
     if source is not None:
         out = [r for r in out if r[0] == source]
     return [(f"{DECLARED}:{r}", v) for r, v in out]

@@ -282,7 +282,8 @@ class GenieGraph(torch.nn.Module):
     The cache is transformers' DynamicCache filled with the host's window; the conv state (S = Kc - 1 columns)
     is given one leading zero column (transformers keeps Kc and never reads the first). GDN pad slots: the chunk's
     own mask entries mark them (its diagonal), and transformers zeroes their hidden states — an identity only while
-    the state is zero, i.e. for a prompt that fits one chunk (the host here never pads a later chunk)."""
+    the state is zero: a prompt that fits one chunk, or chunks without pads. Genie's left-padded last chunk after a
+    state is where this device departs from the contract (test_independent_devices shows the diff naming it)."""
 
     def __init__(self, model, key_transposed: bool = True, fault: Fault | None = None):
         super().__init__()

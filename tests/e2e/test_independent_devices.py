@@ -172,6 +172,24 @@ def test_planted_fault_is_localised_and_blamed(fault, cases, tmp_path):
     assert not any(r.not_forced for r in rows)
 
 
+def test_transformers_pad_handling_in_a_continued_chunk_is_localised(cases, tmp_path):
+    """Not a planted fault: transformers zeroes a pad slot's hidden state in a linear-attention layer, an identity
+    only while the state is zero. Genie's left-padded last prompt chunk follows a state, and the contract (refimpl)
+    leaves the state alone at pads. An honest transformers device fed that chunk as is differs right there: the
+    diff names step 1, layer 0's conv1d, and replay blames the two ops that see the pad. The devices elsewhere
+    never pad a chunk that follows a state."""
+    case = cases("hybrid")
+    bundle = case.golden("genie", params={**GENIE, "ar": 4})     # 7 prompt tokens: chunks of 4 and 3 + 1 pad
+    dump_path = device_dump(case, bundle, tmp_path / "dump")
+    report = judge(bundle, dump_path)
+    assert first(report) == (1, "model.layers.0.linear_attn.conv1d")
+    rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays), layer=0, step=1,
+                  policy=make_policy({"layouts": {".": "hf-hooks"}}))
+    # both ops that see the pad add: the conv (a zero column where the state was) and the delta rule (a decay step)
+    assert [r.name for r in rows if r.adds_error] == ["model.layers.0.linear_attn.conv1d",
+                                                      "model.layers.0.linear_attn.core"]
+
+
 # ------------------------------------------------------------------------------------------------ reduced precision
 
 def test_transformers_bf16_passes_three_way(cases, tmp_path):
