@@ -101,7 +101,8 @@ def worst_sqnr(report) -> float:
 def test_honest_float32_runs_pass(arch, convention, attn, cases, tmp_path):
     case = cases(arch)
     bundle = case.golden(convention)
-    report = judge(bundle, device_dump(case, bundle, tmp_path / "dump", attn=attn))
+    dump_path = device_dump(case, bundle, tmp_path / "dump", attn=attn)
+    report = judge(bundle, dump_path)
     assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
     assert report.notes == [] and report.missing == []
     # the hooks reach most taps (a hybrid's q / k after the in-kernel l2norm and the attention scores stay hidden)
@@ -109,6 +110,10 @@ def test_honest_float32_runs_pass(arch, convention, attn, cases, tmp_path):
     scored = sum(r.role == "tap" for r in report.results)
     assert scored >= 0.85 * taps, (scored, taps)
     assert worst_sqnr(report) > 95  # the calibrated margin over more steps: docs/diff.md
+    # op by op, an honest device adds nothing anywhere (layer 1 at the last step; op-level noise is ~120 dB)
+    rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays), layer=1, step=STEPS,
+                  policy=make_policy({"layouts": {".": "hf-hooks"}}))
+    assert rows and not any(r.adds_error for r in rows), [(r.name, r.failures) for r in rows if r.adds_error]
 
 
 # ------------------------------------------------------------------------------------------------ faults
