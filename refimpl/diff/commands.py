@@ -140,7 +140,7 @@ def cmd_diff(args) -> int:
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
     from ..bundle import valid_mask
-    from .compare import candidates, model_config, conv_kernel
+    from .compare import candidates, conv_kernel, model_config
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None
@@ -159,8 +159,8 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
-    from .report import fmt, print_table, terminal
     from .replay import replay
+    from .report import fmt, print_table, terminal
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)

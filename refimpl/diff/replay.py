@@ -28,13 +28,13 @@ import dataclasses
 import numpy as np
 
 from ..bundle import DTYPES, valid_mask
-from ..golden import run_graph
 from ..errors import InputError
+from ..golden import run_graph
+from ..models.config import config_from_dict
 from ..trace import trace
 from .compare import Policy, candidates, conv_kernel, is_integer, judge
 from .dataflow import producer
 from .metrics import tensor_metrics
-from ..models.config import config_from_dict
 
 
 @dataclasses.dataclass

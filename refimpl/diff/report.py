@@ -94,9 +94,9 @@ def print_table(console: Console, title: str, columns: list, rows: list, styles:
 
 # (header, drop order: None = always shown, higher = left out first on a narrow terminal, wraps)
 _TABLE = (("step", None, False), ("tensor", None, False), ("role", 9, False), ("status", None, False),
-          ("origin", 5, False), ("SQNR dB", None, False), ("NMSE", 6, False), ("cosine", 8, False),
+          ("origin", 2, False), ("SQNR dB", None, False), ("NMSE", 6, False), ("cosine", 8, False),
           ("max abs", 7, False), ("rel@p99", 10, False), ("not-close", 11, False), ("ULP max", 12, False),
-          ("NaN/Inf", 4, False), ("note", 3, True))
+          ("NaN/Inf", 3, False), ("note", 4, True))
 
 
 def print_report(report: Report, console: Console | None = None, top: int = 20) -> None:

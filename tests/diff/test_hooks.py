@@ -2,10 +2,10 @@
 hooks give them must read back into the bundle's taps; a value-changing reading needs `--layout hf-hooks`.
 (tests/e2e runs the real thing: transformers and ONNX Runtime hooked.)"""
 
+import faults as F
 import numpy as np
 import pytest
 
-import faults as F
 from refimpl.bundle import read_bundle
 from refimpl.diff.compare import compare, make_policy
 from refimpl.diff.dump import read_dump

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-import devices as D  # noqa: E402
+import devices as D
 
-from refimpl.bundle import read_bundle  # noqa: E402
-from refimpl.diff.compare import compare, make_policy  # noqa: E402
-from refimpl.diff.dump import read_dump  # noqa: E402
-from refimpl.golden import write_golden  # noqa: E402
-from refimpl.models.presets import PRESETS, build, save_preset  # noqa: E402
+from refimpl.bundle import read_bundle
+from refimpl.diff.compare import compare, make_policy
+from refimpl.diff.dump import read_dump
+from refimpl.golden import write_golden
+from refimpl.models.presets import PRESETS, build, save_preset
 
 CASES = {  # convention -> (prompt, params)
     "hf": ([9707, 11, 1879, 13, 42, 7, 99], {}),

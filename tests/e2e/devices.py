@@ -31,11 +31,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from refimpl.formats.safetensors import write_safetensors  # noqa: E402
-from refimpl.models.config import config_from_dict  # noqa: E402
-from refimpl.models.model import Model  # noqa: E402
-from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights  # noqa: E402
-from refimpl.precision import policy  # noqa: E402
+from refimpl.formats.safetensors import write_safetensors
+from refimpl.models.config import config_from_dict
+from refimpl.models.model import Model
+from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights
+from refimpl.precision import policy
 
 # functions of transformers' modeling modules a bring-up engineer hooks besides the modules (outputs recorded)
 HOOKED_FUNCTIONS = ("apply_rotary_pos_emb", "eager_attention_forward", "causal_conv1d_fn", "causal_conv1d_update",

@@ -6,10 +6,10 @@ op only. The margins over many more steps are docs/diff.md's calibration table (
 import dataclasses
 import math
 
+import devices as D
 import numpy as np
 import pytest
 
-import devices as D
 from refimpl.bundle import read_bundle
 from refimpl.diff.compare import compare, make_policy
 from refimpl.diff.dump import read_dump
