@@ -89,6 +89,20 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     """Read a device dump and match its tensors to `bundle`'s (a refimpl.bundle.Bundle).
     mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's); default
     float32 (qnn-net-run), native when the dump is itself a refimpl bundle (has a manifest.json)."""
+    matched, unknown = match_dump(path, bundle, mapping=mapping, dtype=dtype)
+    dump = Dump(Path(path), {}, unknown)
+    for key, (source, load) in matched.items():
+        try:
+            array, problem = load(), None
+        except FormatError as e:
+            array, problem = None, str(e)
+        dump.items[key] = Item(key, source, array, problem, load.reading)
+    return dump
+
+
+def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> tuple[dict, list]:
+    """The matching of read_dump without reading: ({bundle key: (source, load)}, unknown sources), where load()
+    returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
     path = Path(path)
     if dtype is None:
         dtype = "native" if (path / "manifest.json").is_file() else "float32"
@@ -97,7 +111,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     if not path.exists():
         raise InputError(f"{path}: no such dump file or directory")
     matcher = _Matcher(bundle.manifest, mapping or {})
-    dump = Dump(path, {}, [])
+    matched, unknown = {}, []
     if path.is_dir():
         entries = _directory(path)
     elif path.suffix == ".npz":
@@ -109,34 +123,47 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     for parts, source, load in entries:
         keys, why = matcher.match(parts)
         if not keys:
-            dump.unknown.append(f"{source} ({why})")
+            unknown.append(f"{source} ({why})")
             continue
-        taken = [k for k in keys if k in dump.items]
+        taken = [k for k in keys if k in matched]
         if taken:
-            dump.unknown.append(f"{source} (duplicate of {dump.items[taken[0]].source} for {taken[0]})")
+            unknown.append(f"{source} (duplicate of {matched[taken[0]][0]} for {taken[0]})")
             continue
         recs = [bundle.manifest["tensors"][k] for k in keys]
         widths = [r["shape"][-1] if r["shape"] else 1 for r in recs]
-        whole = {**recs[0], "shape": [*recs[0]["shape"][:-1], sum(widths)]}  # a fused projection: side by side
-        try:
-            array, problem = load(whole, dtype), None
-            if len(keys) > 1:
-                array = array.reshape(whole["shape"]) if array.ndim == 1 else array
-                if array.shape[-1] != sum(widths):
-                    raise FormatError(f"{source}: last axis {array.shape[-1]}, expected {' + '.join(map(str, widths))} "
-                                      f"for {', '.join(k.split('/', 2)[2] for k in keys)}")
-        except FormatError as e:
-            array, problem = None, str(e)
         reading = hooks.rename(parts[-1])[1] if len(keys) == 1 else None
         start = 0
-        for key, width in zip(keys, widths):
-            part = array if array is None or len(keys) == 1 else array[..., start:start + width]
-            dump.items[key] = Item(key, source, part, problem, reading)
+        for key, rec, width in zip(keys, recs, widths):
+            part = None if len(keys) == 1 else (start, start + width, sum(widths), [k.split("/", 2)[2] for k in keys])
+            matched[key] = (source, _Loader(load, rec, dtype, part, reading))
             start += width
-    if not dump.items:
+    if not matched:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
-                         f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")
-    return dump
+                         f"({len(unknown)} unknown, e.g. {unknown[:3]})")
+    return matched, unknown
+
+
+@dataclasses.dataclass
+class _Loader:
+    """One matched tensor's reader: loader() -> its array, or FormatError. part: (start, stop, total width, names)
+    for a tap that a fused projection holds on its last axis beside others; reading: the layout its hook name
+    implies (refimpl.diff.hooks)."""
+    load: object
+    rec: dict
+    dtype: str
+    part: tuple | None = None
+    reading: str | None = None
+
+    def __call__(self):
+        if self.part is None:
+            return self.load(self.rec, self.dtype)
+        start, stop, total, names = self.part
+        whole = {**self.rec, "shape": [*self.rec["shape"][:-1], total]}
+        a = self.load(whole, self.dtype)
+        a = a.reshape(whole["shape"]) if a.ndim == 1 else a
+        if a.shape[-1] != total:
+            raise FormatError(f"last axis {a.shape[-1]}, expected {total} for {' + '.join(names)} side by side")
+        return a[..., start:stop]
 
 
 # --------------------------------------------------------------------------------------------- containers

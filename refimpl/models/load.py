@@ -10,9 +10,10 @@ from .model import Model
 DTYPES = ("float32", "float64")
 
 
-def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
+def load(source: str | Path, dtype: str = "float32", precision=None, strict: bool = True) -> Model:
     """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
-    Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree."""
+    Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree.
+    strict: a GGUF tensor of a type that cannot be read is an error here (default), else when it is read."""
     from ..precision import policy
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -25,7 +26,7 @@ def load(source: str | Path, dtype: str = "float32", precision=None) -> Model:
     path = Path(source)
     if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
-        config, arrays = load_gguf(path)
+        config, arrays = load_gguf(path, strict)
         return Model.from_arrays(config, arrays, str(path), p)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
