@@ -41,7 +41,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     prompt = prompt_list(prompt_ids, "hf")
     cache, calls = model.new_cache(), []
     for step in range(1 + decode_steps):
-        tokens = prompt if step == 0 else [next_token(calls[-1].outputs["logits"][0, -1], decode_ids, step - 1)]
+        tokens = prompt if step == 0 else [next_token(int(np.argmax(calls[-1].outputs["logits"][0, -1])), decode_ids,
+                                                      step - 1)]
         P = cache.seq_length
         inputs = {"input_ids": np.array([tokens], np.int64),
                   "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None], **_state(cache, cfg, "past")}

@@ -120,7 +120,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             S = opts.seq_len
         else:
             last = calls[-1].outputs["logits"][0, len(calls[-1].tokens) - 1]
-            graph_name, tokens, S = "decode", [next_token(last, decode_ids, step - len(chunks))], 1
+            graph_name, tokens, S = "decode", [next_token(int(np.argmax(last)), decode_ids, step - len(chunks))], 1
         n = len(tokens)
         positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(S - n, np.int64)])
         inputs = {"input_ids": np.array([tokens + [pad_id] * (S - n)], np.int64),

@@ -235,8 +235,8 @@ def candidates(item, rec, declared: str | None, conv_kernel: int | None = None):
     """[(reading or None, array in the golden layout)] to try, the likeliest first (replay takes the first). A tap
     is also tried in the layouts of module hooks (refimpl.diff.hooks: flattened rows, [B, H, T, D], channels-first
     conv), first when its hook name implies one; `declared` is an adapter of ADAPTERS, "hf-hooks" (the dump comes
-    from module hooks: their value-changing readings too, first) or a reading recorded earlier (e.g.
-    "hf-hooks:reshape"). conv_kernel: the model's causal conv width (padded conv outputs)."""
+    from module hooks: their layouts first) or a reading recorded earlier (e.g. "hf-hooks:reshape").
+    conv_kernel: the model's causal conv width (padded conv outputs)."""
     shape, axes, a = tuple(rec["shape"]), rec.get("axes"), item.array
     flat = a.ndim == 1 and len(shape) != 1 and a.size == math.prod(shape)  # a raw file: the bundle's shape
     tap = rec["role"] == "tap"
@@ -244,13 +244,11 @@ def candidates(item, rec, declared: str | None, conv_kernel: int | None = None):
     hooked, source = [], getattr(item, "reading", None)
     if tap and (declared is None or declared.startswith(hooks.DECLARED)):
         hooked = hooks.readings(a, rec["name"], shape, conv_kernel, source)
-    changing = [h for h, _ in hooked if h in hooks.NEEDS_DECLARING]
-    plain = [h for h, _ in hooked if h not in hooks.NEEDS_DECLARING]
-    implied = plain if source else []  # the layout the hook's source always has (e.g. RoPE's [B, H, T, D])
-    if declared is None:  # as is, as hooked, the mix-ups, then hook readings that change values
-        names = [*implied, None, *[h for h in plain if h not in implied], *ADAPTERS, *changing]
-    elif declared == hooks.DECLARED:  # the dump's own layouts first
-        names = [*changing, *implied, None, *[h for h in plain if h not in implied], *ADAPTERS]
+    hooked_names = [h for h, _ in hooked]
+    if declared is None and not source:  # as is, as hooked, then the mix-ups
+        names = [None, *hooked_names, *ADAPTERS]
+    elif declared in (None, hooks.DECLARED):  # the hook layouts first (the one its source implies, if named)
+        names = [*hooked_names, None, *ADAPTERS]
     else:
         names = [declared]
     hooked = dict(hooked)
@@ -428,10 +426,6 @@ def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: 
     elif adapter in ADAPTERS and adapter != declared:
         r.status = "layout"
         r.problem = f"matches the golden only when read as '{adapter}': {ADAPTERS[adapter][2]}"
-    elif adapter in hooks.NEEDS_DECLARING and declared != hooks.DECLARED:
-        r.status = "layout"
-        r.problem = (f"matches the golden only when read as '{adapter}' (a module hook's output before its "
-                     f"caller's activation): declare --layout hf-hooks if the dump comes from module hooks")
     else:
         r.status = "pass"
     if integer:

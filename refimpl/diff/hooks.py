@@ -20,22 +20,19 @@ by shape:
     heads_first     [B, H, T, D] (q / k after RoPE, as attention consumes them) for [B, T, H, D]
     channels_first  [B, C, T] (the conv path) for [B, T, C]; the conv's input and output also with the state's
                     columns in front, [B, C, S + T] (a continued chunk: the conv runs over [state | x])
-    padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1]: the first T columns, then the SiLU the
-                    module leaves to its caller
-    sigmoid         a module whose caller applies the sigmoid (transformers' shared_expert_gate is the gate's
-                    logit; the tap is the gate): the dump's layout when declared `--layout hf-hooks` (then tried
-                    first), else a mix-up to report (then tried last)
+    padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1] for the conv1d tap: its first T columns
 
 Readings apply to taps only: a tap has no device contract, so reading it in its module's layout is not a mix-up.
 Graph inputs and outputs keep their contract, and the layout adapters of refimpl.diff.compare flag mix-ups there.
+The taps themselves are the modules' outputs (docs/taps.md: conv1d before its silu, shared_expert_gate's logit),
+so no reading changes a value; declaring `--layout hf-hooks` only makes the hook readings win over an as-is
+reading where both fit.
 """
 
 import math
 import re
 
 import numpy as np
-
-from ..kernels.activation import sigmoid, silu
 
 # hook name (after "model.layers.<i>.") -> the tap it holds (the first of "a|b" the bundle has; "a+b+c": a fused
 # projection, the taps' last axes side by side) and the layout its source always has (None: known by shape), e.g.
@@ -54,7 +51,7 @@ RENAMES = (
     (r"mlp\.gate\.1", "mlp.routing_weights", None),
     (r"mlp\.gate\.2", "mlp.selected_experts", None),
     (r"linear_attn\.causal_conv1d_(fn|update)\.input(\.0)?", "linear_attn.mixed_qkv", "channels_first"),
-    (r"linear_attn\.causal_conv1d_(fn|update)(\.0)?", "linear_attn.conv1d", "channels_first"),
+    (r"linear_attn\.causal_conv1d_(fn|update)(\.0)?", "linear_attn.conv1d_silu", "channels_first"),
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.input\.2", "linear_attn.v", None),
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.(g|beta)", r"linear_attn.\2", None),
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule(\.0)?", "linear_attn.core", None),
@@ -66,7 +63,6 @@ RENAMES = (
 )
 _LAYER = re.compile(r"(model\.layers\.\d+\.)(.+)")
 DECLARED = "hf-hooks"
-NEEDS_DECLARING = {f"{DECLARED}:sigmoid"}  # readings that change values: a dump's own layout only when declared
 
 
 def rename(name: str) -> tuple[list[list[str]], str | None]:
@@ -96,11 +92,9 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
         T, columns = shape[1], a.shape[2]
         if name.endswith("linear_attn.conv1d") and conv_kernel and columns == T + conv_kernel - 1 \
                 and source != "channels_first":
-            out.append(("padded_conv", silu(a[..., :T].astype(np.float64)).astype(a.dtype).swapaxes(1, 2)))
-        elif columns == T or name.endswith(("linear_attn.conv1d", "linear_attn.mixed_qkv")):
+            out.append(("padded_conv", a[..., :T].swapaxes(1, 2)))
+        elif columns == T or name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")):
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))
-    if name.endswith("mlp.shared_expert_gate") and a.size == math.prod(shape):
-        out.append(("sigmoid", sigmoid(a.astype(np.float64)).astype(a.dtype).reshape(shape)))
     if source is not None:
         out = [r for r in out if r[0] == source]
     return [(f"{DECLARED}:{r}", v) for r, v in out]

@@ -279,11 +279,12 @@ class GenieGraph(torch.nn.Module):
     conv_state/recurrent_state) -> (logits, then per layer the new KV entries or the updated states), plus the
     hooked taps when `record` is set (they become extra graph outputs in an ONNX export).
 
-    The cache is transformers' DynamicCache filled with the host's window; the conv state (S = Kc - 1 columns)
-    is given one leading zero column (transformers keeps Kc and never reads the first). GDN pad slots: the chunk's
+    The cache is transformers' DynamicCache filled with the host's window; a conv state of S < Kc columns is given
+    leading zero columns (transformers keeps Kc and never reads the first). GDN pad slots: the chunk's
     own mask entries mark them (its diagonal), and transformers zeroes their hidden states — an identity only while
-    the state is zero: a prompt that fits one chunk, or chunks without pads. Genie's left-padded last chunk after a
-    state is where this device departs from the contract (test_independent_devices shows the diff naming it)."""
+    the state is zero: pads leading the first chunk (AI Hub's left padding), or chunks without pads. Pads trailing
+    the last chunk after a state (the Genie runtime's right padding) is where this device departs from the contract
+    (test_independent_devices shows the diff naming it)."""
 
     def __init__(self, model, key_transposed: bool = True, fault: Fault | None = None):
         super().__init__()
@@ -302,7 +303,9 @@ class GenieGraph(torch.nn.Module):
             a, b = next(it), next(it)
             if kind == "linear_attention":
                 layer = cache.layers[i]
-                full = torch.cat([torch.zeros_like(a[..., :1]), a], dim=-1)
+                Kc, S = self.model.config.linear_conv_kernel_dim, a.shape[-1]
+                full = torch.cat([torch.zeros_like(a[..., :1]).expand(*a.shape[:-1], Kc - S), a], dim=-1) \
+                    if S < Kc else a
                 layer.lazy_initialization(conv_states=full, recurrent_states=b)
                 layer.conv_states[0] = full.clone()
                 layer.recurrent_states[0] = b.clone()
@@ -331,7 +334,7 @@ class GenieGraph(torch.nn.Module):
             a, b = next(it), next(it)
             layer = cache.layers[i]
             if kind == "linear_attention":
-                conv = layer.conv_states[0][..., 1:]
+                conv = layer.conv_states[0][..., -a.shape[-1]:]
                 if self.step == self.fault.conv_state_stale_step:
                     conv = a                                         # the fault: the state written back unshifted
                 outputs += [conv, layer.recurrent_states[0]]
@@ -370,9 +373,10 @@ def rope_tables(cfg, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def run_genie(graph, cfg, steps: list, params: dict, fault: Fault | None = None) -> list[Call]:
     """The Genie host loop (device_conventions.md §1.3) around `graph(inputs: dict) -> (outputs: dict, taps: dict)`.
     steps: each call's (graph name, real tokens), the bundle's; params: the bundle's genie options (ar, cl, mask_floor,
-    key_transposed, pad_id)."""
+    key_transposed, pad_id, pad_side, conv_state_len)."""
     fault = fault or Fault()
     AR, CL, floor = params["ar"], params["cl"], params["mask_floor"] if fault.mask_floor is None else fault.mask_floor
+    left = params.get("pad_side", "left") == "left"
     pad = params.get("pad_id")
     pad = pad if pad is not None else (cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id)
     transposed = params.get("key_transposed", True)
@@ -383,21 +387,25 @@ def run_genie(graph, cfg, steps: list, params: dict, fault: Fault | None = None)
         if t == "linear_attention":
             conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
                 cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            states[i] = (np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim - 1), np.float32),
+            S = params.get("conv_state_len") or cfg.linear_conv_kernel_dim - 1   # (older bundles: Kc - 1)
+            states[i] = (np.zeros((1, conv_dim, S), np.float32),
                          np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                    cfg.linear_value_head_dim), np.float32))
     calls, cur = [], 0
     for k, (graph_name, tokens) in enumerate(steps):
         ar = AR if graph_name == "prompt" else params.get("decode_ar", 1)
         W, n = CL - ar, len(tokens)
-        p = ar - n
-        chunk = np.concatenate([np.zeros(p), np.ones(n)])
+        lo, hi = (ar - n, ar) if left else (0, n)                                    # the real slots of the chunk
+        chunk = np.zeros(ar)
+        chunk[lo:hi] = 1
         full = np.concatenate([np.zeros(W - cur), np.ones(cur), chunk])                          # [CL]
         allowed = (full[None] == 1) & (np.arange(CL)[None] <= W + np.arange(ar)[:, None])      # causal over slots
         mask = np.maximum(np.where(allowed, 0.0, np.finfo(np.float32).min), floor).astype(np.float32)
         positions = np.clip(np.cumsum(full) - 1, 0, CL - 1)[-ar:]
         cos, sin = rope_tables(cfg, positions)
-        inputs = {"input_ids": np.array([[pad] * p + list(tokens)], np.int32), "attention_mask": mask[None, None],
+        ids = np.full((1, ar), pad, np.int32)
+        ids[0, lo:hi] = tokens
+        inputs = {"input_ids": ids, "attention_mask": mask[None, None],
                   "position_ids_cos": cos, "position_ids_sin": sin}
         for i, (keys, values) in kv.items():
             shift = 1 if k == fault.window_shift_step else 0                 # the fault: one slot too far left
@@ -412,8 +420,8 @@ def run_genie(graph, cfg, steps: list, params: dict, fault: Fault | None = None)
         for i in kv:
             keys = outputs[f"past_key_{i}_out"][:, 0]
             keys = keys.transpose(0, 2, 1) if transposed else keys
-            kv[i] = (np.concatenate([kv[i][0], keys[:, p:]], 1),
-                     np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, p:]], 1))
+            kv[i] = (np.concatenate([kv[i][0], keys[:, lo:hi]], 1),
+                     np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, lo:hi]], 1))
         for i in states:
             states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
         calls.append(Call(inputs, outputs, taps))

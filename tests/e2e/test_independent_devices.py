@@ -79,6 +79,20 @@ def device_dump(case: Case, bundle, out, fault=None, dtype="float32", attn="eage
     return D.write_dump(calls, out)
 
 
+# taps no module hook or hooked function returns in transformers' eager / sdpa code, and why
+HOOK_HIDDEN = {
+    "self_attn.attn_scores": "eager_attention_forward returns the probabilities, never the scaled scores",
+    "self_attn.attn_probs": "sdpa returns only the attention output",
+    "self_attn.attn_output": "sdpa_attention_forward is not hooked (its torch kernel is the op)",
+    "self_attn.gate": "a hybrid's q_proj returns the query and its gate fused; the split is not a call",
+    "mlp.router_probs": "the MoE block's softmax of the router logits is not a module",
+    "linear_attn.q": "read after the in-kernel l2norm only",
+    "linear_attn.k": "read after the in-kernel l2norm only",
+    "linear_attn.conv1d": "at decode torch_causal_conv1d_update returns silu(conv) only (conv1d_silu)",
+    "linear_attn.conv_state": "a cache entry, not returned by a call",
+}
+
+
 def judge(bundle, dump_path, dtype="fp32", emulated=None):
     return compare(bundle, read_dump(dump_path, bundle), make_policy({"layouts": {".": "hf-hooks"}}, dtype),
                    emulated=emulated)
@@ -105,10 +119,11 @@ def test_honest_float32_runs_pass(arch, convention, attn, cases, tmp_path):
     report = judge(bundle, dump_path)
     assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
     assert report.notes == [] and report.missing == []
-    # the hooks reach most taps (a hybrid's q / k after the in-kernel l2norm and the attention scores stay hidden)
-    taps = sum(len(s["taps"]) for s in bundle.manifest["steps"])
-    scored = sum(r.role == "tap" for r in report.results)
-    assert scored >= 0.85 * taps, (scored, taps)
+    # the hooks reach every tap but those no module or hooked function returns (HOOK_HIDDEN)
+    taps = {(k, t) for k, s in enumerate(bundle.manifest["steps"]) for t in s["taps"]}
+    scored = {(r.step, r.key.split("/", 2)[2]) for r in report.results if r.role == "tap"}
+    unreached = {t.split(".", 3)[3] for _, t in taps - scored}
+    assert unreached <= set(HOOK_HIDDEN), unreached - set(HOOK_HIDDEN)
     assert worst_sqnr(report) > 95  # the calibrated margin over more steps: docs/diff.md
     # op by op, an honest device adds nothing anywhere (layer 1 at the last step; op-level noise is ~120 dB)
     rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays), layer=1, step=STEPS,
@@ -131,7 +146,8 @@ FAULTS = {
     "A_log (hybrid)": ("hybrid", "hf", D.Fault(scale_weight=("model.layers.1.linear_attn.A_log", 1.2)),
                        (0, "model.layers.1.linear_attn.g"), (0, 1), ["model.layers.1.linear_attn.g"]),
     "conv weight (hybrid)": ("hybrid", "genie", D.Fault(scale_weight=("model.layers.0.linear_attn.conv1d.weight", 1.1)),
-                             (0, "model.layers.0.linear_attn.conv1d"), (0, 0), ["model.layers.0.linear_attn.conv1d"]),
+                             (0, "model.layers.0.linear_attn.conv1d_silu"), (0, 0),
+                             ["model.layers.0.linear_attn.conv1d_silu"]),
     "interleaved RoPE (dense)": ("dense", "hf", D.Fault(interleaved_rope_layer=2), (0, "model.layers.2.self_attn.q_rope"),
                                  (0, 2), ["model.layers.2.self_attn.q_rope", "model.layers.2.self_attn.k_rope"]),
     "interleaved RoPE (hybrid)": ("hybrid", "genie", D.Fault(interleaved_rope_layer=3),
@@ -177,22 +193,21 @@ def test_planted_fault_is_localised_and_blamed(fault, cases, tmp_path):
     assert not any(r.not_forced for r in rows)
 
 
-def test_transformers_pad_handling_in_a_continued_chunk_is_localised(cases, tmp_path):
+def test_transformers_pad_handling_after_a_state_is_localised(cases, tmp_path):
     """Not a planted fault: transformers zeroes a pad slot's hidden state in a linear-attention layer, an identity
-    only while the state is zero. Genie's left-padded last prompt chunk follows a state, and the contract (refimpl)
-    leaves the state alone at pads. An honest transformers device fed that chunk as is differs right there: the
-    diff names step 1, layer 0's conv1d, and replay blames the two ops that see the pad. The devices elsewhere
-    never pad a chunk that follows a state."""
+    only while the state is zero. With the Genie runtime's right padding the pads trail the last prompt chunk,
+    after a state, and the contract (refimpl, AI Hub's graph) leaves the state alone at pads. An honest
+    transformers device fed that chunk as is runs the pad as a step: the diff names step 1, layer 0's state, and
+    replay blames the two ops that let the pad in (the delta rule's decay, the conv state's shift)."""
     case = cases("hybrid")
-    bundle = case.golden("genie", params={**GENIE, "ar": 4})     # 7 prompt tokens: chunks of 4 and 3 + 1 pad
+    bundle = case.golden("genie", params={**GENIE, "ar": 4, "pad_side": "right"})  # chunks of 4 and 3 + 1 pad
     dump_path = device_dump(case, bundle, tmp_path / "dump")
     report = judge(bundle, dump_path)
-    assert first(report) == (1, "model.layers.0.linear_attn.conv1d")
+    assert first(report) == (1, "model.layers.0.linear_attn.recurrent_state")
     rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays), layer=0, step=1,
                   policy=make_policy({"layouts": {".": "hf-hooks"}}))
-    # both ops that see the pad add: the conv (a zero column where the state was) and the delta rule (a decay step)
-    assert [r.name for r in rows if r.adds_error] == ["model.layers.0.linear_attn.conv1d",
-                                                      "model.layers.0.linear_attn.core"]
+    assert sorted(r.name for r in rows if r.adds_error) == ["conv_state_0_out",
+                                                            "model.layers.0.linear_attn.recurrent_state"]
 
 
 # ------------------------------------------------------------------------------------------------ reduced precision
@@ -244,12 +259,12 @@ def test_cli_names_step_layer_and_op_in_full_on_an_80_column_terminal(cases, tmp
     assert main(["diff", str(bundle.path), str(dump), "--layout", "hf-hooks", "--top", "8", "-q",
                  "--json", str(tmp_path / "m.json")]) == 1
     out = capsys.readouterr().out
-    assert "first divergence, step 0: model.layers.0.linear_attn.conv1d (tap; layer 0, op conv1d " in out
-    assert "…" not in out and "lin…" not in out
-    assert "model.layers.0.linear_attn.conv1d " in out.split("first divergence")[0]  # the table row, whole
+    assert "first divergence, step 0: model.layers.0.linear_attn.conv1d_silu (tap; layer 0, op conv1d_silu " in out
+    assert "…" not in out
+    assert "model.layers.0.linear_attn.conv1d_silu " in out.split("first divergence")[0]  # the table row, whole
     assert all(len(line) <= 80 for line in out.split("first divergence")[0].splitlines())
-    assert "model.layers.0.linear_attn.conv1d" in (tmp_path / "m.json").read_text()
-    assert main(["replay", str(bundle.path), str(dump), "--tensor", "model.layers.0.linear_attn.conv1d",
+    assert "model.layers.0.linear_attn.conv1d_silu" in (tmp_path / "m.json").read_text()
+    assert main(["replay", str(bundle.path), str(dump), "--tensor", "model.layers.0.linear_attn.conv1d_silu",
                  "--step", "0", "--layout", "hf-hooks", "--model", str(case.checkpoint)]) == 1
-    out = capsys.readouterr().out
-    assert "model.layers.0.linear_attn.conv1d" in out and "ADDS ERROR" in out
+    out = capsys.readouterr().out   # the conv itself (the module transformers no longer calls) was not dumped
+    assert "model.layers.0.linear_attn.conv1d_silu" in out and "ADDS ERROR (this op or the undumped conv1d" in out
