@@ -93,7 +93,8 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
         if name.endswith("linear_attn.conv1d") and conv_kernel and columns == T + conv_kernel - 1 \
                 and source != "channels_first":
             out.append(("padded_conv", a[..., :T].swapaxes(1, 2)))
-        elif columns == T or name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")):
+        elif name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")) or \
+                columns == T and (shape[1] != shape[2] or source == "channels_first"):   # [B, T, T]: as is
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))
     if source is not None:
         out = [r for r in out if r[0] == source]

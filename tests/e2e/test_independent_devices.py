@@ -206,8 +206,10 @@ def test_transformers_pad_handling_after_a_state_is_localised(cases, tmp_path):
     assert first(report) == (1, "model.layers.0.linear_attn.recurrent_state")
     rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays), layer=0, step=1,
                   policy=make_policy({"layouts": {".": "hf-hooks"}}))
+    # the delta rule's state (its tap and the graph output holding it) and the conv state's shift
     assert sorted(r.name for r in rows if r.adds_error) == ["conv_state_0_out",
-                                                            "model.layers.0.linear_attn.recurrent_state"]
+                                                            "model.layers.0.linear_attn.recurrent_state",
+                                                            "recurrent_state_0_out"]
 
 
 # ------------------------------------------------------------------------------------------------ reduced precision
