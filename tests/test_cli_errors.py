@@ -59,6 +59,7 @@ CASES = {
         ["diff", "{b}", "{b}", "--layout", "[=aimet"],
         ["diff", "{b}", "{b}", "--layout", "x=sideways"],
         ["diff", "{b}", "{b}", "--k", "nan"],
+        ["diff", "{b}", "{b}", "--top", "-1"],
         ["diff", "{b}", "{b}", "--dump-dtype", "int7"],
         ["diff", "{b}", "{b}", "--float", "{b}", "--excess", "nan"],
         ["diff", "{b}", "{b}", "--encodings", "{deep}"],

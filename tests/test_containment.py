@@ -146,3 +146,108 @@ def test_the_audit_hook_sees_reads_outside(case):
     with opened_files() as seen:
         (outside / "secret.raw").read_bytes()
     assert str((outside / "secret.raw").resolve()) in seen
+
+
+# ---------------------------------------------------------------------------------------------- device dumps
+
+def _qnn_dump(bundle, root):
+    """A qnn-net-run output directory of the bundle's logits and norm taps: Result_<k>/<name>.raw (float32)."""
+    b = read_bundle(bundle)
+    for k in range(b.steps):
+        (root / f"Result_{k}").mkdir(parents=True)
+        for name, role in (("logits", "output"), ("model.norm", "tap")):
+            (root / f"Result_{k}" / f"{name}.raw").write_bytes(np.asarray(b.tensor(k, role, name), np.float32).tobytes())
+    return b
+
+
+def _problems(dump_path, b, outside, **kw):
+    """read_dump's items: every load that fails is a one-line FormatError and no file outside is opened."""
+    from refimpl.diff.dump import read_dump
+    with opened_files() as seen:
+        d = read_dump(dump_path, b, **kw)
+    assert not [p for p in seen if p.startswith(str(outside))], seen
+    problems = {k: i.problem for k, i in d.items.items() if i.problem}
+    assert all("\n" not in p for p in problems.values())
+    return d, problems
+
+
+@pytest.mark.parametrize("target", ["outside", "/dev/zero", "loop", "fifo"])
+def test_dump_file_symlinked_out_or_not_a_file(case, target):
+    bundle, outside = case
+    dump = bundle.parent / "dump"
+    b = _qnn_dump(bundle, dump)
+    f = dump / "Result_1" / "logits.raw"
+    f.unlink()
+    if target == "fifo":
+        os.mkfifo(f)
+    else:
+        f.symlink_to({"outside": outside / "secret.raw", "/dev/zero": "/dev/zero", "loop": f}[target])
+    d, problems = _problems(dump, b, outside)
+    assert list(problems) == ["1/output/logits"], problems
+    assert d.items["0/output/logits"].array is not None
+
+
+def test_dump_directory_symlinked_out_is_not_followed(case):
+    bundle, outside = case
+    dump = bundle.parent / "dump"
+    b = _qnn_dump(bundle, dump)
+    (dump / "Result_1").rename(outside / "Result_1")
+    (dump / "Result_1").symlink_to(outside / "Result_1")
+    d, problems = _problems(dump, b, outside)
+    assert "1/output/logits" not in d.items or "1/output/logits" in problems
+
+
+def _npy_with_header(array, header: str) -> bytes:
+    """An .npy file whose header dict text is `header` (the array's data kept)."""
+    import io
+    buf = io.BytesIO()
+    np.save(buf, array)
+    data = buf.getvalue()
+    n = int.from_bytes(data[8:10], "little")
+    h = header.encode("latin1")
+    h += b" " * (-(10 + len(h) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data[10 + n:]
+
+
+BAD_HEADERS = {
+    "2^40 elements": "{'descr': '<f4', 'fortran_order': False, 'shape': (1099511627776,), }",
+    "2^62 x 2^62": "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }",
+    "negative size": "{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }",
+    "object dtype": "{'descr': '|O', 'fortran_order': False, 'shape': (32,), }",
+    "cut short": "{'descr': '<f4', 'fortran_order': False, 'shape': (3, ",
+    "not a dict": "(((((((((((((((((((((((((((((((((((((((",
+}
+
+
+@pytest.mark.parametrize("header", BAD_HEADERS.values(), ids=BAD_HEADERS.keys())
+def test_npy_headers_checked_before_allocating(case, header):
+    """A damaged or oversized .npy header, in a dump directory and as an .npz member: a one-line FormatError
+    (before anything is allocated: 2^40 float32 elements would be 4 TiB)."""
+    import zipfile
+    bundle, outside = case
+    b = read_bundle(bundle)
+    logits = np.asarray(b.tensor(0, "output", "logits"))
+    (bundle.parent / "npy" / "0").mkdir(parents=True)
+    (bundle.parent / "npy" / "0" / "logits.npy").write_bytes(_npy_with_header(logits, header))
+    with zipfile.ZipFile(bundle.parent / "dump.npz", "w") as z:
+        z.writestr("0/logits.npy", _npy_with_header(logits, header))
+        z.writestr("0/model.norm.npy", _npy_with_header(np.asarray(b.tensor(0, "tap", "model.norm")),
+                                                        "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 8), }"))
+    for dump in (bundle.parent / "npy", bundle.parent / "dump.npz"):
+        d, problems = _problems(dump, b, outside)
+        assert list(problems) == ["0/output/logits"], problems
+
+
+def test_dump_policy_and_mapping_json_bounded(case, tmp_path):
+    """--policy / --mapping / --rejudge files: deep nesting, a FIFO, wrong types are one-line InputErrors."""
+    from refimpl.diff.compare import load_metrics, load_policy
+    from refimpl.diff.dump import read_mapping
+    from refimpl.errors import InputError
+    (tmp_path / "deep.json").write_text("[" * 50_000 + "]" * 50_000)
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "list.json").write_text('{"tensors": [{"match": "x", "max_nmse": [1]}], "layouts": {"x": [2]}}')
+    for read in (load_policy, read_mapping, load_metrics):
+        for name in ("deep.json", "fifo.json", "list.json"):
+            with pytest.raises(InputError) as e:
+                read(tmp_path / name)
+            assert "\n" not in str(e.value)

@@ -3,6 +3,7 @@
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ from ..errors import InputError
 
 
 def add_commands(sub) -> None:
+    from ..cli import _nonnegative
     d = sub.add_parser("diff", help="compare a device dump with a golden bundle: metrics, first divergence, report")
     d.add_argument("bundle", help="golden bundle directory")
     d.add_argument("device", nargs="?", help="device dump: qnn-net-run output dir, dir of .raw/.npy, .npz or "
@@ -37,7 +39,7 @@ def add_commands(sub) -> None:
     d.add_argument("--json", help="write raw metrics (re-judge later with --rejudge)")
     d.add_argument("--html", help="write the HTML report with plots")
     d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
-    d.add_argument("--top", type=int, default=20, help="rows of the terminal table (0: all)")
+    d.add_argument("--top", type=_nonnegative, default=20, help="rows of the terminal table (0: all)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_diff)
 
@@ -139,7 +141,7 @@ def cmd_diff(args) -> int:
         emulated = _bundle(args.emulated) if args.emulated else None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
-                      disable=args.quiet) as bar:
+                      disable=args.quiet or not sys.stdout.isatty()) as bar:  # a hidden bar still ends with a newline
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))
 
             def tick(i, total):

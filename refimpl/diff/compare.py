@@ -37,7 +37,8 @@ import numpy as np
 
 from ..bundle import ROLES, valid_mask
 from ..conventions.genie import tap_token_axis
-from ..errors import InputError
+from ..errors import InputError, brief
+from ..files import expect, integer, load_json, number
 from ..models.config import config_from_dict
 from . import hooks
 from .dataflow import producer
@@ -134,9 +135,9 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
         raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; expected dtype, tensors, layouts, ignore, "
                          f"three_way_k")
     d = dtype or spec.get("dtype", "float32")
-    d = _ALIASES.get(d, d)
-    if d not in DEFAULTS:
-        raise InputError(f"{where}: dtype {d!r} is not one of {', '.join(DEFAULTS)} (or fp32 / fp16 / bf16)")
+    d = _ALIASES.get(d, d) if isinstance(d, str) else d
+    if not isinstance(d, str) or d not in DEFAULTS:
+        raise InputError(f"{where}: dtype {brief(d)} is not one of {', '.join(DEFAULTS)} (or fp32 / fp16 / bf16)")
     rules = []
     for i, r in enumerate(spec.get("tensors", [])):
         if not isinstance(r, dict) or not isinstance(r.get("match"), str):
@@ -146,21 +147,23 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
             if not (k in ("exact", "atol") or (re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES)):
                 raise InputError(f"{where}: tensors[{i}]: criterion {k!r} is not max_<metric> / min_<metric> of a "
                                  f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol or exact")
-            if not isinstance(v, (int, float)):
-                raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {v!r}")
+            if k == "exact":
+                expect(v, bool, f"{where}: tensors[{i}].exact", InputError)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {brief(v)}")
         rules.append((_regex(r["match"], where), crit))
     layouts = [(_regex(p, where), a) for p, a in spec.get("layouts", {}).items()]
     for _, a in layouts:
-        if a not in ADAPTERS and a != hooks.DECLARED:
-            raise InputError(f"{where}: layout {a!r} is not one of {', '.join([*ADAPTERS, hooks.DECLARED])}")
+        if not isinstance(a, str) or (a not in ADAPTERS and a != hooks.DECLARED):
+            raise InputError(f"{where}: layout {brief(a)} is not one of {', '.join([*ADAPTERS, hooks.DECLARED])}")
     return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])], float(three_way_k))
 
 
 def _regex(p, where):
     try:
         re.compile(p)
-    except (re.error, TypeError) as e:
-        raise InputError(f"{where}: bad regex {p!r} ({e})") from None
+    except (re.error, TypeError, RecursionError, OverflowError) as e:
+        raise InputError(f"{where}: bad regex {brief(p)} ({brief(str(e), 120)})") from None
     return p
 
 
@@ -689,19 +692,66 @@ def write_atomic(path, content) -> None:
 
 
 def load_metrics(path) -> Report:
-    try:
-        data = json.loads(Path(path).read_text())
-        results = [Result(**r) for r in data.pop("results")]
-        data["results"] = results
-        data["first_divergence"] = {int(k): v for k, v in data["first_divergence"].items()}
-        for r in results:
-            if r.positions:
-                r.positions = {int(k): v for k, v in r.positions.items()}
-        return Report(**data)
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such metrics file") from None
-    except (json.JSONDecodeError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: not a refimpl diff metrics file ({e})") from None
+    """A metrics file save_metrics wrote, every field checked (types, the numbers the judge reads) before use."""
+    data = load_json(path, "diff metrics", InputError)
+    where = f"{path}: not a refimpl diff metrics file"
+    expect(data, dict, where, InputError)
+    fields = {f.name: f for f in dataclasses.fields(Report)}
+    if set(data) - set(fields) or {n for n, f in fields.items() if f.default is dataclasses.MISSING} - set(data):
+        raise InputError(f"{where} (fields {brief(sorted(data, key=str))}, expected {sorted(fields)})")
+    _check_fields(data, Report, where)
+    for k, v in data["first_divergence"].items():
+        if not (k.isascii() and k.isdigit()) or not isinstance(v, (str, type(None))):
+            raise InputError(f"{where}: first_divergence {brief(k)}: {brief(v)}")
+    for key in ("unknown", "notes"):
+        if not all(isinstance(x, str) for x in data[key]):
+            raise InputError(f"{where}: {key} must be a list of strings")
+    params = (data["convention"] or {}).get("params")
+    expect(params, (dict, type(None)), f"{where}: convention.params", InputError)
+    results = [_result(r, f"{where}: results[{i}]") for i, r in enumerate(data["results"])]
+    return Report(**{**data, "results": results,
+                     "first_divergence": {int(k): v for k, v in data["first_divergence"].items()}})
+
+
+def _check_fields(d: dict, cls, where: str) -> None:
+    """Each field of dataclass `cls` present in `d` has its declared type (bool is not an int)."""
+    for f in dataclasses.fields(cls):
+        if f.name in d:
+            v = d[f.name]
+            if not isinstance(v, f.type) or (isinstance(v, bool) and f.type is int):
+                raise InputError(f"{where}: {f.name} {brief(v)} is not of type {f.type}")
+
+
+# the numbers judge(), rejudge() and the report read from a result's metrics (others are recorded, not read)
+_READ_METRICS = METRIC_NAMES | {"n", "n_compared", "golden_max_abs"}
+
+
+def _result(r, where: str) -> "Result":
+    expect(r, dict, where, InputError)
+    fields = {f.name: f for f in dataclasses.fields(Result)}
+    if set(r) - set(fields) or {n for n, f in fields.items() if f.default is dataclasses.MISSING
+                                and f.default_factory is dataclasses.MISSING} - set(r):
+        raise InputError(f"{where}: fields {brief(sorted(r, key=str))}, expected {sorted(fields)}")
+    _check_fields(r, Result, where)
+    integer(r["step"], f"{where}.step", InputError, lo=0)
+    if r["role"] not in ROLES or r["status"] not in (*FAILING, "pass", "missing", "diverged", "ignored"):
+        raise InputError(f"{where}: role {brief(r['role'])} / status {brief(r['status'])} unknown")
+    for key in ("metrics", "logits", "reference"):
+        for k, v in (r.get(key) or {}).items():
+            if k in _READ_METRICS:
+                number(v, f"{where}.{key}.{k}", InputError, finite=False)
+    for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):
+        if r.get(key) is not None and not all(k in r[key] for k in needed):
+            raise InputError(f"{where}.{key}: needs {', '.join(needed)}")
+    if not all(isinstance(x, str) for x in r.get("failures", [])):
+        raise InputError(f"{where}.failures must be a list of strings")
+    positions = r.get("positions") or {}
+    for k, v in positions.items():
+        if not (k.isascii() and k.isdigit()):
+            raise InputError(f"{where}.positions: {brief(k)} is not a token position")
+        number(v, f"{where}.positions.{k}", InputError, finite=False)
+    return Result(**{**r, "positions": {int(k): v for k, v in positions.items()} if r.get("positions") else
+                     r.get("positions")})
 
 
 def rejudge(report: Report, policy: Policy) -> Report:

@@ -24,16 +24,21 @@ are listed in `unknown`, never fatal; an unreadable or truncated file becomes an
 """
 
 import dataclasses
-import json
+import math
+import os
 import re
+import struct
+import tokenize
 import zipfile
+import zlib
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from ..bundle import DTYPES, ROLES
-from ..errors import FormatError, InputError
+from ..errors import FormatError, InputError, brief
+from ..files import inside, load_json, read_exact, regular_file
 from ..formats.safetensors import read_safetensors
 from . import hooks
 
@@ -68,13 +73,8 @@ def _loose(name: str) -> str:
 
 
 def read_json(path, what: str):
-    """A small JSON file the user gives (mapping, policy), or a one-line InputError naming it."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError(f"{path}: {what} file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: {what} file is not JSON ({e})") from None
+    """A JSON file the user gives (mapping, policy), bounded (refimpl.files.load_json), or a one-line InputError."""
+    return load_json(path, what, InputError)
 
 
 def read_mapping(path) -> dict:
@@ -115,8 +115,10 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
     if path.is_dir():
         entries = _directory(path)
     elif path.suffix == ".npz":
+        regular_file(path, "dump", InputError)
         entries = _npz(path)
     elif path.suffix == ".safetensors":
+        regular_file(path, "dump", InputError)
         entries = _safetensors(path)
     else:
         raise InputError(f"{path}: a dump must be a directory, a .npz or a .safetensors file")
@@ -169,16 +171,20 @@ class _Loader:
 # --------------------------------------------------------------------------------------------- containers
 
 def _directory(root: Path):
-    """(path parts, source, loader) for every file under root; parts = step / role hints and the name."""
+    """(path parts, source, loader) for every file under root; parts = step / role hints and the name. Symlinked
+    directories are listed, not followed; a file's loader checks it resolves inside root and is a regular file."""
     bundle = (root / "manifest.json").is_file()  # a refimpl bundle as the dump: only its steps/ hold tensors
-    for f in sorted(root.rglob("*")):
-        if not f.is_file() or (bundle and f.relative_to(root).parts[0] != "steps"):
-            continue
+    found = []
+    for d, dirs, files in os.walk(root):
+        found += [Path(d, n) for n in files + [n for n in dirs if os.path.islink(os.path.join(d, n))]]
+    for f in sorted(found):
         rel = f.relative_to(root).parts
+        if bundle and rel[0] != "steps":
+            continue
         if f.suffix not in SUFFIXES:
             yield (*rel[:-1], f.name), str(f), _unsupported(f)
             continue
-        yield (*rel[:-1], f.name[:-len(f.suffix)]), str(f), _file_loader(f)
+        yield (*rel[:-1], f.name[:-len(f.suffix)]), str(f), _file_loader(root, f)
 
 
 def _unsupported(f: Path):
@@ -187,33 +193,82 @@ def _unsupported(f: Path):
     return load
 
 
-def _file_loader(f: Path):
+def _file_loader(root: Path, f: Path):
     def load(rec, dtype):
+        inside(root, f.relative_to(root).as_posix(), "dump file")   # no symlink out of the dump
+        size = regular_file(f, "dump file")
         if f.suffix == ".npy":
             try:
-                return _from_npy(np.load(f, allow_pickle=False), rec)
-            except (ValueError, OSError, EOFError) as e:
-                raise FormatError(f"{f}: corrupt .npy ({e})") from None
-        return _from_raw(f.read_bytes(), rec, dtype, str(f))
+                with open(f, "rb") as fh:
+                    return _npy(fh, size, rec, str(f))
+            except OSError as e:
+                raise FormatError(f"{f}: cannot read ({e.strerror or e})") from None
+        return _from_raw(size, lambda: read_exact(f, size), rec, dtype, str(f))
     return load
+
+
+# np.savez writes members stored, np.savez_compressed deflated; deflate expands at most ~1032:1
+_ZIP_RATIO = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: 1032}
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+               RuntimeError, zlib.error, struct.error)
 
 
 def _npz(path: Path):
     try:
         z = zipfile.ZipFile(path)
-        names = z.namelist()
-    except (zipfile.BadZipFile, OSError) as e:
-        raise FormatError(f"{path}: corrupt .npz ({e})") from None
-    for member in names:
+        infos = z.infolist()
+        archive = os.fstat(z.fp.fileno()).st_size
+    except _ZIP_ERRORS as e:
+        raise FormatError(f"{path}: corrupt .npz ({brief(str(e), 120)})") from None
+    for info in infos:
+        member = info.filename
         key = member[:-4] if member.endswith(".npy") else member
 
-        def load(rec, dtype, member=member):
+        def load(rec, dtype, info=info, member=member):
+            where = f"{path}[{member}]"
+            ratio = _ZIP_RATIO.get(info.compress_type)
+            if ratio is None:
+                raise FormatError(f"{where}: compression method {info.compress_type} (np.savez writes stored or "
+                                  f"deflated members)")
+            if info.header_offset + info.compress_size > archive or info.file_size > ratio * info.compress_size + 64:
+                raise FormatError(f"{where}: declares {info.file_size} bytes from {info.compress_size} compressed "
+                                  f"in an archive of {archive} (corrupt)")
             try:
-                with z.open(member) as fh:
-                    return _from_npy(np.lib.format.read_array(fh, allow_pickle=False), rec)
-            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-                raise FormatError(f"{path}[{member}]: corrupt member ({e})") from None
+                with z.open(info) as fh:
+                    return _npy(fh, info.file_size, rec, where)
+            except _ZIP_ERRORS as e:
+                raise FormatError(f"{where}: corrupt member ({brief(str(e), 120)})") from None
         yield tuple(key.split("/")), f"{path}[{key}]", load
+
+
+def _npy(fh, size: int, rec: dict, where: str) -> np.ndarray:
+    """The array of an .npy stream of `size` bytes: its header checked (version, a numeric dtype, a shape of sizes
+    >= 0) and the data it declares against the bytes that follow, before anything is allocated."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fh)
+        read_header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise FormatError(f"{where}: .npy format version {version}, expected 1.0 or 2.0")
+        shape, fortran, dt = read_header(fh)
+    except FormatError:
+        raise
+    except (ValueError, TypeError, SyntaxError, tokenize.TokenError, RecursionError, MemoryError, EOFError) as e:
+        raise FormatError(f"{where}: damaged .npy header ({brief(str(e), 120)})") from None
+    if len(shape) > 32 or any(n < 0 for n in shape):
+        raise FormatError(f"{where}: .npy shape {brief(shape)} (at most 32 sizes >= 0)")
+    bf16 = dt.kind == "V" and dt.itemsize == 2 and not dt.names and rec["dtype"] == "bfloat16"  # np.save of bf16
+    if dt.kind not in "biuf" and not bf16:
+        raise FormatError(f"{where}: .npy dtype {brief(dt.str)} is not a number type")
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes != size - fh.tell():
+        raise FormatError(f"{where}: the header declares {dt.str} {list(shape)} ({nbytes} bytes), but "
+                          f"{size - fh.tell()} bytes follow it")
+    data = fh.read(nbytes)
+    if len(data) != nbytes:
+        raise FormatError(f"{where}: truncated ({len(data)} of {nbytes} bytes)")
+    a = np.frombuffer(data, ml_dtypes.bfloat16 if bf16 else dt).reshape(shape, order="F" if fortran else "C")
+    return _from_npy(a, rec)
 
 
 def _safetensors(path: Path):
@@ -233,15 +288,16 @@ def _from_npy(a: np.ndarray, rec: dict) -> np.ndarray:
     return a
 
 
-def _from_raw(data: bytes, rec: dict, dtype: str, where: str) -> np.ndarray:
+def _from_raw(size: int, read, rec: dict, dtype: str, where: str) -> np.ndarray:
+    """A headerless file of `size` bytes, checked against the bundle's shape before read() reads it."""
     dt = DTYPES[rec["dtype"] if dtype == "native" else dtype]
-    n = int(np.prod(rec["shape"], dtype=np.int64))
-    if len(data) != n * dt.itemsize:
-        hint = [name for name, d in DTYPES.items() if len(data) == n * d.itemsize and d.itemsize != dt.itemsize]
+    n = math.prod(rec["shape"])
+    if size != n * dt.itemsize:
+        hint = [name for name, d in DTYPES.items() if size == n * d.itemsize and d.itemsize != dt.itemsize]
         hint = f"; the size fits {' / '.join(hint)} (--dump-dtype)" if hint else ""
-        raise FormatError(f"{where}: {len(data)} bytes, expected {n * dt.itemsize} for {dt.name} {rec['shape']} "
+        raise FormatError(f"{where}: {size} bytes, expected {n * dt.itemsize} for {dt.name} {rec['shape']} "
                           f"(truncated or corrupt{hint})")
-    return np.frombuffer(data, dt)
+    return np.frombuffer(read(), dt)
 
 
 # --------------------------------------------------------------------------------------------- matching

@@ -140,6 +140,8 @@ def apply(root: Path, op: list) -> None:
     elif kind == "st":
         if path.is_file() and not path.is_symlink():
             data = path.read_bytes()
+            if len(data) < 8:
+                return
             (n,) = struct.unpack("<Q", data[:8])
             try:
                 header = json_edit(data[8:8 + n].decode(), *op[2:]).encode()
