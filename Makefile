@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test bench clean
+.PHONY: demo test fuzz bench clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ demo: $(VENV)/.runtime
 # slow everything down many times over)
 test: $(VENV)/.dev
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -q
+
+# the long fuzz run (tests/fuzz): FUZZ_CASES seeded mutations of every format, each in a worker under a memory and a
+# time limit; prints a table per format (ok / clean / crash / hang / memory) and exits 1 if any case crashed, hung or
+# blew up; FUZZ_SAVE keeps those cases (to add to tests/fuzz/regressions.json). `make test` runs a short budget.
+FUZZ_CASES ?= 10000
+FUZZ_SAVE ?= fuzz-failures.json
+fuzz: $(VENV)/.dev
+	cd tests && OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 ../$(PY) -m fuzz --cases $(FUZZ_CASES) --save ../$(FUZZ_SAVE)
 
 bench: $(VENV)/.dev
 	$(PY) bench/forward.py

@@ -469,8 +469,14 @@ def _check_manifest_out(m, mf: Path) -> None:
     _check_golden_records(m, mf)
 
 
+_RECORD_FIELDS = ("name", "step", "role", "file", "dtype", "shape", "axes", "valid", "sha256")  # axes, valid: null ok
+
+
 def _check_record(key, rec, n_steps: int, where: str) -> None:
     expect(rec, dict, where)
+    missing = [f for f in _RECORD_FIELDS if f not in rec]
+    if missing:
+        raise FormatError(f"{where}: no {', '.join(missing)} (every record has {', '.join(_RECORD_FIELDS)})")
     name, step, role = rec.get("name"), rec.get("step"), rec.get("role")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise FormatError(f"{where}: name {brief(name)} is not a tensor name ([A-Za-z0-9_.])")

@@ -256,7 +256,7 @@ def _check_bundle(path: Path, model_dir: Path, same: Path):
         b.input_list()
         for rec in b.records():
             b.tensor(rec["step"], rec["role"], rec["name"])
-            valid_mask(rec["shape"], rec["valid"])
+            valid_mask(rec["shape"], rec.get("valid"))
         b.verify()
 
     def lazy():
