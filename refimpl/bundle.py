@@ -398,7 +398,7 @@ class Bundle:
             if sha256_file(f)[0] != rec["sha256"]:
                 raise FormatError(f"{f}: sha256 mismatch (tensor {_key(rec)})")
         for rel, info in self.manifest["derived"].items():
-            f = inside(self.path, rel, f"derived file {rel!r}")
+            f = inside(self.path, rel, f"derived file {brief(rel)}")
             size = regular_file(f, "derived file listed in manifest.json")
             if size != info["size"] or sha256_file(f)[0] != info["sha256"]:
                 raise FormatError(f"{f}: sha256 mismatch ({size} bytes, manifest says {info['size']})")

@@ -6,7 +6,12 @@ value. The CLI prints the message on one line and exits 2.
 
 
 class RefimplError(Exception):
-    """Base class: bad input that refimpl detected and explained."""
+    """Base class: bad input that refimpl detected and explained. The message is one line whatever it quotes (a
+    file name or a value holding a line break is shown with the break escaped)."""
+
+    def __init__(self, *args):
+        super().__init__(*(a.replace("\r", "\\r").replace("\n", "\\n") if isinstance(a, str) else a
+                           for a in args))
 
 
 class ConfigError(RefimplError):

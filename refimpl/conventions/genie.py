@@ -30,11 +30,12 @@ import math
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import FormatError, InputError
 from ..models.cache import Cache, KVCache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
+from . import check_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +125,29 @@ def _window(entries: np.ndarray, W: int) -> np.ndarray:
     return np.concatenate([np.zeros((Hkv, W - cur, D), entries.dtype), entries], axis=1)
 
 
+def input_shapes(cfg, opts: Options) -> dict:
+    """name -> shape of the graph's inputs (AR: token slots, CL: context, W = CL - AR: cached entries, R: rotary
+    pairs, Kc: conv state columns)."""
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    shapes = {"input_ids": (1, "AR"), "attention_mask": (1, 1, "AR", "CL"), "position_ids_cos": (1, 1, "AR", "R"),
+              "position_ids_sin": (1, 1, "AR", "R")}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            shapes[f"conv_state_{i}_in"] = (1, cfg.conv_dim, "Kc")
+            shapes[f"recurrent_state_{i}_in"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                                 cfg.linear_value_head_dim)
+        else:
+            shapes[f"past_key_{i}_in"] = (Hkv, 1, D, "W") if opts.key_transposed else (Hkv, 1, "W", D)
+            shapes[f"past_value_{i}_in"] = (Hkv, 1, "W", D)
+    return shapes
+
+
 def graph(model, inputs: dict, opts: Options) -> dict:
     """Run the static graph on its inputs, as the device does: returns its outputs."""
     cfg = model.config
+    sizes = check_inputs(inputs, input_shapes(cfg, opts), "genie")
+    if sizes.get("W", sizes["CL"] - sizes["AR"]) != sizes["CL"] - sizes["AR"]:
+        raise FormatError(f"genie: the cache inputs hold {sizes['W']} entries, CL - AR = {sizes['CL'] - sizes['AR']}")
     ids = inputs["input_ids"].astype(np.int64)
     AR, CL = ids.shape[1], inputs["attention_mask"].shape[-1]
     W = CL - AR

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
+from . import check_inputs
 from .genie import Call, next_token, prompt_list, tap_valid
 
 
@@ -63,6 +64,16 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
 def graph(model, inputs: dict, opts: Options | None = None) -> dict:
     """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
     cfg = model.config
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    shapes = {"input_ids": (1, "T"), "position_ids": (1, "T")}
+    for i, kind in enumerate(cfg.layer_types):   # the cache inputs: none before the first call
+        if kind == "linear_attention" and f"past_conv_state.{i}" in inputs:
+            shapes[f"past_conv_state.{i}"] = (1, cfg.conv_dim, "Kc")
+            shapes[f"past_recurrent_state.{i}"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                                   cfg.linear_value_head_dim)
+        elif kind != "linear_attention" and f"past_key_values.{i}.key" in inputs:
+            shapes[f"past_key_values.{i}.key"] = shapes[f"past_key_values.{i}.value"] = (1, Hkv, "P", D)
+    check_inputs(inputs, shapes, "hf")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)
     cache = model.new_cache()
     for i, kind in enumerate(cfg.layer_types):

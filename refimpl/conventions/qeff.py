@@ -25,6 +25,7 @@ from ..models.cache import Cache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
+from . import check_inputs
 from .genie import Call, _eos, check_pad_id, next_token, prompt_list, tap_valid
 
 
@@ -72,8 +73,23 @@ class ScatterCache(Cache):
         return k, v
 
 
+def input_shapes(cfg) -> dict:
+    """name -> shape of the graph's inputs (S: token slots, C: ctx_len, Kc: conv state columns)."""
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    shapes = {"input_ids": (1, "S"), "position_ids": (1, "S")}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            shapes[f"conv_state.{i}"] = (1, cfg.conv_dim, "Kc")
+            shapes[f"recurrent_state.{i}"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                              cfg.linear_value_head_dim)
+        else:
+            shapes[f"past_key.{i}"] = shapes[f"past_value.{i}"] = (1, Hkv, "C", D)
+    return shapes
+
+
 def graph(model, inputs: dict, opts: "Options | None" = None) -> dict:
     cfg = model.config
+    check_inputs(inputs, input_shapes(cfg), "qeff")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"][0].astype(np.int64)
     attn = [i for i, kind in enumerate(cfg.layer_types) if kind != "linear_attention"]
     cache = ScatterCache(cfg.num_hidden_layers, {i: (inputs[f"past_key.{i}"], inputs[f"past_value.{i}"])

@@ -129,10 +129,10 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
                          f"list of regexes")
     three_way_k = spec.get("three_way_k", 4.0)
     if isinstance(three_way_k, bool) or not isinstance(three_way_k, (int, float)) or not three_way_k > 0:
-        raise InputError(f"{where}: three_way_k must be a positive number, got {three_way_k!r}")
+        raise InputError(f"{where}: three_way_k must be a positive number, got {brief(three_way_k)}")
     unknown = set(spec) - {"dtype", "tensors", "layouts", "ignore", "three_way_k"}
     if unknown:
-        raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; expected dtype, tensors, layouts, ignore, "
+        raise InputError(f"{where}: unknown key(s) {brief(sorted(unknown))}; expected dtype, tensors, layouts, ignore, "
                          f"three_way_k")
     d = dtype or spec.get("dtype", "float32")
     d = _ALIASES.get(d, d) if isinstance(d, str) else d
@@ -145,7 +145,7 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
         crit = {k: v for k, v in r.items() if k != "match"}
         for k, v in crit.items():
             if not (k in ("exact", "atol") or (re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES)):
-                raise InputError(f"{where}: tensors[{i}]: criterion {k!r} is not max_<metric> / min_<metric> of a "
+                raise InputError(f"{where}: tensors[{i}]: criterion {brief(k)} is not max_<metric> / min_<metric> of a "
                                  f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol or exact")
             if k == "exact":
                 expect(v, bool, f"{where}: tensors[{i}].exact", InputError)

@@ -107,7 +107,7 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
     if dtype is None:
         dtype = "native" if (path / "manifest.json").is_file() else "float32"
     if dtype != "native" and dtype not in DTYPES:
-        raise InputError(f"dump dtype {dtype!r} is not 'native' or one of {', '.join(DTYPES)}")
+        raise InputError(f"dump dtype {brief(dtype)} is not 'native' or one of {', '.join(DTYPES)}")
     if not path.exists():
         raise InputError(f"{path}: no such dump file or directory")
     matcher = _Matcher(bundle.manifest, mapping or {})

@@ -47,7 +47,10 @@ class Outcome:
 
 
 def _signature(e: BaseException) -> str:
-    """The exception type and the innermost frame inside refimpl/ (else the innermost frame)."""
+    """The exception type and the innermost frame inside refimpl/ (else the innermost frame), or the exception's own
+    `signature` (a failure the target describes, e.g. a CLI run's exit status and message)."""
+    if getattr(e, "signature", None):
+        return e.signature
     frames = traceback.extract_tb(e.__traceback__)
     ours = [f for f in frames if f.filename.startswith(_REFIMPL)]
     f = (ours or frames or [None])[-1]

@@ -9,6 +9,7 @@ a diff); a refimpl error from one reader does not stop the others, but any other
 
 import io
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -561,4 +562,134 @@ class DiffInputs(Format):
             _all(run)
 
 
-FORMATS = {f.name: f for f in (GGUF(), Safetensors(), Config(), Bundle(), Dump(), Encodings(), DiffInputs())}
+
+
+# ---------------------------------------------------------------------------------------------------- CLI arguments
+
+# a valid command line of every subcommand (paths relative to the case directory, which is the working directory)
+_COMMANDS = [
+    ["info", "model"],
+    ["run", "model", "--input-ids", "3,17,42", "--top", "3"],
+    ["convert", "model", "--out", "m.gguf", "--type", "q8_0"],
+    ["golden", "--model", "model", "--input-ids", "3,17,42,100", "--convention", "genie", "--ar", "4", "--cl", "16",
+     "--taps", r"layers\.0\.mlp", "--out", "g", "-q"],
+    ["golden", "--model", "model", "--input-ids", "3,17", "--convention", "qeff", "--ar", "4", "--cl", "16",
+     "--no-taps", "--export", "npz", "--out", "g", "-q"],
+    ["generate", "--model", "model", "--input-ids", "3,17", "--max-new-tokens", "2", "--ids"],
+    ["diff", "bundle", "bundle", "--top", "3", "-q", "--json", "m.json", "--policy", "policy.json"],
+    ["diff", "bundle", "--rejudge", "metrics.json", "--dtype", "fp16"],
+    ["replay", "bundle", "bundle", "--layer", "0", "--step", "0", "--mapping", "mapping.json"],
+    ["explain", "bundle", "logits[0,0,0]", "--step", "0"],
+    ["reference", "--model", "model", "--text", "text.txt", "--ctx", "8", "--out", "r", "-q"],
+    ["compare-logits", "reference", "reference", "--policy", "max_mean_kld=0.01", "-q"],
+    ["export-kld-base", "reference", "out.kld"],
+]
+# values a user might mistype: invalid numbers, bad regexes, and files that must be refused without reading them
+# forever (a FIFO, /dev/zero behind a link, JSON nested 100,000 deep); never an absolute path or '..' (the case
+# directory is the only place a command may write)
+_CLI_VALUES = ["nan", "inf", "-inf", "-1", "0", "-0", "1e999", "0x10", "", " ", "[", "(?", "a{99999999999}", "x" * 5000,
+               "1,,2", "3,-1", "3,x", "fifo", "zero", "deep.json", "bad.json", "list.json", "missing/file", "model",
+               "bundle", "reference", "text.txt", "=", "=aimet", "x=sideways", "\u00e9\u0000", "--", "-q"]
+
+
+class CLI(Format):
+    """Command lines of every subcommand, mutated: values replaced, tokens dropped, doubled or swapped, flags
+    added; run as `refimpl` runs them. Exit 0 / 1: ok; exit 2 with one `refimpl: error:` line: clean; anything else
+    (exit 3, a traceback, several lines): crash."""
+    name = "cli"
+    edits = (1, 2)
+
+    def build(self, root):
+        from refimpl.cli import main
+        model_dir, bundle = _golden(root)
+        base = root / "cli"
+        base.mkdir()
+        shutil.copytree(model_dir, base / "model")
+        shutil.copytree(bundle, base / "bundle")
+        (base / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+        (base / "bad.json").write_text('{"tensors": [')
+        (base / "list.json").write_text("[1, 2]")
+        (base / "text.txt").write_text("Hello world, it's 2026! " * 6)
+        (base / "policy.json").write_text(json.dumps({"dtype": "float16", "tensors": [{"match": "logits",
+                                                                                       "max_nmse": 1e-3}]}))
+        (base / "mapping.json").write_text(json.dumps({"logits": "output_0"}))
+        quiet = io.StringIO()
+        import contextlib
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            assert main(["diff", str(base / "bundle"), str(base / "bundle"), "-q", "--json",
+                         str(base / "metrics.json")]) == 0
+            assert main(["reference", "--model", str(base / "model"), "--text", str(base / "text.txt"), "--ctx", "8",
+                         "--out", str(base / "reference"), "-q"]) == 0
+
+    def generate(self, seed):
+        rng = random.Random(f"{self.name}/{seed}")
+        argv = list(rng.choice(_COMMANDS))
+        for _ in range(rng.randint(*self.edits)):
+            kind, i, j = rng.choice(["value", "value", "value", "drop", "double", "swap", "flag"]), \
+                rng.randrange(len(argv)), rng.randrange(len(argv))
+            if kind == "value":
+                argv[max(i, 1)] = rng.choice(_CLI_VALUES)
+            elif kind == "drop" and len(argv) > 1:
+                del argv[max(i, 1)]
+            elif kind == "double":
+                argv.insert(i, argv[i])
+            elif kind == "swap":
+                argv[max(i, 1)], argv[max(j, 1)] = argv[max(j, 1)], argv[max(i, 1)]
+            elif kind == "flag":
+                argv += [rng.choice(self._flags(argv[0])), rng.choice(_CLI_VALUES)]
+        return [["base", "cli"], ["argv", argv]]
+
+    def _flags(self, command: str) -> list[str]:
+        """The options of a subcommand, but never --overwrite (the base files are shared between cases)."""
+        from refimpl.cli import build_parser
+        sub = next(a for a in build_parser()._actions if a.dest == "command")
+        parser = sub.choices.get(command) or sub.choices["info"]
+        return [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--overwrite"]
+
+    def materialise(self, case, ops):
+        shutil.copytree(self.root / "cli", case, symlinks=True)
+        os.mkfifo(case / "fifo")
+        (case / "zero").symlink_to("/dev/zero")
+        (case / "argv.json").write_text(json.dumps(ops[1][1]))
+
+    def target(self, case, base):
+        import contextlib
+
+        from refimpl.cli import main
+        from refimpl.errors import InputError
+        argv = json.loads((case / "argv.json").read_text())
+        out, err = io.StringIO(), io.StringIO()
+        cwd = os.getcwd()
+        os.chdir(case)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as e:   # argparse: --help (0), a usage error (2)
+                    code = e.code
+        finally:
+            os.chdir(cwd)
+        lines = err.getvalue().splitlines()
+        errors = [line for line in lines if not line.startswith(("refimpl: note:", "refimpl: warning:"))]
+        if code in (0, 1, None):   # done (a diff's mismatch: 1); generate reports its speed on stderr
+            return
+        if code == 2 and len(errors) == 1 and errors[0].startswith("refimpl: error: "):
+            raise InputError(errors[0][len("refimpl: error: "):][:MAX_CLI_MESSAGE])
+        text = " | ".join(errors)
+        internal = text.partition("internal error: ")[2].partition(";")[0]
+        raise CLIFailure(f"exit {code}: {text[:300]}", f"exit {code}: {internal or text[:60]} ({argv[0]})")
+
+
+MAX_CLI_MESSAGE = 900
+
+
+class CLIFailure(Exception):
+    """A command line that ended otherwise than ok or with one `refimpl: error:` line (exit 2); `signature` groups
+    failures alike (the internal error's type and place, which main() prints)."""
+
+    def __init__(self, message: str, signature: str):
+        super().__init__(message)
+        self.signature = signature
+
+
+FORMATS = {f.name: f for f in (GGUF(), Safetensors(), Config(), Bundle(), Dump(), Encodings(), DiffInputs(), CLI())}
