@@ -33,7 +33,7 @@ def test_run_prints_top_tokens(capsys):
     (["frobnicate"], "invalid choice"),
     (["run", "tiny-qwen3", "--input-ids", "1", "--dtype", "float64", "--precision", "bf16"], "contradicts"),
     (["run", "tiny-qwen3", "--input-ids", "1", "--weights", "int5-per-channel-qnn"], "precision weights"),
-    (["run", "tiny-qwen3", "--input-ids", "1", "--encodings", "no/such.json"], "not an encodings JSON"),
+    (["run", "tiny-qwen3", "--input-ids", "1", "--encodings", "no/such.json"], "no such file (encodings file)"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, message):
     proc = subprocess.run([sys.executable, "-m", "refimpl.cli", *argv], capture_output=True, text=True)
