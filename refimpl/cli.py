@@ -41,8 +41,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """A byte count: 1073741824, 512MiB, 1.5GiB, 2G (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB)."""
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or a number of bytes, got {text!r}")
+    return int(float(m[1]) * 1024 ** "KMGT".find(m[2].upper()) if m[2] else float(m[1]))
+
+
 def _load(args, source=None):
-    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings."""
+    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings and the
+    resident budget of --max-resident."""
     from . import load
     from .precision import Policy
     fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv}
@@ -50,7 +60,8 @@ def _load(args, source=None):
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
         fields.update(weights="encodings", encodings=args.encodings)
-    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields))
+    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields),
+                max_resident_bytes=args.max_resident)
 
 
 def _precision_flags(p) -> None:
@@ -61,6 +72,9 @@ def _precision_flags(p) -> None:
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
     p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
+    p.add_argument("--max-resident", type=_size, metavar="SIZE",
+                   help="most converted weights held at once, e.g. 2GiB; the rest are converted per layer as they "
+                        "run (default: keep all when the converted model fits in half of memory, else 1GiB)")
 
 
 def cmd_info(args) -> int:
@@ -84,6 +98,7 @@ def cmd_info(args) -> int:
     p = model.precision
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
           + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
+    print(f"weights      {w.residency()}")
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:

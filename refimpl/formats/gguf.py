@@ -300,7 +300,7 @@ class GGUFFile:
         raw = self.raw(name, index)
         kind = type_name(t.ggml_type)
         views = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": ml_dtypes.bfloat16}
-        shape = t.shape[1:] if index is not None else t.shape
+        shape = (*raw.shape[:-1], t.shape[-1]) if t.shape else ()   # the part's rows, whole rows of values
         if kind in views:
             return raw.view(views[kind]).reshape(shape)
         import gguf.quants
@@ -417,20 +417,28 @@ def config_dict(g: GGUFFile) -> dict:
 # ---------------------------------------------------------------------------------------------------- tensors
 
 class LazyTensor:
-    """A tensor computed (dequantised, transformed) only when np.asarray first reads it. Shape and dtype are
-    known up front, so Weights.check and the CLI's parameter count read no data."""
+    """A tensor computed (dequantised, transformed) only when read: a stored tensor of refimpl.models.weights.
+    Shape and dtype are known up front, so Weights.check and the CLI's parameter count read no data.
+    compute(index=None) -> the tensor, or part `index` of its leading axis when `partial` (only that part is
+    dequantised); otherwise compute() -> the whole tensor, and a part is cut from it."""
 
-    def __init__(self, shape, compute, dtype=np.float32):
-        self.shape, self.dtype, self._compute = tuple(shape), np.dtype(dtype), compute
+    def __init__(self, shape, compute, dtype=np.float32, partial=False):
+        self.shape, self.dtype, self._compute, self.partial = tuple(shape), np.dtype(dtype), compute, partial
         self.ndim = len(self.shape)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
-    def __array__(self, dtype=None, copy=None):
+    def read(self, index=None) -> np.ndarray:
+        if index is not None and self.partial:
+            return np.asarray(self._compute(index), dtype=self.dtype)
         a = np.asarray(self._compute(), dtype=self.dtype).reshape(self.shape)
+        return a if index is None else a[index]
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.read()
         return a if dtype is None else a.astype(dtype, copy=False)
 
     def __getitem__(self, index):
-        return np.asarray(self)[index]
+        return self.read(index)
 
 
 def untile_v_heads(a: np.ndarray, axis: int, Hk: int, r: int, d: int) -> np.ndarray:
@@ -506,8 +514,8 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
             raise WeightsError(f"{path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
-    def lazy(shape, fn):
-        return LazyTensor(shape, fn)
+    def lazy(shape, fn, partial=False):
+        return LazyTensor(shape, fn, partial=partial)
 
     def src(name, index=None):
         return g.array(name, index)
@@ -518,7 +526,7 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
         t = need(name, shape)
         if type_name(t.ggml_type) in ("F32", "F16", "BF16", "F64"):
             return g.array(name)
-        return lazy(shape, lambda: src(name))
+        return lazy(shape, lambda index=None: src(name, index), partial=True)   # rows dequantised as read
 
     out = {hf: direct(gg, hf_shapes[hf]) for hf, gg in _plain_names(cfg).items()}
     for hf, gg in _norm_names(cfg).items():
@@ -564,8 +572,8 @@ def _experts(g, cfg, p, b, need, lazy, src) -> dict:
                                                  src(f"{b}.ffn_up_exps.weight", e)], axis=-2)
     out = {}
     if cfg.model_type == "qwen3_5_moe_text":
-        out[f"{p}.mlp.experts.gate_up_proj"] = lazy((E, 2 * Ie, H), gate_up)
-        out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda: src(down))
+        out[f"{p}.mlp.experts.gate_up_proj"] = lazy((E, 2 * Ie, H), gate_up, partial=True)   # expert by expert
+        out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda e=None: src(down, e), partial=True)
         return out
     for e in range(E):
         q = f"{p}.mlp.experts.{e}"

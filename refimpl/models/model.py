@@ -6,9 +6,10 @@ import numpy as np
 
 from ..errors import InputError
 from ..kernels.attention import causal_mask
-from ..kernels.linear import embedding, linear
+from ..kernels.linear import linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
 from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, weight_transform
+from ..progress import layer_progress
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
@@ -54,14 +55,18 @@ class Model:
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
         if self._own_lm_head:
-            weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+            weights.alias("lm_head.weight", "model.embed_tokens.weight")
         check_encodings(self.precision, [*weights.stored, *weights.aliases],
                         getattr(weights.transform, "encodings", None))
+        weights.plan()   # a resident budget too small for the largest piece fails here, not mid-forward
 
     @classmethod
-    def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy) -> "Model":
-        """A model over checkpoint arrays at precision policy p (its weight emulation applied on first use)."""
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p)), precision=p)
+    def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy,
+                    max_resident_bytes: int | None = None, origins: dict | None = None) -> "Model":
+        """A model over checkpoint arrays at precision policy p (its weight emulation applied when a tensor is
+        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights)."""
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p),
+                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p)
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -122,18 +127,21 @@ class Model:
         what `forward` runs, and what a device convention runs on the inputs its graph receives."""
         cfg, w = self.config, self.weights
         ctx.precision = self.precision
-        x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
+        x = w.rows("model.embed_tokens.weight", ids)                        # [B, T, H]: the looked-up rows
         x = tap("model.embed_tokens", None, x)
-        for i, mixer in enumerate(self._mixers):
-            x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
+        with layer_progress("forward", len(self._mixers)) as advance:
+            for i, mixer in enumerate(self._mixers):
+                x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
+                advance()
         x = qwen3.norm(w, "model.norm", x, cfg, ctx)
         x = tap("model.norm", None, x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        lm_head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings and not self._own_lm_head \
-            else w["lm_head.weight"]
-        logits = ctx.round(linear(x, lm_head))                              # [B, T, V]
-        return tap("lm_head", None, logits)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and not self._own_lm_head else "lm_head.weight"
+        logits = np.empty((*x.shape[:-1], cfg.vocab_size), self.dtype)      # [B, T, V], in fixed row blocks of V
+        for rows in w.row_blocks(head):
+            logits[..., rows] = linear(x, w.rows(head, rows))
+        return tap("lm_head", None, ctx.round(logits))
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
