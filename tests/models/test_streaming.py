@@ -1,0 +1,223 @@
+"""Streamed weights give the same bits as resident ones.
+
+Every preset architecture is written as a bf16 checkpoint (what released checkpoints are) and loaded twice:
+resident (the default for a model this small) and streamed under the smallest budget the model accepts (its
+largest piece), which keeps nothing: every layer's tensors are converted when the layer runs and dropped after,
+the embedding is gathered row by row, lm_head runs in row blocks and MoE layers convert only the routed experts.
+Forward, cached decode, golden bundles in every convention, generate, replay and explain must agree bit for bit.
+"""
+
+import filecmp
+import math
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import refimpl
+from refimpl.errors import WeightsError
+from refimpl.formats.safetensors import write_safetensors
+from refimpl.golden import write_golden
+from refimpl.models import weights as W
+from refimpl.models.presets import PRESETS, save_preset
+
+ARCHS = list(PRESETS)
+PROMPT = [9707, 11, 1879, 0, 315, 3460, 13, 576, 220]
+
+
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16")
+    return {name: save_preset(name, root / name, dtype="bfloat16") for name in ARCHS}
+
+
+def pair(directory, **kw):
+    """(resident model, streamed model) of one checkpoint; the streamed one keeps nothing."""
+    resident = refimpl.load(directory, **kw)
+    assert resident.weights.resident
+    smallest = resident.weights.plan()[1]
+    streamed = refimpl.load(directory, max_resident_bytes=smallest, **kw)
+    assert not streamed.weights.resident
+    return resident, streamed
+
+
+def assert_streamed(model, forwards: int):
+    """Nothing kept, and every tensor but the experts (only the routed ones) converted again on each forward."""
+    w = model.weights
+    assert w.kept_nbytes == 0
+    assert w.conversions >= forwards * sum(".experts." not in name for name in w.stored)
+
+
+def test_bf16_to_float32_is_the_exact_widening_for_every_bit_pattern():
+    bits = np.arange(2**16, dtype=np.uint16)
+    a = bits.view(ml_dtypes.bfloat16)
+    got = W.bf16_to_float32(a)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32) >> 16, bits)          # NaN payloads and -0 too
+    finite = np.isfinite(got)
+    np.testing.assert_array_equal(got[finite], a[finite].astype(np.float32))  # ml_dtypes' cast agrees
+    assert (got.view(np.uint32)[~finite] & 0xFFFF).max() == 0
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_forward_and_cached_decode_streamed_equal_resident(name, bf16_dirs):
+    resident, streamed = pair(bf16_dirs[name])
+    ids = np.array([PROMPT, [0, 0, 0] + PROMPT[:6]])
+    mask = np.array([[1] * 9, [0, 0, 0] + [1] * 6])
+    np.testing.assert_array_equal(streamed.forward(ids, attention_mask=mask), resident.forward(ids, attention_mask=mask))
+    caches = resident.new_cache(2), streamed.new_cache(2)
+    steps = [(ids, mask)] + [(np.array([[t], [t + 1]]), None) for t in (17, 4000, 99)]
+    for x, m in steps:
+        a = resident.forward(x, cache=caches[0], attention_mask=m)
+        b = streamed.forward(x, cache=caches[1], attention_mask=m)
+        np.testing.assert_array_equal(b, a)
+    assert_streamed(streamed, forwards=5)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_golden_in_every_convention_streamed_equals_resident(name, bf16_dirs, tmp_path):
+    resident, streamed = pair(bf16_dirs[name])
+    runs = {"hf": {}, "genie": {"ar": 4, "cl": 16}, "qeff": {"seq_len": 4, "ctx_len": 16}}
+    for convention, params in runs.items():
+        out = {}
+        for which, model in (("resident", resident), ("streamed", streamed)):
+            out[which] = write_golden(tmp_path / f"{convention}-{which}", model, PROMPT[:6], source=str(bf16_dirs[name]),
+                                      convention=convention, params=params, decode_steps=2, taps=".")
+        cmp = filecmp.dircmp(out["resident"], out["streamed"])
+        _assert_same_tree(cmp)
+    assert streamed.weights.kept_nbytes == 0
+
+
+def _assert_same_tree(cmp):
+    assert not cmp.left_only and not cmp.right_only, (cmp.left_only, cmp.right_only)
+    _, mismatch, errors = filecmp.cmpfiles(cmp.left, cmp.right, cmp.common_files, shallow=False)
+    assert not mismatch and not errors, (mismatch, errors)
+    for sub in cmp.subdirs.values():
+        _assert_same_tree(sub)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_generate_streamed_equals_resident(name, bf16_dirs):
+    resident, streamed = pair(bf16_dirs[name])
+    kw = dict(max_new_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=3, eos_token_id=(), return_logits=True)
+    a = refimpl.generate(resident, [PROMPT, PROMPT[:5]], **kw)
+    b = refimpl.generate(streamed, [PROMPT, PROMPT[:5]], **kw)
+    assert b.tokens == a.tokens and b.logprobs == a.logprobs and b.uniforms == a.uniforms
+    for x, y in zip(a.logits, b.logits):
+        np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3.5"])
+def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.compare import load_policy
+    from refimpl.diff.dump import read_dump
+    from refimpl.diff.explain import explain
+    from refimpl.diff.replay import replay, run_step
+    resident, streamed = pair(bf16_dirs[name])
+    path = write_golden(tmp_path / "b", resident, PROMPT[:6], source=str(bf16_dirs[name]), convention="genie",
+                        params={"ar": 4, "cl": 16}, decode_steps=1, taps=".")
+    bundle = read_bundle(path)
+    dump = read_dump(path, bundle)
+    policy = load_policy(None, None)
+    a, _ = run_step(bundle, dump, resident, 1, set(), policy)
+    b, _ = run_step(bundle, dump, streamed, 1, set(), policy)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    rows = [replay(bundle, dump, m, layer=1) for m in (resident, streamed)]
+    assert [(r.step, r.name, r.total, r.inherited, r.added) for r in rows[0]] == \
+        [(r.step, r.name, r.total, r.inherited, r.added) for r in rows[1]]
+    for spec in ("model.layers.3.self_attn.q_norm[0,1,2,5]", "model.layers.0.mlp.down_proj[0,2,7]" if "moe" not in name
+                 else "model.layers.0.mlp.gate[0,2,3]", "lm_head[0,3,151]"):
+        assert explain(bundle, streamed, spec) == explain(bundle, resident, spec)
+    assert streamed.weights.kept_nbytes == 0
+
+
+POLICIES = [("tiny-qwen3", "float64"), ("tiny-qwen3.5-moe", "float64"), ("tiny-qwen3-next", "bf16"),
+            ("tiny-qwen3", {"weights": "int8-per-tensor-qnn"}),         # tied lm_head quantised on its own
+            ("tiny-qwen3.5-moe", {"weights": "int8-per-tensor-qnn"}),   # fused experts: one range per tensor
+            ("tiny-qwen3.5-moe", {"weights": "int4-block32-onnx"})]
+
+
+@pytest.mark.parametrize("name,precision", POLICIES, ids=[f"{n}-{p}" for n, p in POLICIES])
+def test_precision_policies_streamed_equal_resident(name, precision, bf16_dirs, monkeypatch):
+    """Weight emulation on parts (an expert of a fused tensor, lm_head row blocks: 1 MiB here, so the 151936-row
+    head runs in 5-10 blocks) gives that part of the emulated whole tensor."""
+    monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    kw = {"dtype": "float64"} if precision == "float64" else {"precision": precision}
+    resident, streamed = pair(bf16_dirs[name], **kw)
+    assert len(streamed.weights.row_blocks("model.embed_tokens.weight")) >= 5
+    ids = np.array([PROMPT])
+    for _ in range(2):
+        np.testing.assert_array_equal(streamed.forward(ids), resident.forward(ids))
+    assert_streamed(streamed, forwards=2)
+
+
+@pytest.mark.parametrize("case", ["qwen35moe-f32", "qwen3-h256-q8_0"])
+def test_gguf_streamed_equals_resident(case):
+    """GGUF tensors stay in the map: Q8_0 embedding rows and lm_head blocks are dequantised as read, stacked
+    experts one expert at a time (float64 mode: the F32 tensors are converted too)."""
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / f"{case}.gguf"
+    resident, streamed = pair(path, dtype="float64")
+    ids = np.array([[1, 2, 3, 4, 5, 6, 7]])
+    cache = resident.new_cache(), streamed.new_cache()
+    for x in (ids, np.array([[9]])):
+        np.testing.assert_array_equal(streamed.forward(x, cache=cache[1]), resident.forward(x, cache=cache[0]))
+    assert_streamed(streamed, forwards=2)
+    assert streamed.weights.sha256() == resident.weights.sha256()
+
+
+def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
+    """Peak traced allocations (numpy reports its buffers to tracemalloc) of a one-token forward: streamed under a
+    budget of twice the largest piece, they stay below the budget plus the activations; resident, they exceed
+    the whole converted model."""
+    cfg = {**PRESETS["tiny-qwen3"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+           "head_dim": 64, "tie_word_embeddings": False}
+    rng = np.random.default_rng(0)
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.presets import random_weights
+    arrays = random_weights(config_from_dict(cfg), seed=1)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
+    write_safetensors(tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
+    ids = rng.integers(0, 4096, (1, 1))
+    monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)   # lm_head in 4 blocks: the largest piece is 1 MiB
+    peaks = {}
+    for which, budget in (("resident", None), ("streamed", "2x")):
+        model = refimpl.load(tmp_path)
+        if budget:
+            model = refimpl.load(tmp_path, max_resident_bytes=2 * model.weights.plan()[1])
+        tracemalloc.start()
+        model.forward(ids)
+        peaks[which] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        peaks[which + " budget"] = model.weights.budget
+        total = model.weights.converted_nbytes()
+    assert peaks["streamed"] <= peaks["streamed budget"] + 2**20, peaks
+    assert peaks["resident"] >= total, peaks
+    assert total >= 8 * peaks["streamed budget"]
+
+
+def test_budget_smaller_than_one_piece_is_refused(bf16_dirs, monkeypatch):
+    smallest = refimpl.load(bf16_dirs["tiny-qwen3.5-moe"]).weights.plan()[1]
+    with pytest.raises(WeightsError, match=r"model\.safetensors: the resident budget of .* is smaller than tensor "
+                                           r"'.*', which needs .* converted at once; give at least"):
+        refimpl.load(bf16_dirs["tiny-qwen3.5-moe"], max_resident_bytes=smallest - 1)
+    monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    model = refimpl.load(bf16_dirs["tiny-qwen3"], max_resident_bytes=2**20)
+    with pytest.raises(WeightsError, match=r"tensor 'model.embed_tokens.weight' \(37.1 MiB converted\) does not fit"):
+        model.weights["model.embed_tokens.weight"]   # whole: only its rows / row blocks fit
+
+
+def test_default_residency_follows_half_of_memory(bf16_dirs, monkeypatch):
+    model = refimpl.load(bf16_dirs["tiny-qwen3"])
+    total = model.weights.converted_nbytes()
+    assert model.weights.residency().startswith("resident")
+    monkeypatch.setattr(W, "machine_memory", lambda: 2 * total - 2)
+    monkeypatch.setattr(W, "DEFAULT_STREAM_BUDGET", 2**20)
+    model = refimpl.load(bf16_dirs["tiny-qwen3"])
+    assert not model.weights.resident and model.weights.budget == model.weights.plan()[1] > 2**20
+    assert model.weights.residency().startswith("streamed per layer")
+    assert math.isinf(refimpl.load("tiny-qwen3").weights.budget)   # float32 presets convert nothing
