@@ -4,7 +4,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..formats.safetensors import read_checkpoint
-from .config import load_config
+from .config import load_config, read_generation_config
 from .model import Model
 
 DTYPES = ("float32", "float64")
@@ -36,4 +36,6 @@ def load(source: str | Path, dtype: str = "float32", precision=None, max_residen
         raise InputError(f"{path}: expected an HF checkpoint directory (config.json + *.safetensors)")
     config = load_config(path)
     arrays, origins = read_checkpoint(path)
-    return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, origins)
+    model = Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, origins)
+    model.generation_config = read_generation_config(path)
+    return model

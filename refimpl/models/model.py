@@ -46,6 +46,7 @@ class Model:
     def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
         self.config = config
         self.weights = weights
+        self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
         self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
         self.precision = precision or policy(weights.dtype.name)
         expected, mixer = _architecture(config)

@@ -141,6 +141,7 @@ class Weights:
         self._ranges: dict = {}
         self.conversions = 0                # tensors (or parts) converted, and their converted bytes
         self.converted_bytes = 0
+        self.conversion_log: list | None = None   # a list: (name, index) of each conversion is appended
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored
@@ -157,7 +158,7 @@ class Weights:
         if size > budget:
             raise WeightsError(f"{self.origin(name)}: tensor {name!r} ({size_text(size)} converted) does not fit the "
                                f"resident budget of {size_text(budget)} (max_resident_bytes)")
-        out = self._convert(name)
+        out = self.convert(name)
         if size == 0 or self._fits(size):
             self._keep(name, out, size)
         return out
@@ -174,7 +175,7 @@ class Weights:
         key = (name, index) if isinstance(index, (int, np.integer)) else None
         out = self._kept.get(key) if key else None
         if out is None:
-            out = self._convert(name, index)
+            out = self.convert(name, index)
             if key and self._fits(out.nbytes):
                 self._keep(key, out, out.nbytes)
         return out
@@ -195,7 +196,9 @@ class Weights:
         half = gate_up.shape[0] // 2
         return gate_up[:half], gate_up[half:], self.rows(f"{prefix}.down_proj", e)
 
-    def _convert(self, name: str, index=None) -> np.ndarray:
+    def convert(self, name: str, index=None) -> np.ndarray:
+        """Tensor `name` (or part `index` of its leading axis) read from storage and converted, transform applied;
+        not kept. Logged in `conversion_log` when that is a list."""
         stored = self._stored(name)
         raw = read(stored, index)
         out = to_dtype(raw, self.dtype)
@@ -205,6 +208,8 @@ class Weights:
         if out is not raw:
             self.conversions += 1
             self.converted_bytes += out.nbytes
+            if self.conversion_log is not None:
+                self.conversion_log.append((name, index))
         return out
 
     def _chunks(self, name: str):
