@@ -47,7 +47,7 @@ def _size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or a number of bytes, got {text!r}")
-    return int(float(m[1]) * 1024 ** "KMGT".find(m[2].upper()) if m[2] else float(m[1]))
+    return int(float(m[1]) * 1024 ** ("KMGT".find(m[2].upper()) + 1) if m[2] else float(m[1]))
 
 
 def _load(args, source=None):

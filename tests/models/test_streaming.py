@@ -221,3 +221,89 @@ def test_default_residency_follows_half_of_memory(bf16_dirs, monkeypatch):
     assert not model.weights.resident and model.weights.budget == model.weights.plan()[1] > 2**20
     assert model.weights.residency().startswith("streamed per layer")
     assert math.isinf(refimpl.load("tiny-qwen3").weights.budget)   # float32 presets convert nothing
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+def _sharded(src, dst, header_edit=None):
+    """The checkpoint in two shards with an index, as released checkpoints are; header_edit(header) may change
+    the second shard's header."""
+    import json
+    import struct
+    from refimpl.formats.safetensors import read_safetensors
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    arrays = {k: np.array(v) for k, v in read_safetensors(src / "model.safetensors").items()}
+    names = sorted(arrays)
+    weight_map = {}
+    for k, part in enumerate((names[:len(names) // 2], names[len(names) // 2:]), 1):
+        f = dst / f"model-0000{k}-of-00002.safetensors"
+        write_safetensors(f, {n: arrays[n] for n in part})
+        weight_map.update({n: f.name for n in part})
+    if header_edit is not None:
+        f = dst / "model-00002-of-00002.safetensors"
+        data = f.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        header_edit(header)
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        f.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def _f8(header):
+    """One BF16 tensor re-declared as F8_E4M3 (one byte a value: the first half of its data)."""
+    name = next(n for n, v in sorted(header.items()) if n != "__metadata__" and v["dtype"] == "BF16"
+                and len(v["shape"]) == 2)
+    begin, end = header[name]["data_offsets"]
+    header[name].update(dtype="F8_E4M3", data_offsets=[begin, begin + (end - begin) // 2])
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing shard", r"model-00002-of-00002\.safetensors: missing shard: model\.safetensors\.index\.json lists \d+ "
+                      r"tensor\(s\) in it, e\.g\. 'model\.[\w.]+'"),
+    ("truncated shard", r"model-00002-of-00002\.safetensors: truncated: tensor '[\w.]+' needs bytes"),
+    ("unreadable dtype", r"model-00002-of-00002\.safetensors: tensor '[\w.]+' has dtype 'F8_E4M3', which refimpl "
+                         r"cannot read"),
+    ("integer weights", r"model-00002-of-00002\.safetensors: tensor '[\w.]+' has dtype int32, expected a float type"),
+    ("budget below one tensor", r"model-0000\d-of-00002\.safetensors: the resident budget of 1 KiB is smaller than "
+                                r"tensor '[\w.]+', which needs [\d.]+ [KM]iB converted at once"),
+])
+def test_bad_checkpoints_fail_in_one_line_naming_file_and_tensor(damage, message, bf16_dirs, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    def to_int32(header):
+        name = next(n for n, v in sorted(header.items()) if n != "__metadata__" and len(v["shape"]) == 2)
+        header[name]["dtype"] = "I32"
+        begin, end = header[name]["data_offsets"]
+        header[name]["shape"] = [(end - begin) // 4]
+    d = _sharded(bf16_dirs["tiny-qwen3-moe"], tmp_path / "ckpt", {"unreadable dtype": _f8,
+                                                                  "integer weights": to_int32}.get(damage))
+    second = d / "model-00002-of-00002.safetensors"
+    if damage == "missing shard":
+        second.unlink()
+    elif damage == "truncated shard":
+        second.write_bytes(second.read_bytes()[:second.stat().st_size // 2])
+    extra = ["--max-resident", "1KiB"] if damage.startswith("budget") else []
+    if damage == "integer weights":   # a readable dtype at the wrong place: the shape check comes first otherwise
+        message = message.replace("has dtype int32, expected a float type", "has (dtype int32|shape)")
+    out = tmp_path / "bundle"
+    run = subprocess.run([sys.executable, "-m", "refimpl.cli", "golden", "--model", str(d), "--input-ids", "1,2,3",
+                          "--out", str(out), *extra], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("refimpl: error: ") and re.search(message, lines[0]), lines
+    assert not out.exists() and not list(tmp_path.glob("bundle*"))
+
+
+def test_info_says_resident_or_streamed(bf16_dirs, capsys):
+    from refimpl.cli import main
+    assert main(["info", str(bf16_dirs["tiny-qwen3.5-moe"])]) == 0
+    assert "weights      resident (" in capsys.readouterr().out
+    assert main(["info", str(bf16_dirs["tiny-qwen3.5-moe"]), "--max-resident", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "weights      streamed per layer (" in out and "max_resident_bytes 64 MiB" in out
