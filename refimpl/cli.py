@@ -146,7 +146,8 @@ def cmd_golden(args) -> int:
         params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
     model = _load(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, transient=True, disable=args.quiet) as bar:
+    from .progress import attach
+    with Progress(*columns, transient=True, disable=args.quiet) as bar, attach(bar):   # forward bars join it
         task = bar.add_task(f"{args.convention} golden: computing {source}", total=None)
 
         def progress(k, total):

@@ -307,3 +307,32 @@ def test_info_says_resident_or_streamed(bf16_dirs, capsys):
     assert main(["info", str(bf16_dirs["tiny-qwen3.5-moe"]), "--max-resident", "64MiB"]) == 0
     out = capsys.readouterr().out
     assert "weights      streamed per layer (" in out and "max_resident_bytes 64 MiB" in out
+
+
+def test_forward_progress_is_per_layer_and_quiet_off_a_terminal(monkeypatch, capsys):
+    """A long forward draws a per-layer bar (here: DELAY 0, as a task of an attached display); off a terminal,
+    with nothing attached, it draws nothing."""
+    from refimpl import progress
+
+    class Display:   # records what a rich Progress is asked to draw
+        def __init__(self):
+            self.calls = []
+
+        def add_task(self, description, total):
+            self.calls.append(("add", description, total))
+            return 7
+
+        def update(self, task, completed):
+            self.calls.append(("update", completed))
+
+        def remove_task(self, task):
+            self.calls.append(("remove", task))
+    model = refimpl.load("tiny-qwen3-next")
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    with progress.attach(Display()) as display:
+        model.forward(np.array([PROMPT]))
+    assert display.calls[0] == ("add", "forward (4 layers)", 4)
+    assert [c[1] for c in display.calls[1:-1]] == [1, 2, 3, 4] and display.calls[-1] == ("remove", 7)
+    monkeypatch.setattr(progress, "_open", lambda *a: pytest.fail("a bar off a terminal"))
+    model.forward(np.array([PROMPT]))
+    assert capsys.readouterr().err == ""
