@@ -164,8 +164,9 @@ def write_checkpoint(directory: Path, config: dict, seed: int = 0) -> int:
             fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name, shape in shard:
-                header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + 2 * math.prod(shape)]}
-                offset += 2 * math.prod(shape)
+                end = offset + 2 * math.prod(shape)
+                header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, end]}
+                offset = end
                 weight_map[name] = fname
             blob = json.dumps(header, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)

@@ -256,7 +256,8 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float | N
         s = {**checkpoint_sampling(getattr(model, "generation_config", {})),
              **{k: v for k, v in given.items() if v is not None}}
         return _generate(model, prompt_ids, max_new_tokens, s["temperature"], s["top_k"], s["top_p"], seed,
-                         eos_token_id, s["min_p"], s["repetition_penalty"], stop, tokenizer, attention_mask, callback, use_cache, return_logits)
+                         eos_token_id, s["min_p"], s["repetition_penalty"], stop, tokenizer, attention_mask,
+                         callback, use_cache, return_logits)
 
 
 def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,

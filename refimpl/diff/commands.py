@@ -171,7 +171,8 @@ def cmd_replay(args) -> int:
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings, args.max_resident), layer=args.layer, tensor=args.tensor, step=args.step,
+    model = _model(bundle, args.model, args.encodings, args.max_resident)
+    rows = replay(bundle, dump, model, layer=args.layer, tensor=args.tensor, step=args.step,
                   policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")

@@ -65,7 +65,8 @@ def test_forward_and_cached_decode_streamed_equal_resident(name, bf16_dirs):
     resident, streamed = pair(bf16_dirs[name])
     ids = np.array([PROMPT, [0, 0, 0] + PROMPT[:6]])
     mask = np.array([[1] * 9, [0, 0, 0] + [1] * 6])
-    np.testing.assert_array_equal(streamed.forward(ids, attention_mask=mask), resident.forward(ids, attention_mask=mask))
+    np.testing.assert_array_equal(streamed.forward(ids, attention_mask=mask),
+                                  resident.forward(ids, attention_mask=mask))
     caches = resident.new_cache(2), streamed.new_cache(2)
     steps = [(ids, mask)] + [(np.array([[t], [t + 1]]), None) for t in (17, 4000, 99)]
     for x, m in steps:
@@ -82,8 +83,9 @@ def test_golden_in_every_convention_streamed_equals_resident(name, bf16_dirs, tm
     for convention, params in runs.items():
         out = {}
         for which, model in (("resident", resident), ("streamed", streamed)):
-            out[which] = write_golden(tmp_path / f"{convention}-{which}", model, PROMPT[:6], source=str(bf16_dirs[name]),
-                                      convention=convention, params=params, decode_steps=2, taps=".")
+            out[which] = write_golden(tmp_path / f"{convention}-{which}", model, PROMPT[:6],
+                                      source=str(bf16_dirs[name]), convention=convention, params=params,
+                                      decode_steps=2, taps=".")
         cmp = filecmp.dircmp(out["resident"], out["streamed"])
         _assert_same_tree(cmp)
     assert streamed.weights.kept_nbytes == 0
