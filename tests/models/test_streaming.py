@@ -338,3 +338,31 @@ def test_forward_progress_is_per_layer_and_quiet_off_a_terminal(monkeypatch, cap
     monkeypatch.setattr(progress, "_open", lambda *a: pytest.fail("a bar off a terminal"))
     model.forward(np.array([PROMPT]))
     assert capsys.readouterr().err == ""
+
+
+def test_encodings_on_parts_streamed_equal_resident(bf16_dirs, tmp_path, monkeypatch):
+    """An AIMET 1.0.0 encodings file with per-channel scales on a fused expert tensor and on lm_head, and per-block
+    scales on the fused down_proj: each expert / row block takes its own rows' scales."""
+    import json
+    from refimpl.precision import Policy
+    monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    d = bf16_dirs["tiny-qwen3.5-moe"]
+    w = refimpl.load(d).weights
+    entries = []
+    for name, kind in (("model.layers.0.mlp.experts.gate_up_proj", "PER_CHANNEL"), ("lm_head.weight", "PER_CHANNEL"),
+                       ("model.layers.2.mlp.experts.down_proj", "PER_BLOCK")):
+        a = np.asarray(w[name], np.float64)
+        rows = a.reshape(-1, a.shape[-1])
+        if kind == "PER_BLOCK":
+            rows = rows.reshape(rows.shape[0], -1, 16)          # blocks of 16 along the input axis
+        scale = (np.abs(rows).max(axis=-1) / 127).reshape(-1)
+        entries.append({"name": name, "enc_type": kind, "bw": 8, "is_sym": True, "scale": scale.tolist(),
+                        "offset": [-128] * scale.size, **({"block_size": 16} if kind == "PER_BLOCK" else {})})
+    path = tmp_path / "enc.json"
+    path.write_text(json.dumps({"version": "1.0.0", "param_encodings": entries}))
+    resident, streamed = pair(d, precision=Policy("float32", "encodings", None, str(path)))
+    ids = np.array([PROMPT])
+    np.testing.assert_array_equal(streamed.forward(ids), resident.forward(ids))
+    assert_streamed(streamed, forwards=1)
+    head = resident.weights["lm_head.weight"]
+    assert not np.array_equal(head, w["lm_head.weight"])       # the encodings were applied
