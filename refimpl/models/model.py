@@ -1,6 +1,7 @@
 """The model: a config, its weights, and the forward pass over a per-layer cache."""
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -140,7 +141,7 @@ class Model:
             x = x[:, -logits_to_keep:]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and not self._own_lm_head else "lm_head.weight"
         logits = np.empty((*x.shape[:-1], cfg.vocab_size), self.dtype)      # [B, T, V], in fixed row blocks of V
-        for rows in w.row_blocks(head):
+        for rows in w.row_blocks(head, tokens=math.prod(x.shape[:-1])):
             logits[..., rows] = linear(x, w.rows(head, rows))
         return tap("lm_head", None, ctx.round(logits))
 

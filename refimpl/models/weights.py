@@ -41,7 +41,8 @@ from ..progress import layer_progress
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-ROW_BLOCK_BYTES = 64 * 2**20            # lm_head row blocks: this many converted bytes each
+ROW_BLOCK_BYTES = 64 * 2**20            # lm_head row blocks: this many converted bytes each ...
+VECTOR_BLOCK_BYTES = 2**20              # ... or this many for one token (a block stays in cache for its product)
 DEFAULT_STREAM_BUDGET = 2**30           # the default budget of a model that does not fit in half of memory
 _ROW_READ = ("model.embed_tokens.weight", "lm_head.weight")   # read by rows: looked-up ids, lm_head blocks
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -180,11 +181,13 @@ class Weights:
                 self._keep(key, out, out.nbytes)
         return out
 
-    def row_blocks(self, name: str) -> list[slice]:
-        """Fixed row blocks of a [rows, in] tensor (lm_head), ROW_BLOCK_BYTES converted each: the same blocks
-        whether the tensor is kept or streamed."""
+    def row_blocks(self, name: str, tokens: int = 2) -> list[slice]:
+        """Fixed row blocks of a [rows, in] tensor (lm_head) for a product with `tokens` rows of activations:
+        ROW_BLOCK_BYTES converted each, VECTOR_BLOCK_BYTES for one token (a block converted and multiplied while
+        in cache). The same blocks whether the tensor is kept or streamed."""
         shape = self.shape(name)
-        step = max(1, ROW_BLOCK_BYTES // (math.prod(shape[1:]) * self.dtype.itemsize))
+        size = VECTOR_BLOCK_BYTES if tokens == 1 else ROW_BLOCK_BYTES
+        step = max(1, size // (math.prod(shape[1:]) * self.dtype.itemsize))
         return [slice(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
 
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
