@@ -57,24 +57,31 @@ def save_tokenizer(directory, vocab: str, template, legacy: bool = False):
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
-    """(refimpl tokenizer, transformers tokenizer) per (template, storage)."""
-    out = {}
-    for name, vocab, template in (("qwen3", "qwen3", QWEN3), ("qwen3.5", "qwen3.5", QWEN35)):
-        for legacy in (False, True):
-            d = save_tokenizer(tmp_path_factory.mktemp(f"{name}-{legacy}"), vocab, template, legacy)
+    """get(template, legacy) -> (refimpl tokenizer, transformers tokenizer) of one saved directory, built once
+    (transformers takes 6-9 s to load a Qwen vocabulary)."""
+    built = {}
+
+    def get(name, legacy):
+        if (name, legacy) not in built:
+            d = save_tokenizer(tmp_path_factory.mktemp(f"{name}-{legacy}"), name, {"qwen3": QWEN3,
+                                                                                   "qwen3.5": QWEN35}[name], legacy)
             files = {f.name for f in d.iterdir()}
             assert ("chat_template.jinja" in files) != legacy
             assert legacy == ("chat_template" in json.loads((d / "tokenizer_config.json").read_text()))
-            out[name, legacy] = refimpl.load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(d)
-    return out
+            built[name, legacy] = refimpl.load_tokenizer(d), transformers.AutoTokenizer.from_pretrained(d)
+        return built[name, legacy]
+    return get
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["chat_template.jinja", "tokenizer_config.json"])
+STORED = [("qwen3", False), ("qwen3", True), ("qwen3.5", False)]   # where the template is: the reader is shared
+
+
 @pytest.mark.parametrize("thinking", list(THINKING))
 @pytest.mark.parametrize("chat", list(CHATS))
-@pytest.mark.parametrize("template", ["qwen3", "qwen3.5"])
-def test_chat_template_renders_the_ids_transformers_renders(template, chat, thinking, legacy, tokenizers):
-    ours, theirs = tokenizers[template, legacy]
+@pytest.mark.parametrize("template,legacy", STORED, ids=[f"{t}-{'tokenizer_config.json' if legacy else 'jinja'}"
+                                                         for t, legacy in STORED])
+def test_chat_template_renders_the_ids_transformers_renders(template, legacy, chat, thinking, tokenizers):
+    ours, theirs = tokenizers(template, legacy)
     messages, tools = CHATS[chat]
     kw = {"tools": tools} if tools else {}
     for generation_prompt in (True, False):
@@ -103,7 +110,7 @@ def test_several_templates_choose_tool_use_with_tools(tmp_path):
 
 
 def test_template_errors_are_one_line_input_errors(tokenizers):
-    ours, _ = tokenizers["qwen3.5", False]
+    ours, _ = tokenizers("qwen3.5", False)
     with pytest.raises(refimpl.errors.InputError, match="No user query found in messages"):
         ours.apply_chat_template([{"role": "system", "content": "alone"}])
     plain = refimpl.load_tokenizer("qwen3")
