@@ -53,6 +53,10 @@ class Model:
         expected, mixer = _architecture(config)
         weights.check(expected(config))
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
+        # what each layer reads (its experts aside: those the router picks), read ahead one layer early
+        names = expected(config)
+        self._layer_tensors = [[n for n in names if n.startswith(f"model.layers.{i}.") and ".experts." not in n]
+                               for i in range(config.num_hidden_layers)] + [["lm_head.weight", "model.norm.weight"]]
         # integer weights: a tied lm_head is a MatMul the device quantises on its own, while the embedding table
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
@@ -131,8 +135,10 @@ class Model:
         ctx.precision = self.precision
         x = w.rows("model.embed_tokens.weight", ids)                        # [B, T, H]: the looked-up rows
         x = tap("model.embed_tokens", None, x)
+        w.prefetch(self._layer_tensors[0])
         with layer_progress("forward", len(self._mixers)) as advance:
             for i, mixer in enumerate(self._mixers):
+                w.prefetch(self._layer_tensors[i + 1])      # streamed weights: the disk reads the next layer now
                 x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
                 advance()
         x = qwen3.norm(w, "model.norm", x, cfg, ctx)

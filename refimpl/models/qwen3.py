@@ -88,6 +88,7 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     xs = x.reshape(B * T, H)
     logits = tap(p, "gate", r(linear(xs, w[f"{p}.gate.weight"])).reshape(B, T, -1)).reshape(B * T, -1)  # [N, E]
     probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
+    w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))
     experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
     weights = tap(p, "routing_weights", weights.reshape(B, T, -1)).reshape(B * T, -1)

@@ -27,6 +27,7 @@ Names are the checkpoint's own; the multimodal prefix `model.language_model.` is
 import dataclasses
 import hashlib
 import math
+import mmap
 import os
 import re
 from pathlib import Path
@@ -89,6 +90,22 @@ def blocks(stored, itemsize: int):
     step = max(1, ROW_BLOCK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
     for r in range(0, shape[0], step):
         yield read(stored, slice(r, r + step))
+
+
+def _will_need(a: np.ndarray) -> None:
+    """madvise(WILLNEED) the pages of an array that views a memory map (else nothing)."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root.base, mmap.mmap) or not a.size:
+        return
+    page = mmap.PAGESIZE
+    start = a.ctypes.data - root.ctypes.data + getattr(root, "offset", 0) % mmap.ALLOCATIONGRANULARITY
+    aligned = start - start % page
+    try:
+        root.base.madvise(mmap.MADV_WILLNEED, aligned, start - aligned + a.nbytes)
+    except (OSError, ValueError):
+        pass   # a hint only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +236,24 @@ class Weights:
             if self.conversion_log is not None:
                 self.conversion_log.append((name, index))
         return out
+
+    def prefetch(self, names) -> None:
+        """Ask the kernel to start reading these tensors (names, or (name, expert index) pairs) from the disk
+        while the current layer computes (madvise WILLNEED on the memory map: asynchronous, no data copied). Kept
+        tensors and tensors not memory-mapped (presets, dequantised GGUF blocks) are skipped."""
+        for item in names:
+            name, index = item if isinstance(item, tuple) else (item, None)
+            stored = self.stored.get(self.aliases.get(name, name))
+            if not isinstance(stored, np.ndarray) or name in self._kept or (name, index) in self._kept:
+                continue
+            _will_need(read(stored, index))
+
+    def prefetch_experts(self, prefix: str, experts) -> None:
+        """prefetch the routed experts' matrices under `prefix` (per-expert tensors or fused ones)."""
+        if f"{prefix}.gate_up_proj" in self.stored:
+            self.prefetch((f"{prefix}.{p}", int(e)) for e in experts for p in ("gate_up_proj", "down_proj"))
+        else:
+            self.prefetch(f"{prefix}.{int(e)}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down"))
 
     def _chunks(self, name: str):
         """The whole tensor converted (before any transform), leading-axis block by block."""

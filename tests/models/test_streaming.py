@@ -366,3 +366,29 @@ def test_encodings_on_parts_streamed_equal_resident(bf16_dirs, tmp_path, monkeyp
     assert_streamed(streamed, forwards=1)
     head = resident.weights["lm_head.weight"]
     assert not np.array_equal(head, w["lm_head.weight"])       # the encodings were applied
+
+
+def test_streamed_layers_are_read_ahead(bf16_dirs, monkeypatch):
+    """While layer i runs, the disk is asked for layer i + 1 (madvise WILLNEED on the map), and an MoE layer asks
+    for the experts its router picked before converting the first of them; kept tensors are not asked for."""
+    resident, streamed = pair(bf16_dirs["tiny-qwen3-moe"])
+    asked = []
+    monkeypatch.setattr(W, "_will_need", lambda a: asked.append(a))
+    calls = []
+    prefetch = W.Weights.prefetch
+    monkeypatch.setattr(W.Weights, "prefetch", lambda self, names: calls.append(list(names)) or
+                        prefetch(self, calls[-1]))
+    streamed.forward(np.array([PROMPT]))
+    flat = [n if isinstance(n, str) else n[0] for c in calls for n in c]
+    non_expert = {n for n in streamed.weights.stored if ".experts." not in n and n != "model.embed_tokens.weight"}
+    assert non_expert <= set(flat)
+    first_layer1 = next(k for k, c in enumerate(calls) if any(str(n).startswith("model.layers.1.") for n in c))
+    assert any(".experts." in str(n) for c in calls[:first_layer1 + 1] for n in c) is False
+    assert any(".layers.0.mlp.experts." in str(n) for c in calls[first_layer1 + 1:] for n in c)
+    assert len(asked) == len(flat) and all(isinstance(a, np.memmap) or a.base is not None for a in asked)
+    asked.clear()
+    resident.forward(np.array([PROMPT]))
+    resident.forward(np.array([PROMPT]))     # everything kept by now: nothing to ask the disk for
+    n = len(asked)
+    resident.forward(np.array([PROMPT]))
+    assert len(asked) == n
