@@ -195,7 +195,9 @@ def checkpoint_bytes(config: dict) -> int:
 def child(args) -> None:
     """The measured process: load, prefill, decode; phases and results as JSON on stdout."""
     import refimpl
-    from refimpl.models.weights import read
+    from refimpl.models.weights import Weights, read
+    if args.no_read_ahead:            # A/B: the layer-ahead and routed-expert disk hints off
+        Weights.prefetch = lambda self, names: None
     marks = {"start": time.time()}
     t0 = time.perf_counter()
     model = refimpl.load(args.child, max_resident_bytes=args.max_resident)
@@ -289,6 +291,8 @@ def measure(directory: Path, args) -> dict:
            "--decode", str(args.decode), "--repeats", str(args.repeats)]
     if args.max_resident is not None:
         cmd += ["--max-resident", str(args.max_resident)]
+    if args.no_read_ahead:
+        cmd += ["--no-read-ahead"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     samples = []
     while proc.poll() is None:
@@ -326,6 +330,13 @@ def run_shape(shape: str, args) -> dict:
         if layers < 1:
             raise SystemExit(f"{root}: {fmt_bytes(free)} free is not enough for one MoE layer plus a margin")
         config.update(num_hidden_layers=layers, max_window_layers=layers)
+    elif args.layers:
+        text = config.get("text_config", config)
+        text.update(num_hidden_layers=args.layers, **({"max_window_layers": args.layers}
+                                                      if "max_window_layers" in text else {}))
+    if directory.exists() and (not (directory / "config.json").exists()
+                               or json.loads((directory / "config.json").read_text()) != config):
+        shutil.rmtree(directory)      # a kept checkpoint of another layer count
     need = checkpoint_bytes(config)
     free = shutil.disk_usage(root).free + (_du(directory) if directory.exists() else 0)
     if need + DISK_MARGIN > free:
@@ -404,11 +415,13 @@ def main():
     ap.add_argument("--dir", default=os.environ.get("REFIMPL_SCALE_DIR", "/tmp/refimpl-scale"),
                     help="where checkpoints are written")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (default: delete them)")
-    ap.add_argument("--layers", type=int, help="MoE layers (default: 48, or what fits on the disk)")
+    ap.add_argument("--layers", type=int, help="layers (default: the released count; the MoE: 48, or what fits "
+                                               "on the disk)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=3, help="decode steps measured")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each step (the least time counts)")
     ap.add_argument("--max-resident", type=int, help="bytes (default: refimpl's default residency)")
+    ap.add_argument("--no-read-ahead", action="store_true", help="A/B: no read-ahead hints (Weights.prefetch)")
     ap.add_argument("--plot", help="write RssAnon over time to this PNG")
     ap.add_argument("--json", help="write the results to this JSON file")
     ap.add_argument("--plain", action="store_true")
