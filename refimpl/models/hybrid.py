@@ -21,7 +21,6 @@ import numpy as np
 from ..kernels.activation import sigmoid, softplus
 from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
-from ..kernels.linear import linear
 from ..kernels.norm import rms_norm_gated
 from ..trace import conform, override, tap
 from . import qwen3
@@ -52,16 +51,16 @@ def projections(w, p: str, x: np.ndarray, cfg, put, r):
     n = Hv // Hk
     if f"{p}.in_proj_qkvz.weight" in w:
         # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
-        qkvz = put("in_proj_qkvz", r(linear(x, w[f"{p}.in_proj_qkvz.weight"]))).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
-        ba = put("in_proj_ba", r(linear(x, w[f"{p}.in_proj_ba.weight"]))).reshape(B, T, Hk, 2 * n)
+        qkvz = put("in_proj_qkvz", r(w.linear(x, f"{p}.in_proj_qkvz.weight"))).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
+        ba = put("in_proj_ba", r(w.linear(x, f"{p}.in_proj_ba.weight"))).reshape(B, T, Hk, 2 * n)
         q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + n * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
         b, a = ba[..., :n].reshape(B, T, Hv), ba[..., n:].reshape(B, T, Hv)   # value head h = kh * n + j
         return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
-    mixed_qkv = put("in_proj_qkv", r(linear(x, w[f"{p}.in_proj_qkv.weight"])))
-    z = put("in_proj_z", r(linear(x, w[f"{p}.in_proj_z.weight"])))
-    b = put("in_proj_b", r(linear(x, w[f"{p}.in_proj_b.weight"])))
-    a = put("in_proj_a", r(linear(x, w[f"{p}.in_proj_a.weight"])))
+    mixed_qkv = put("in_proj_qkv", r(w.linear(x, f"{p}.in_proj_qkv.weight")))
+    z = put("in_proj_z", r(w.linear(x, f"{p}.in_proj_z.weight")))
+    b = put("in_proj_b", r(w.linear(x, f"{p}.in_proj_b.weight")))
+    a = put("in_proj_a", r(w.linear(x, f"{p}.in_proj_a.weight")))
     return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
 
 
@@ -91,7 +90,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
     core = put("core", r(core))                                                        # float32 core, cast out
     normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))  # [B, T, Hv, Dv]
-    out = put("out_proj", r(linear(normed.reshape(B, T, -1), w[f"{p}.out_proj.weight"])))
+    out = put("out_proj", r(w.linear(normed.reshape(B, T, -1), f"{p}.out_proj.weight")))
     return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
 

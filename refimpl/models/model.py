@@ -1,13 +1,11 @@
 """The model: a config, its weights, and the forward pass over a per-layer cache."""
 
 import dataclasses
-import math
 
 import numpy as np
 
 from ..errors import InputError
 from ..kernels.attention import causal_mask
-from ..kernels.linear import linear
 from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
 from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, weight_transform
 from ..progress import layer_progress
@@ -146,10 +144,8 @@ class Model:
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and not self._own_lm_head else "lm_head.weight"
-        logits = np.empty((*x.shape[:-1], cfg.vocab_size), self.dtype)      # [B, T, V], in fixed row blocks of V
-        for rows in w.row_blocks(head, tokens=math.prod(x.shape[:-1])):
-            logits[..., rows] = linear(x, w.rows(head, rows))
-        return tap("lm_head", None, ctx.round(logits))
+        logits = ctx.round(w.linear(x, head))                               # [B, T, V], in row blocks of V
+        return tap("lm_head", None, logits)
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)

@@ -2,7 +2,9 @@
 
 One pre-norm layer:  h = x + attention(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h)).
 Every function reads its weights by checkpoint name under `p` (e.g. "model.layers.3.self_attn") and taps
-its intermediates under the same path. `r = ctx.round` marks each point where transformers casts to the
+its intermediates under the same path. A projection is `w.linear(x, name)`: kernels.linear.linear on the matrix
+`name`, in the row blocks refimpl/models/weights.py fixes (for one token, cache-sized blocks converted as they
+are multiplied, which is what makes a streamed decode step cost little more than reading its weights). `r = ctx.round` marks each point where transformers casts to the
 activation dtype (refimpl/precision.py); it is the identity in float32 and float64.
 """
 
@@ -32,10 +34,10 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     B, T, _ = x.shape
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     r = ctx.round
-    bias = (lambda name: w[f"{p}.{name}.bias"]) if cfg.attention_bias else (lambda name: None)
-    q = r(linear(x, w[f"{p}.q_proj.weight"], bias("q_proj")))
-    k = r(linear(x, w[f"{p}.k_proj.weight"], bias("k_proj")))
-    v = r(linear(x, w[f"{p}.v_proj.weight"], bias("v_proj")))
+    bias = (lambda name: f"{p}.{name}.bias") if cfg.attention_bias else (lambda name: None)
+    q = r(w.linear(x, f"{p}.q_proj.weight", bias("q_proj")))
+    k = r(w.linear(x, f"{p}.k_proj.weight", bias("k_proj")))
+    v = r(w.linear(x, f"{p}.v_proj.weight", bias("v_proj")))
     q, k, v = tap(p, "q_proj", q), tap(p, "k_proj", k), tap(p, "v_proj", v)
     if gated:
         q, gate = np.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)      # [B, T, Hq, D] each
@@ -64,19 +66,19 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     if gated:
         o = r(o * r(sigmoid(gate)))
         o = tap(p, "gated_output", o)
-    out = r(linear(o, w[f"{p}.o_proj.weight"], bias("o_proj")))
+    out = r(w.linear(o, f"{p}.o_proj.weight", bias("o_proj")))
     return tap(p, "o_proj", out)
 
 
 def mlp(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """SwiGLU:  down( act(gate(x)) * up(x) ).  x [..., H] -> [..., H]."""
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
-    gate = r(linear(x, w[f"{p}.gate_proj.weight"]))
-    up = r(linear(x, w[f"{p}.up_proj.weight"]))
+    gate = r(w.linear(x, f"{p}.gate_proj.weight"))
+    up = r(w.linear(x, f"{p}.up_proj.weight"))
     gate, up = tap(p, "gate_proj", gate), tap(p, "up_proj", up)
     hidden = r(r(act(gate)) * up)
     hidden = tap(p, "hidden", hidden)
-    out = r(linear(hidden, w[f"{p}.down_proj.weight"]))
+    out = r(w.linear(hidden, f"{p}.down_proj.weight"))
     return tap(p, "down_proj", out)
 
 
@@ -86,7 +88,7 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     B, T, H = x.shape
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
-    logits = tap(p, "gate", r(linear(xs, w[f"{p}.gate.weight"])).reshape(B, T, -1)).reshape(B * T, -1)  # [N, E]
+    logits = tap(p, "gate", r(w.linear(xs, f"{p}.gate.weight")).reshape(B, T, -1)).reshape(B * T, -1)  # [N, E]
     probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
     w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))

@@ -37,13 +37,14 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import WeightsError
+from ..kernels.linear import linear
 from ..progress import layer_progress
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 ROW_BLOCK_BYTES = 64 * 2**20            # lm_head row blocks: this many converted bytes each ...
-VECTOR_BLOCK_BYTES = 2**20              # ... or this many for one token (a block stays in cache for its product)
+VECTOR_BLOCK_BYTES = 4 * 2**20          # ... and every matrix's for one token (a block stays in cache for its product)
 DEFAULT_STREAM_BUDGET = 2**30           # the default budget of a model that does not fit in half of memory
 _ROW_READ = ("model.embed_tokens.weight", "lm_head.weight")   # read by rows: looked-up ids, lm_head blocks
 _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
@@ -204,13 +205,28 @@ class Weights:
         return out
 
     def row_blocks(self, name: str, tokens: int = 2) -> list[slice]:
-        """Fixed row blocks of a [rows, in] tensor (lm_head) for a product with `tokens` rows of activations:
-        ROW_BLOCK_BYTES converted each, VECTOR_BLOCK_BYTES for one token (a block converted and multiplied while
-        in cache). The same blocks whether the tensor is kept or streamed."""
+        """The row blocks in which a [rows, in] matrix multiplies `tokens` rows of activations: for one token,
+        VECTOR_BLOCK_BYTES converted each (a block is converted and multiplied while in cache); for several,
+        lm_head / a tied embedding in ROW_BLOCK_BYTES blocks and any other matrix whole. They depend on shapes
+        alone, never on the budget: kept and streamed tensors compute the same products."""
         shape = self.shape(name)
+        if tokens > 1 and name not in _ROW_READ:
+            return [slice(0, shape[0])]
         size = VECTOR_BLOCK_BYTES if tokens == 1 else ROW_BLOCK_BYTES
         step = max(1, size // (math.prod(shape[1:]) * self.dtype.itemsize))
         return [slice(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
+
+    def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
+        """kernels.linear.linear(x, W, b) with W the matrix `name` [out, in] and b the vector `bias` (a name, or
+        None), block by block of `row_blocks`: x [..., in] -> [..., out]."""
+        blocks = self.row_blocks(name, math.prod(x.shape[:-1]))
+        b = None if bias is None else self[bias]
+        if len(blocks) == 1:
+            return linear(x, self[name], b)
+        out = np.empty((*x.shape[:-1], self.shape(name)[0]), np.result_type(x.dtype, self.dtype))
+        for rows in blocks:
+            out[..., rows] = linear(x, self.rows(name, rows), None if b is None else b[rows])
+        return out
 
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
@@ -296,8 +312,9 @@ class Weights:
             if size == 0:
                 continue
             shape = self.shape(name)
-            if name in _ROW_READ:
-                out[name] = min(size, len(range(*self.row_blocks(name)[0].indices(shape[0]))) * size // shape[0])
+            if name in _ROW_READ:   # its largest block, of one token's products or several's
+                rows = max(len(range(*self.row_blocks(name, tokens)[0].indices(shape[0]))) for tokens in (1, 2))
+                out[name] = rows * size // shape[0]
             elif m := _FUSED.match(name):
                 out[name] = sum(self.converted_size(f"{m[1]}.{p}") // shape[0] for p in ("gate_up_proj", "down_proj")
                                 if f"{m[1]}.{p}" in self.stored)

@@ -145,16 +145,20 @@ POLICIES = [("tiny-qwen3", "float64"), ("tiny-qwen3.5-moe", "float64"), ("tiny-q
 
 @pytest.mark.parametrize("name,precision", POLICIES, ids=[f"{n}-{p}" for n, p in POLICIES])
 def test_precision_policies_streamed_equal_resident(name, precision, bf16_dirs, monkeypatch):
-    """Weight emulation on parts (an expert of a fused tensor, lm_head row blocks: 1 MiB here, so the 151936-row
-    head runs in 5-10 blocks) gives that part of the emulated whole tensor."""
+    """Weight emulation on parts (an expert of a fused tensor, row blocks: lm_head's 1 MiB ones here, so the
+    151936-row head runs in 5-10 blocks, and for one token every matrix's 4 KiB ones) gives that part of the
+    emulated whole tensor."""
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)   # one token: every matrix in 4 KiB row blocks
     kw = {"dtype": "float64"} if precision == "float64" else {"precision": precision}
     resident, streamed = pair(bf16_dirs[name], **kw)
     assert len(streamed.weights.row_blocks("model.embed_tokens.weight")) >= 5
+    assert len(streamed.weights.row_blocks("model.layers.3.self_attn.q_proj.weight", tokens=1)) >= 8
     ids = np.array([PROMPT])
-    for _ in range(2):
-        np.testing.assert_array_equal(streamed.forward(ids), resident.forward(ids))
-    assert_streamed(streamed, forwards=2)
+    caches = resident.new_cache(), streamed.new_cache()
+    for x in (ids, ids[:, :1], ids[:, 1:2]):
+        np.testing.assert_array_equal(streamed.forward(x, cache=caches[1]), resident.forward(x, cache=caches[0]))
+    assert_streamed(streamed, forwards=3)
 
 
 @pytest.mark.parametrize("case", ["qwen35moe-f32", "qwen3-h256-q8_0"])
@@ -186,6 +190,7 @@ def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
     write_safetensors(tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
     ids = rng.integers(0, 4096, (1, 1))
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)   # lm_head in 4 blocks: the largest piece is 1 MiB
+    monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**20)
     peaks = {}
     for which, budget in (("resident", None), ("streamed", "2x")):
         model = refimpl.load(tmp_path)
@@ -208,6 +213,7 @@ def test_budget_smaller_than_one_piece_is_refused(bf16_dirs, monkeypatch):
                                            r"'.*', which needs .* converted at once; give at least"):
         refimpl.load(bf16_dirs["tiny-qwen3.5-moe"], max_resident_bytes=smallest - 1)
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**20)
     model = refimpl.load(bf16_dirs["tiny-qwen3"], max_resident_bytes=2**20)
     with pytest.raises(WeightsError, match=r"tensor 'model.embed_tokens.weight' \(37.1 MiB converted\) does not fit"):
         model.weights["model.embed_tokens.weight"]   # whole: only its rows / row blocks fit
@@ -346,6 +352,7 @@ def test_encodings_on_parts_streamed_equal_resident(bf16_dirs, tmp_path, monkeyp
     import json
     from refimpl.precision import Policy
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
     d = bf16_dirs["tiny-qwen3.5-moe"]
     w = refimpl.load(d).weights
     entries = []
@@ -362,8 +369,10 @@ def test_encodings_on_parts_streamed_equal_resident(bf16_dirs, tmp_path, monkeyp
     path.write_text(json.dumps({"version": "1.0.0", "param_encodings": entries}))
     resident, streamed = pair(d, precision=Policy("float32", "encodings", None, str(path)))
     ids = np.array([PROMPT])
-    np.testing.assert_array_equal(streamed.forward(ids), resident.forward(ids))
-    assert_streamed(streamed, forwards=1)
+    caches = resident.new_cache(), streamed.new_cache()
+    for x in (ids, ids[:, :1]):
+        np.testing.assert_array_equal(streamed.forward(x, cache=caches[1]), resident.forward(x, cache=caches[0]))
+    assert_streamed(streamed, forwards=2)
     head = resident.weights["lm_head.weight"]
     assert not np.array_equal(head, w["lm_head.weight"])       # the encodings were applied
 
@@ -392,3 +401,29 @@ def test_streamed_layers_are_read_ahead(bf16_dirs, monkeypatch):
     n = len(asked)
     resident.forward(np.array([PROMPT]))
     assert len(asked) == n
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_blocked_products_are_the_kernel_on_the_whole_matrix(tokens, monkeypatch):
+    """Weights.linear, in 4 KiB row blocks for one token and lm_head's 1 MiB blocks, computes linear(x, W, b) of
+    the whole matrix (bit for bit once each product is correctly rounded, refimpl/kernels/linear.py; here within
+    float32 rounding of BLAS's own order), with its bias."""
+    from refimpl.kernels.linear import linear
+    monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
+    monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
+    cfg = {**PRESETS["tiny-qwen3"], "attention_bias": True}
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.presets import random_weights
+    model = refimpl.models.model.Model.from_arrays(config_from_dict(cfg), random_weights(config_from_dict(cfg), 3),
+                                                   "test", refimpl.Policy())
+    w = model.weights
+    x = np.random.default_rng(0).standard_normal((1, tokens, 64), dtype=np.float32)
+    for name, bias in (("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.bias"),
+                       ("model.layers.1.mlp.down_proj.weight", None), ("model.embed_tokens.weight", None)):
+        if name.endswith("down_proj.weight"):
+            x_in = np.random.default_rng(1).standard_normal((1, tokens, 192), dtype=np.float32)
+        else:
+            x_in = x
+        assert len(w.row_blocks(name, tokens)) > 1 or tokens > 1
+        np.testing.assert_allclose(w.linear(x_in, name, bias), linear(x_in, w[name], None if bias is None
+                                                                      else w[bias]), rtol=1e-6, atol=1e-6)
