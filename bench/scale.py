@@ -48,7 +48,6 @@ from _common import cpu_pressure_total, fmt_bytes, fmt_s, print_table, verdict, 
 
 GiB = 2**30
 SHARD_BYTES = 4 * 10**9          # released Qwen checkpoints come in ~4 GB shards
-DISK_MARGIN = 16 * GiB           # left free for the other users of the disk
 
 _QWEN3 = {"hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
           "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
@@ -332,7 +331,7 @@ def run_shape(shape: str, args) -> dict:
         one = checkpoint_bytes({**config, "num_hidden_layers": 1})
         per_layer = checkpoint_bytes({**config, "num_hidden_layers": 2}) - one
         free = shutil.disk_usage(root).free + (_du(directory) if directory.exists() else 0)
-        fits = int((free - DISK_MARGIN - (one - per_layer)) // per_layer)
+        fits = int((free - args.disk_margin * GiB - (one - per_layer)) // per_layer)
         layers = min(48, args.layers or 48, fits)
         if layers < 1:
             raise SystemExit(f"{root}: {fmt_bytes(free)} free is not enough for one MoE layer plus a margin")
@@ -346,8 +345,8 @@ def run_shape(shape: str, args) -> dict:
         shutil.rmtree(directory)      # a kept checkpoint of another layer count
     need = checkpoint_bytes(config)
     free = shutil.disk_usage(root).free + (_du(directory) if directory.exists() else 0)
-    if need + DISK_MARGIN > free:
-        raise SystemExit(f"{root}: {shape} needs {fmt_bytes(need)} + a {fmt_bytes(DISK_MARGIN)} margin, "
+    if need + args.disk_margin * GiB > free:
+        raise SystemExit(f"{root}: {shape} needs {fmt_bytes(need)} + a {args.disk_margin} GiB margin, "
                          f"{fmt_bytes(free)} free")
     try:
         if not (directory / "model.safetensors.index.json").exists():
@@ -422,6 +421,7 @@ def main():
     ap.add_argument("--dir", default=os.environ.get("REFIMPL_SCALE_DIR", "/tmp/refimpl-scale"),
                     help="where checkpoints are written")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (default: delete them)")
+    ap.add_argument("--disk-margin", type=float, default=16, help="GiB left free on the disk (it is shared)")
     ap.add_argument("--layers", type=int, help="layers (default: the released count; the MoE: 48, or what fits "
                                                "on the disk)")
     ap.add_argument("--prompt", type=int, default=128)
