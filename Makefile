@@ -12,19 +12,26 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.dev: pyproject.toml
+# qai-hub-models: AI Hub's export code, the oracle of tests/conformance/; --no-deps, since its requirements (the
+# hub client, AIMET, older transformers) are what exporting needs and its graph code does not
+QAI_HUB_MODELS := qai-hub-models==0.65.0
+
+$(VENV)/.dev: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,oracle]'
+	$(PIP) install -q -e '.[test,oracle,scale]'
+	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
+	($(PIP) install -q --no-deps aimet-torch==2.42.0 && $(PIP) install -q -e '.[aimet]') \
+		|| echo "aimet-torch could not be installed: tests/test_aimet.py will skip"
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime
 	$(VENV)/bin/refimpl info tiny-qwen3.5
 	$(VENV)/bin/refimpl run tiny-qwen3.5 --input-ids 9707,11,1879,0
 	$(VENV)/bin/refimpl golden --input-ids 9707,11,1879,0,315,3460,13 --convention genie --ar 4 --cl 32 \
-		--mask-floor -100 --decode-steps 4 --out out/demo-bundle --overwrite
+		--decode-steps 4 --out out/demo-bundle --overwrite
 	@echo "bundle: out/demo-bundle (manifest.json, input_list.txt, steps/*/{inputs,outputs,taps}/*.raw)"
 	$(VENV)/bin/refimpl diff out/demo-bundle out/demo-bundle --top 3 --html out/demo-diff.html
 	$(VENV)/bin/refimpl generate --prompt "The capital of France is" --max-new-tokens 8

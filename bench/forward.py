@@ -1,13 +1,14 @@
-"""Forward-pass benchmark: refimpl vs transformers (torch CPU, float32, eager) on a Qwen3-0.6B-shaped model.
+"""Forward-pass benchmark: refimpl (correctly rounded float32, the default) vs refimpl's plain BLAS float32 path
+(fast=True) vs transformers (torch CPU, float32, eager) on a Qwen3-0.6B-shaped model.
 
-Workload, identical on both sides: prefill 128 tokens (batch 1, logits for every position), then 32 cached
-single-token decode steps with fixed token ids. Both sides run the same seeded random weights
-(refimpl.models.presets.random_weights, copied into torch tensors), so the bench also
-prints how far their logits are apart.
+Workload, identical on every side: prefill 128 tokens (batch 1, logits for every position), then 32 cached
+single-token decode steps with fixed token ids. Every side runs the same seeded random weights
+(refimpl.models.presets.random_weights, copied into torch tensors), so the bench also prints how far their logits
+are apart, and how many elements the correctly rounded path had to sum exactly (docs/numerics.md).
 
 Each side runs in its own process, so its peak memory (peak RSS minus the process's RSS before the weights
-are built) is its own. Both stay resident while the timed rounds alternate between them (A B B A ...), one
-at a time, so both see the same machine state; times are medians over rounds. The decode step is also
+are built) is its own. All stay resident while the timed rounds alternate between them (A B C C B A ...), one
+at a time, so all see the same machine state; times are medians over rounds. The decode step is also
 compared with its memory-bandwidth bound: the bytes one step must read (every weight matrix, the tied
 embedding as lm_head, the KV cache) over the streaming-read bandwidth measured in the same run.
 
@@ -44,7 +45,9 @@ QWEN3_0_6B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
     "attention_bias": False, "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645,
 }
-TARGETS = {"prefill": 1.0, "decode": 1.0, "bound": 1.3, "memory": 1.2}
+TARGETS = {"prefill": 1.0, "decode": 1.0, "bound": 1.3, "memory": 1.2,   # the plain path against transformers
+           "exact_prefill": 2.5, "exact_bound": 1.5}                     # correctly rounded: vs plain, vs the bound
+SIDES = ("refimpl", "refimpl-fast", "transformers")
 
 
 def model_config(layers: int) -> dict:
@@ -52,21 +55,22 @@ def model_config(layers: int) -> dict:
 
 
 def workload(vocab: int, prompt_len: int, steps: int):
-    """Fixed token ids, the same on both sides: prompt [1, T] and one id per decode step."""
+    """Fixed token ids, the same on every side: prompt [1, T] and one id per decode step."""
     rng = np.random.default_rng(SEED)
     return rng.integers(0, vocab, (1, prompt_len)), rng.integers(0, vocab, steps)
 
 
-# ------------------------------------------------------------------------------------------------ the two sides
+# ------------------------------------------------------------------------------------------------ the sides
 
-def build_refimpl(d: dict):
+def build_refimpl(d: dict, fast: bool = False):
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import Model
     from refimpl.models.presets import random_weights
     from refimpl.models.weights import Weights
+    from refimpl.precision import Policy
 
     cfg = config_from_dict(d, source="bench:qwen3-0.6b")
-    model = Model(cfg, Weights(random_weights(cfg, SEED), "float32"))
+    model = Model(cfg, Weights(random_weights(cfg, SEED), "float32"), precision=Policy(fast=fast))
     weight_bytes = model.weights.nbytes()
 
     def forward(ids, cache):
@@ -131,7 +135,10 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
     baseline = maxrss_bytes()
 
     t0 = time.perf_counter()
-    new_cache, forward, to_numpy, weight_bytes = (build_refimpl if side == "refimpl" else build_transformers)(d)
+    builders = {"refimpl": build_refimpl, "refimpl-fast": lambda d: build_refimpl(d, fast=True),
+                "transformers": build_transformers}
+    new_cache, forward, to_numpy, weight_bytes = builders[side](d)
+    counts = count_fallbacks() if side == "refimpl" else {}
     build_time = time.perf_counter() - t0
     gc.collect()
     build_peak = maxrss_bytes() - baseline
@@ -163,8 +170,44 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
             np.save(os.path.join(out_dir, f"{side}_prefill.npy"), to_numpy(prefill)[0])
             np.save(os.path.join(out_dir, f"{side}_decode.npy"), np.concatenate([to_numpy(x)[0] for x in logits]))
             reply({"forward_peak": forward_peak, "phases_separate": phases_separate,
-                   "peak": max(build_peak, forward_peak) if phases_separate else forward_peak})
+                   "peak": max(build_peak, forward_peak) if phases_separate else forward_peak, "counts": counts})
             return
+
+
+def count_fallbacks() -> dict:
+    """Count, over the whole run, the product elements the float64 bound decides and those that need the exact
+    fallback (kernels/products.py steps 3 and 4), and the elementary-function values that need mpmath."""
+    from refimpl.kernels import elementary, products
+    counts = {"products": 0, "products_fallback": 0, "products_fsum": 0, "functions": 0, "functions_mpmath": 0}
+    rounded, exact_sums, exact_one, to_float32 = (products._rounded_product, products._exact_sums,
+                                                  products._exact_sum_rounded, elementary.to_float32)
+
+    def _rounded_product(a64, b64, c, e):
+        counts["products"] += c.size
+        return rounded(a64, b64, c, e)
+
+    def _exact_sums(a, b, *args):
+        counts["products_fallback"] += a.shape[0]
+        return exact_sums(a, b, *args)
+
+    def _exact_sum_rounded(terms):
+        counts["products_fsum"] += 1
+        return exact_one(terms)
+
+    correctly_rounded = elementary.correctly_rounded
+
+    def counted(x, *args, **kw):
+        counts["functions"] += np.size(x)
+        return correctly_rounded(x, *args, **kw)
+
+    def _to_float32(value):
+        counts["functions_mpmath"] += 1
+        return to_float32(value)
+
+    products._rounded_product, products._exact_sums, products._exact_sum_rounded = (
+        _rounded_product, _exact_sums, _exact_sum_rounded)
+    elementary.correctly_rounded, elementary.to_float32 = counted, _to_float32
+    return counts
 
 
 def reply(obj: dict) -> None:
@@ -211,7 +254,8 @@ class Side:
 
 # ------------------------------------------------------------------------------------------------ the report
 
-def report(args, r: dict, h: dict, bw: dict, out_dir: str, contention) -> None:
+def report(args, r: dict, f: dict, h: dict, bw: dict, out_dir: str, contention) -> None:
+    """r: refimpl (correctly rounded), f: refimpl fast (plain BLAS), h: transformers."""
     d = model_config(args.layers)
     L, Hkv, D = d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]
     W = r["weight_bytes"]
@@ -221,10 +265,10 @@ def report(args, r: dict, h: dict, bw: dict, out_dir: str, contention) -> None:
     kv_bytes = 2 * L * Hkv * D * 4 * mean_past
     step_bytes = W + kv_bytes
     bound = step_bytes / bw["read"]
-    r_tok, h_tok = r["decode"] / args.steps, h["decode"] / args.steps
-
-    rp, hp = np.load(f"{out_dir}/refimpl_prefill.npy"), np.load(f"{out_dir}/transformers_prefill.npy")
-    rd, hd = np.load(f"{out_dir}/refimpl_decode.npy"), np.load(f"{out_dir}/transformers_decode.npy")
+    r_tok, f_tok, h_tok = (x["decode"] / args.steps for x in (r, f, h))
+    load = lambda side, phase: np.load(f"{out_dir}/{side}_{phase}.npy")          # noqa: E731
+    rp, fp, hp = (load(s, "prefill") for s in SIDES)
+    rd, fd, hd = (load(s, "decode") for s in SIDES)
     scale = float(np.abs(hp).max())
 
     def row(name, a, b, ratio, target=None, fmt=fmt_s):
@@ -232,33 +276,48 @@ def report(args, r: dict, h: dict, bw: dict, out_dir: str, contention) -> None:
         return [name, fmt(a), fmt(b) if b is not None else "", f"{ratio:.2f}x", ok]
 
     rows = [
-        row(f"prefill {args.prompt_len} tok (all logits)", r["prefill"], h["prefill"], r["prefill"] / h["prefill"],
+        row(f"prefill {args.prompt_len} tok: correctly rounded / plain", r["prefill"], f["prefill"],
+            r["prefill"] / f["prefill"], TARGETS["exact_prefill"]),
+        row("decode per token: correctly rounded / bandwidth bound", r_tok, bound, r_tok / bound,
+            TARGETS["exact_bound"]),
+        row("decode per token: correctly rounded / plain", r_tok, f_tok, r_tok / f_tok),
+        row("prefill: correctly rounded / transformers", r["prefill"], h["prefill"], r["prefill"] / h["prefill"]),
+        row("decode per token: correctly rounded / transformers", r_tok, h_tok, r_tok / h_tok),
+        row("prefill: plain / transformers", f["prefill"], h["prefill"], f["prefill"] / h["prefill"],
             TARGETS["prefill"]),
-        row(f"decode {args.steps} steps (total)", r["decode"], h["decode"], r["decode"] / h["decode"]),
-        row("decode per token", r_tok, h_tok, r_tok / h_tok, TARGETS["decode"]),
-        row("decode per token vs bandwidth bound", r_tok, bound, r_tok / bound, TARGETS["bound"]),
+        row("decode per token: plain / transformers", f_tok, h_tok, f_tok / h_tok, TARGETS["decode"]),
+        row("decode per token: plain / bandwidth bound", f_tok, bound, f_tok / bound, TARGETS["bound"]),
         row("transformers decode vs bound", h_tok, bound, h_tok / bound),
-        row("peak memory - baseline (refimpl) / weights", r["peak"], W, r["peak"] / W, TARGETS["memory"],
+        row("peak memory - baseline (correctly rounded) / weights", r["peak"], W, r["peak"] / W, TARGETS["memory"],
             fmt=fmt_bytes),
-        row("  while building weights", r["build_peak"], W, r["build_peak"] / W, fmt=fmt_bytes),
         row("  while running forward", r["forward_peak"], W, r["forward_peak"] / W, fmt=fmt_bytes),
+        row("peak memory - baseline (plain) / weights", f["peak"], W, f["peak"] / W, fmt=fmt_bytes),
         row("peak memory - baseline (transformers) / weights", h["peak"], W, h["peak"] / W, fmt=fmt_bytes),
     ]
     title = (f"Qwen3-0.6B-shaped forward, {d['num_hidden_layers']} layers, float32, {THREADS} threads, "
              f"median of {args.repeats}")
-    print_table(title, ["", "refimpl", "transformers / bound / weights", "ratio", "target"], rows, args.plain)
+    print_table(title, ["", "refimpl", "plain / bound / transformers / weights", "ratio", "target"], rows,
+                args.plain)
+    c = r["counts"]
+    print(f"correctly rounded products: {c['products']:,} elements, {c['products_fallback']:,} needed the exact "
+          f"fallback ({1e6 * c['products_fallback'] / max(1, c['products']):.0f} per million), "
+          f"{c['products_fsum']:,} of them summed one by one; elementary functions: {c['functions']:,} values, "
+          f"{c['functions_mpmath']:,} by mpmath ({1e6 * c['functions_mpmath'] / max(1, c['functions']):.1f} per million)")
     print(f"weights: {fmt_bytes(W)} ({W:,} B); bytes read per decode step: {fmt_bytes(step_bytes)} "
           f"(weights + mean KV cache {fmt_bytes(kv_bytes)})")
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))
     print(f"bandwidth, GB/s (1 GiB float32, best of 5; copy counts read + write, for information): {rates}; "
           f"bound uses the best read, {bw['read_method']} = {bw['read'] / 1e9:.1f} GB/s -> {fmt_s(bound)} per step")
-    print(f"runs (s): refimpl prefill {fmt_list(r['prefill_all'])} decode {fmt_list(r['decode_all'])}; "
-          f"transformers prefill {fmt_list(h['prefill_all'])} decode {fmt_list(h['decode_all'])}")
-    print(f"build: refimpl {r['build_time']:.1f} s, transformers {h['build_time']:.1f} s (same seeded weights)")
-    print(f"logits, refimpl vs transformers: max |diff| prefill {np.abs(rp - hp).max():.3g}, "
-          f"decode {np.abs(rd - hd).max():.3g} (max |logit| {scale:.3g}); "
-          f"argmax agree prefill {np.mean(rp.argmax(-1) == hp.argmax(-1)):.0%}, "
-          f"decode {np.mean(rd.argmax(-1) == hd.argmax(-1)):.0%}")
+    for name, x in zip(SIDES, (r, f, h)):
+        print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
+              f"build {x['build_time']:.1f} s")
+    for name, (p, q) in (("correctly rounded", (rp, rd)), ("plain", (fp, fd))):
+        print(f"logits, refimpl {name} vs transformers: max |diff| prefill {np.abs(p - hp).max():.3g}, "
+              f"decode {np.abs(q - hd).max():.3g} (max |logit| {scale:.3g}); "
+              f"argmax agree prefill {np.mean(p.argmax(-1) == hp.argmax(-1)):.0%}, "
+              f"decode {np.mean(q.argmax(-1) == hd.argmax(-1)):.0%}")
+    print(f"logits, correctly rounded vs plain: max |diff| prefill {np.abs(rp - fp).max():.3g}, "
+          f"decode {np.abs(rd - fd).max():.3g}")
     if contention is not None:
         print(f"cpu pressure while timing: some task waited for a CPU {contention:.0%} of the time"
               + (" -- other load on the machine; times are noisy (try --wait-idle 600)" if contention > 0.1 else ""))
@@ -282,7 +341,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                     help="before the bandwidth test and each round, wait up to this long for other CPU load to stop")
-    ap.add_argument("--side", choices=("refimpl", "transformers"), help=argparse.SUPPRESS)
+    ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quick = {"layers": 4, "prompt_len": 32, "steps": 8, "repeats": 3}
@@ -302,10 +361,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="refimpl-bench-") as out_dir:
         argv = [__file__, "--layers", str(args.layers), "--prompt-len", str(args.prompt_len),
                 "--steps", str(args.steps), "--out-dir", out_dir]
-        # both models stay resident (each in its own process); the timed rounds alternate A B B A ..., so both
-        # sides see the same machine state, and only one runs at a time
+        # every model stays resident (each in its own process); the timed rounds alternate A B C C B A ..., so
+        # every side sees the same machine state, and only one runs at a time
         sides = []
-        for name in ("refimpl", "transformers"):
+        for name in SIDES:
             print(f"building {name} ...", file=sys.stderr, flush=True)
             sides.append(Side(name, argv))
         for s in sides:
@@ -321,9 +380,9 @@ def main(argv=None):
                 if p0 is not None:
                     waited += cpu_pressure_total() - p0
                     timed += time.perf_counter() - t0
-        r, h = (s.finish() for s in sides)
+        r, f, h = (s.finish() for s in sides)
         contention = waited / timed if timed else None
-        report(args, r, h, bw, out_dir, contention)
+        report(args, r, f, h, bw, out_dir, contention)
 
 
 if __name__ == "__main__":

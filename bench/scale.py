@@ -192,14 +192,7 @@ def checkpoint_bytes(config: dict) -> int:
 # ---------------------------------------------------------------------------------------------------- measuring
 
 def child(args) -> None:
-    """The measured process: load, prefill, decode; phases and results as JSON on stdout. BLAS on one thread,
-    as refimpl's golden and generate run it."""
-    from threadpoolctl import threadpool_limits
-    with threadpool_limits(limits=1, user_api="blas"):
-        _child(args)
-
-
-def _child(args) -> None:
+    """The measured process: load, prefill, decode; phases and results as JSON on stdout."""
     import refimpl
     from refimpl.models.weights import Weights, read
     if args.no_read_ahead:            # A/B: the layer-ahead and routed-expert disk hints off

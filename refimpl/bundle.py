@@ -59,12 +59,13 @@ class Tensor:
 # ---------------------------------------------------------------------------------------------- writing
 
 def write_bundle(out_dir, manifest: dict, steps: list[list[Tensor]], *, exports=(), aimet: bool = False,
-                 overwrite: bool = False, progress=None) -> Path:
+                 overwrite: bool = False, progress=None, platform: dict | None = None) -> Path:
     """Write a golden bundle to `out_dir` atomically and return its path.
 
     steps[k] lists step k's tensors; inputs keep the order given (it is the input_list.txt order).
     exports: any of "safetensors", "npz". aimet: also write the AIMET layer-output layout.
     progress(k, total) is called after step k's raw files are written.
+    platform: where the bundle was made, written as platform.json (information only: not hashed, not read back).
     """
     target = Path(out_dir)
     steps = [list(s) for s in steps]
@@ -106,6 +107,8 @@ def write_bundle(out_dir, manifest: dict, steps: list[list[Tensor]], *, exports=
             _write_aimet(put, manifest["steps"], index, arrays)
         manifest["tensors"], manifest["derived"] = index, derived
         _write(tmp / "manifest.json", _dumps(manifest).encode())
+        if platform is not None:
+            _write(tmp / "platform.json", _dumps(platform, "platform").encode())
         for d, _, _ in os.walk(tmp):
             _fsync_dir(d)
         _move_into_place(tmp, target, overwrite)

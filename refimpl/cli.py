@@ -1,13 +1,17 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
 `refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`,
-`refimpl replay`, `refimpl explain`.
+`refimpl replay`, `refimpl explain`, `refimpl reference --model M --text F --out REF`, `refimpl compare-logits REF DUMP`,
+`refimpl export-kld-base REF F.kld`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
 
 import argparse
+import logging
 import os
 import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -50,17 +54,20 @@ def _size(text: str) -> int:
     return int(float(m[1]) * 1024 ** ("KMGT".find(m[2].upper()) + 1) if m[2] else float(m[1]))
 
 
-def _load(args, source=None):
+def _load(args, source=None, strict=True):
     """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings and the
     resident budget of --max-resident."""
     from . import load
     from .precision import Policy
-    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv}
+    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv,
+              "fast": args.fast}
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
-        fields.update(weights="encodings", encodings=args.encodings)
-    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields),
+        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
+    elif args.strict_encodings:
+        raise InputError("--strict-encodings needs --encodings")
+    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict,
                 max_resident_bytes=args.max_resident)
 
 
@@ -71,14 +78,24 @@ def _precision_flags(p) -> None:
     p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
-    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: integer weights exactly as the device has them")
+    p.add_argument("--fast", action="store_true",
+                   help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
+                        "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
+    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its activations "
+                                       "quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
+    p.add_argument("--strict-encodings", action="store_true",
+                   help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
     p.add_argument("--max-resident", type=_size, metavar="SIZE",
                    help="most converted weights held at once, e.g. 2GiB; the rest are converted per layer as they "
                         "run (default: keep all when the converted model fits in half of memory, else 1GiB)")
 
 
+def _mib(n) -> str:
+    return "size unknown" if n is None else f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
+
+
 def cmd_info(args) -> int:
-    model = _load(args)
+    model = _load(args, strict=False)   # a tensor of a type that cannot be read is listed, not refused
     cfg, w = model.config, model.weights
     n_params = sum(int(np.prod(a.shape)) for a in w.stored.values())
     print(f"model        {args.model}")
@@ -93,11 +110,23 @@ def cmd_info(args) -> int:
         print(f"experts      {cfg.num_experts} x {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
               f"renormalised: {cfg.norm_topk_prob}"
               + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""))
-    print(f"parameters   {n_params:,} ({w.nbytes() / 2**20:.1f} MiB stored)"
+    print(f"parameters   {n_params:,} ({_mib(w.nbytes())} stored, {_mib(n_params * w.dtype.itemsize)} as {w.dtype.name})"
           f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
+    if str(args.model).lower().endswith(".gguf"):
+        from .formats.gguf import GGUFFile, unreadable
+        g = GGUFFile(args.model)
+        print(f"file         {_mib(Path(args.model).stat().st_size)}; tensors by type: " + ", ".join(
+            f"{kind} {_mib(size)} ({n})" for kind, n, size in g.storage()))
+        for name, t in g.tensors.items():
+            if (why := unreadable(t.ggml_type)) is not None:
+                print(f"unreadable   tensor {name!r} has {why}")
+    if cfg.semantics != "transformers" or cfg.semantic_differences():
+        print(f"semantics    {cfg.semantics}" + "".join(f"; {d}" for d in cfg.semantic_differences()))
     p = model.precision
+    placed = model.quantisers.describe(model.modules) if model.quantisers else None
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
-          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else ""))
+          + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else "")
+          + (f", {len(placed['quantisers'])} activation quantisers" if placed else ""))
     print(f"weights      {w.residency()}")
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
@@ -133,11 +162,13 @@ def cmd_golden(args) -> int:
     if args.pad_id is not None and args.pad_id < 0:
         raise InputError(f"--pad-id must be a token id >= 0, got {args.pad_id}")
     # flag -> option of each convention; a flag the chosen convention does not use is an error, not ignored
-    flags = {"genie": {"ar": "ar", "cl": "cl", "decode_ar": "decode_ar", "pad_id": "pad_id", "mask_floor":
-                       "mask_floor", "key_layout": "key_transposed", "kv_output": "kv_output", "k_prescale": "k_prescale"},
+    flags = {"genie": {"ar": "ar", "cl": "cl", "decode_ar": "decode_ar", "pad_id": "pad_id", "pad_side": "pad_side",
+                       "mask_floor": "mask_floor", "key_layout": "key_transposed", "kv_output": "kv_output",
+                       "k_prescale": "k_prescale", "conv_state_len": "conv_state_len"},
              "qeff": {"ar": "seq_len", "cl": "ctx_len", "pad_id": "pad_id"}, "hf": {}}[args.convention]
     params = {}
-    for flag in ("ar", "cl", "decode_ar", "pad_id", "mask_floor", "key_layout", "kv_output", "k_prescale"):
+    for flag in ("ar", "cl", "decode_ar", "pad_id", "pad_side", "mask_floor", "key_layout", "kv_output", "k_prescale",
+                 "conv_state_len"):
         value = getattr(args, flag)
         if value is None or value is False:
             continue
@@ -155,9 +186,11 @@ def cmd_golden(args) -> int:
         path = write_golden(args.out, model, args.input_ids[0], source=source, convention=args.convention,
                             params=params, decode_steps=args.decode_steps, taps=args.taps,
                             exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
-                            overwrite=args.overwrite, progress=progress)
+                            overwrite=args.overwrite, progress=progress, codes=args.codes)
+    quantised = model.quantisers.describe(model.modules)["quantisers"] if model.quantisers else []
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
-          f"{args.decode_steps} decode steps, {model.precision.activations} activations)")
+          f"{args.decode_steps} decode steps, {model.precision.activations} activations"
+          + (f", {len(quantised)} activation quantisers" if quantised else "") + ")")
     return 0
 
 
@@ -284,11 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 32); qeff: seq_len")
-    g.add_argument("--cl", type=int, help="genie: context length (CL, default 128); qeff: ctx_len")
+    g.add_argument("--ar", type=int, help="genie: token slots per call (AR, default 128); qeff: seq_len (default 32)")
+    g.add_argument("--cl", type=int, help="genie: context length (CL, default 4096); qeff: ctx_len (default 128)")
     g.add_argument("--decode-ar", type=int, help="genie: token slots of the token graph (default 1)")
-    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -1000)")
+    g.add_argument("--mask-floor", type=float, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
+                                                    "host driver; Genie's fp16 runtime uses -1000, quantised -50)")
     g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
+    g.add_argument("--pad-side", choices=["left", "right"],
+                   help="genie: left (default; AI Hub's host driver: the pads lead the first prompt chunk) or right "
+                        "(the Genie runtime: the pads trail the last chunk)")
+    g.add_argument("--conv-state-len", type=int,
+                   help="genie, hybrid models: columns of conv_state_{i} (default Kc, as AI Hub exports it)")
     g.add_argument("--key-layout", choices=["transposed", "plain"],
                    help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
     g.add_argument("--kv-output", choices=["new", "window"],
@@ -301,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     _precision_flags(g)
     g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
     g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
+    g.add_argument("--codes", action="store_true", help="with --encodings: also write each quantised tap's integer "
+                                                         "codes (taps <name>.codes, uint8 / uint16)")
     g.add_argument("--out", required=True, help="bundle directory to create")
     g.add_argument("--overwrite", action="store_true", help="replace an existing bundle directory")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -335,11 +376,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .diff.commands import add_commands
     add_commands(sub)
+    from .dataset.commands import add_commands as add_dataset_commands
+    add_dataset_commands(sub, _positive, _precision_flags, _load)
     return parser
+
+
+def _notes_to_stderr() -> None:
+    """refimpl's notes (logged warnings: how llama.cpp's semantics change a GGUF's model) as `refimpl: note: ...`."""
+    log = logging.getLogger("refimpl")
+    if not any(getattr(h, "refimpl_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("refimpl: note: %(message)s"))
+        handler.refimpl_cli = True
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def _warning(message, category, filename, lineno, file=None, line=None):
+    print(f"refimpl: warning: {message}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _notes_to_stderr()
+    warnings.showwarning = _warning  # one line each, as errors are
     try:
         return args.func(args)
     except RefimplError as e:

@@ -9,9 +9,9 @@ Per row and step, from the model's last-position logits l [V] (taken to float64)
   3. temperature: l = l / T.
   4. order: the ids sorted by (l descending, id ascending); every later step works on this order.
      top-k (k > 0): keep the first k ids of the order.
-  5. e = exp(l - l_0) over the candidates (l_0 the largest, so e_0 = 1): all ids, as an array in id order, or
-     the top-k ids in the order; Z = numpy's sum of that array (p_i = e_i / Z); E_i = e_0 + ... + e_i summed one
-     by one in the order.
+  5. e = exp(l - l_0) over the candidates (l_0 the largest, so e_0 = 1), correctly rounded to float32 (then
+     float64, exactly): all ids, as an array in id order, or the top-k ids in the order; Z = the exact sum of that
+     array rounded once (math.fsum; p_i = e_i / Z); E_i = e_0 + ... + e_i summed one by one in the order.
   6. top-p (< 1): keep the shortest prefix whose cumulative probability reaches top_p: id i (0-based in the
      order) is kept iff i == 0 or E_{i-1} < top_p * Z (that is, c_{i-1} < top_p, in this arithmetic).
   7. min-p (> 0): of those, keep ids with e_i >= min_p (that is, p_i >= min_p * p_0).
@@ -26,7 +26,8 @@ seed_b = seed + b for an int seed (or the b-th entry of a list of seeds), and u 
 (next 64-bit output >> 11) * 2^-53; a row draws
 exactly one u per sampled step. The draws are returned (`Generation.uniforms`), so a device sampler can be fed
 the same u and must then pick the same token. Log-probabilities are log_softmax(l)[token] of the model's raw
-logits (before the penalty and the warpers), in float64.
+logits (before the penalty and the warpers): the exact value correctly rounded to float32, as a Python float.
+Every step above is IEEE arithmetic or correctly rounded, so a sampled token is the same on every platform.
 Where transformers differs: its top-k keeps every id tied with the k-th value (here exactly k, by the order), and
 its repetition penalty also counts pad tokens of a padded batch (here a row's history is its real tokens only).
 """
@@ -35,10 +36,11 @@ import dataclasses
 import math
 from typing import Callable
 
+import mpmath
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from .errors import InputError
+from .kernels import elementary
 
 
 @dataclasses.dataclass
@@ -150,9 +152,9 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
     l = logits / params.temperature
     V, m = l.shape[0], l.max()
     order = top_k_order(l, params.top_k)
-    e = np.exp(l[order] - m)
-    candidates = e if 0 < params.top_k < V else np.exp(l - m)   # in id order without top-k, as `sample` sums them
-    N, Z = len(candidates), candidates.sum()
+    e = _exp(l[order] - m)
+    candidates = e if 0 < params.top_k < V else _exp(l - m)      # in id order without top-k, as `sample` sums them
+    N, Z = len(candidates), math.fsum(candidates)
     E = np.cumsum(e)
     n = N if params.top_p >= 1 else 1 + int(np.count_nonzero(E[:-1] < params.top_p * Z))
     if params.min_p > 0:
@@ -169,17 +171,17 @@ def sample(logits: np.ndarray, params: SamplingParams, u: float) -> int:
     m = l.max()
     if 0 < params.top_k < V:
         order = top_k_order(l, params.top_k)
-        e_all = np.exp(l[order] - m)
+        e_all = _exp(l[order] - m)
         prefix = lambda L: order[:L]                                   # noqa: E731
     else:
-        e_all = np.exp(l - m)
+        e_all = _exp(l - m)
         prefix = lambda L: top_k_order(l, L)                           # noqa: E731
-    N, Z = len(e_all), e_all.sum()
+    N, Z = len(e_all), math.fsum(e_all)
     n_min_p = N if params.min_p <= 0 else int(np.count_nonzero(e_all >= params.min_p))
     L = min(N, 1024)
     while True:
         ids = prefix(L)
-        E = np.cumsum(np.exp(l[ids] - m))                                 # e_0 + ... + e_i in order
+        E = np.cumsum(_exp(l[ids] - m))                                   # e_0 + ... + e_i in order
         if params.top_p >= 1:
             n_top_p = N
         elif L == N or E[-1] >= params.top_p * Z:                         # c_{i-1} < top_p  <=>  E_{i-1} < top_p Z
@@ -203,14 +205,35 @@ def draw(order: np.ndarray, q: np.ndarray, u: float) -> int:
     return int(order[min(i, len(order) - 1)])
 
 
+def _exp(d: np.ndarray) -> np.ndarray:
+    """exp of float64 arguments, correctly rounded to float32 and returned as float64 (step 5)."""
+    return elementary.exp(d, float32_result=True).astype(np.float64)
+
+
 def log_softmax_at(logits: np.ndarray, token: int) -> float:
-    """log_softmax(l)[token] = l[token] - m - log(sum_j exp(l_j - m)), m = max l, in float64."""
-    e = logits.astype(np.float64)          # a copy: exponentiated in place
-    m = e.max()
-    picked = e[token] - m
-    e -= m
-    np.exp(e, out=e)
-    return float(picked - np.log(e.sum()))
+    """log_softmax(l)[token] of float32 logits: the exact value correctly rounded to float32, as a Python float,
+    so a manifest's log-probabilities are the same on every platform. Float64 logits (the oracle mode) give
+    l[token] - m - log(sum_j exp(l_j - m)), m = max l, in NumPy's float64.
+
+    lp = -log1p(R), R = sum_{i != token} exp(l_i - l_token): evaluated in float64 (exps relative error <= 2^-40 each
+    by kernels/elementary.py's assumption, R summed exactly by math.fsum, then log1p), |error| <= 2^-37 |lp|;
+    where that interval straddles a float32 rounding midpoint, R and lp are recomputed with mpmath at 96 bits."""
+    l = np.asarray(logits, np.float64)
+    if np.asarray(logits).dtype == np.float64 or not np.isfinite(l).all():   # the oracle; or IEEE's answer
+        with np.errstate(all="ignore"):
+            m = l.max()
+            return float(l[token] - m - np.log(np.exp(l - m).sum()))
+    with np.errstate(all="ignore"):
+        d = l - l[token]
+        d[token] = -np.inf
+        lp = -np.log1p(math.fsum(np.exp(d)))
+    lo, hi = np.float32(lp - abs(lp) * 2.0 ** -37), np.float32(lp + abs(lp) * 2.0 ** -37)
+    if lo.view(np.int32) == hi.view(np.int32):
+        return float(lo)
+    with mpmath.workprec(96):
+        others = np.delete(l, token).tolist()
+        R = mpmath.fsum(mpmath.exp(mpmath.mpf(x) - mpmath.mpf(float(l[token]))) for x in others)
+        return float(elementary.to_float32(-mpmath.log1p(R)))
 
 
 def choose(logits: np.ndarray, history, params: SamplingParams,
@@ -247,17 +270,15 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float | N
     return_logits: also keep every step's raw logits [N_b, V] per row.
     The context limit is checked first: prompt + max_new_tokens <= config.max_position_embeddings for each row.
     Rows that finish leave the batch (their cache rows are dropped), so a row's tokens equal its tokens alone.
-    BLAS runs on one thread (as for golden bundles): multi-row products round differently with more threads,
-    which could move a sampled token at a CDF boundary; one thread makes a generation the same bits everywhere.
+    In float32 the logits, the sampler's arithmetic and the log-probabilities are the same bits on every platform.
     """
-    with threadpool_limits(limits=1, user_api="blas"):
-        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                 "repetition_penalty": repetition_penalty}
-        s = {**checkpoint_sampling(getattr(model, "generation_config", {})),
-             **{k: v for k, v in given.items() if v is not None}}
-        return _generate(model, prompt_ids, max_new_tokens, s["temperature"], s["top_k"], s["top_p"], seed,
-                         eos_token_id, s["min_p"], s["repetition_penalty"], stop, tokenizer, attention_mask,
-                         callback, use_cache, return_logits)
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "repetition_penalty": repetition_penalty}
+    s = {**checkpoint_sampling(getattr(model, "generation_config", {})),
+         **{k: v for k, v in given.items() if v is not None}}
+    return _generate(model, prompt_ids, max_new_tokens, s["temperature"], s["top_k"], s["top_p"], seed,
+                     eos_token_id, s["min_p"], s["repetition_penalty"], stop, tokenizer, attention_mask,
+                     callback, use_cache, return_logits)
 
 
 def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,

@@ -1,15 +1,15 @@
 """Golden bundles: a model, a prompt and a device convention -> every graph call's inputs, outputs and taps,
 written as a bundle (refimpl/bundle.py, docs/bundle.md).
 
-Numerics: goldens are computed with BLAS pinned to one thread. OpenBLAS splits multi-row products differently
-for different thread counts, which changes float32 (and float64) bits; one thread makes a bundle bit-identical
-across runs and across the caller's OPENBLAS_NUM_THREADS.
+Numerics: float32 goldens are the same bits on every platform (correctly rounded products, sums and elementary
+functions: docs/numerics.md), whatever BLAS kernel, thread count or SIMD path computes them, so BLAS uses all
+its threads. platform.json beside the manifest records where a bundle was made, for information only.
 """
 
 import dataclasses
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info
 
 from . import __version__
 from .bundle import Tensor, write_bundle
@@ -23,7 +23,7 @@ SCHEMA_VERSION = 1
 
 def run_convention(model, prompt_ids, convention: str = "hf", params: dict | None = None, decode_steps: int = 0,
                    taps: str | None = None):
-    """The convention's graph calls and its checked options (BLAS on one thread). params: Options fields."""
+    """The convention's graph calls and its checked, resolved options. params: Options fields."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
     module = CONVENTIONS[convention]
@@ -40,25 +40,32 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
     if n_prompt + decode_steps > limit:
         raise InputError(f"prompt ({n_prompt} tokens) + decode steps ({decode_steps}) = {n_prompt + decode_steps} "
                          f"exceeds the model's context limit (max_position_embeddings {limit})")
-    with threadpool_limits(limits=1, user_api="blas"):
-        return module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps), opts
+    calls = module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps)
+    # the options as run, model-dependent defaults (pad id, conv state length) filled in: what the manifest records
+    return calls, opts.resolved(model) if hasattr(opts, "resolved") else opts
 
 
 def run_graph(model, manifest: dict, inputs: dict) -> dict:
-    """One graph call of a bundle's convention on given inputs (replay, explain), BLAS on one thread as the
-    golden was computed, so the golden's own inputs reproduce its outputs bit for bit."""
+    """One graph call of a bundle's convention on given inputs (replay, explain): the golden's own inputs
+    reproduce its outputs bit for bit."""
     conv = manifest["convention"]
     module = CONVENTIONS[conv["name"]]
-    with threadpool_limits(limits=1, user_api="blas"):
-        return module.graph(model, inputs, module.Options(**conv["params"]))
+    return module.graph(model, inputs, module.Options(**conv["params"]))
 
 
-def bundle_steps(result: list) -> list[list[Tensor]]:
+def bundle_steps(result: list, codes: dict | None = None) -> list[list[Tensor]]:
+    """Each call's tensors. codes: {tap: Encoding} of the taps whose integer codes are also written, as taps
+    `<tap>.codes` (uint8 / uint16, int8 / int16 for signed grids) right after the tap."""
     steps = []
     for c in result:
         tensors = [Tensor(n, "input", a, c.axes.get(n), c.valid.get(n)) for n, a in c.inputs.items()]
         tensors += [Tensor(n, "output", a, c.axes.get(n), c.valid.get(n)) for n, a in c.outputs.items()]
-        tensors += [Tensor(n, "tap", a, None, c.valid.get(n)) for n, a in c.taps.items()]
+        for n, a in c.taps.items():
+            tensors.append(Tensor(n, "tap", a, None, c.valid.get(n)))
+            enc = (codes or {}).get(n)
+            if enc is not None and enc.float_dtype is None:
+                tensors.append(Tensor(f"{n}.codes", "tap", enc.codes(a).astype(enc.code_dtype), None, c.valid.get(n),
+                                      {"codes_of": n}))
         steps.append(tensors)
     return steps
 
@@ -87,8 +94,9 @@ def generation_record(result: list, n_prompt: int) -> dict:
 
 def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "hf", params: dict | None = None,
                  decode_steps: int = 0, taps: str | None = None, exports=(), aimet: bool = False,
-                 overwrite: bool = False, progress=None):
-    """Compute and write one golden bundle; returns its path."""
+                 overwrite: bool = False, progress=None, codes: bool = False):
+    """Compute and write one golden bundle; returns its path. codes: with activation encodings, also write each
+    output-quantised tap as its integer codes (`<tap>.codes`)."""
     result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps)
     prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]  # checked by the convention
     n_prompt = sum(c.graph in ("prompt", "prefill") for c in result)
@@ -97,7 +105,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
         "refimpl_version": __version__,
         "model": {"source": source, "config": model.config.to_dict(), "weights_sha256": model.weights.sha256()},
         "convention": {"name": convention, "params": dataclasses.asdict(opts)},
-        "precision": {**model.precision.to_dict(), "blas_threads": 1},
+        "precision": model.precision.to_dict(),
         "prompt_ids": prompt,
         "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
         "generation": generation_record(result, n_prompt),
@@ -106,5 +114,27 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
     }
     if model.config.is_hybrid and convention != "hf":
         manifest["convention"]["gdn_padding"] = "pad steps leave the conv and recurrent state untouched"
-    return write_bundle(out_dir, manifest, bundle_steps(result), exports=exports, aimet=aimet,
-                        overwrite=overwrite, progress=progress)
+    if model.quantisers or model.precision.encodings is not None:
+        manifest["quantisation"] = {"encodings": manifest["precision"]["encodings"],
+                                    **model.quantisers.describe(model.modules)}
+    if codes and not model.quantisers.outputs:
+        raise InputError("--codes needs activation encodings that quantise some tap (an encodings file with "
+                         "activation_encodings)")
+    return write_bundle(out_dir, manifest, bundle_steps(result, model.quantisers.outputs if codes else None),
+                        exports=exports, aimet=aimet, overwrite=overwrite, progress=progress,
+                        platform=platform_fingerprint())
+
+
+def platform_fingerprint() -> dict:
+    """Where a bundle was made (NumPy, BLAS library and kernel, SIMD features), for information only: nothing in
+    a float32 bundle depends on it."""
+    import platform
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+        simd = sorted(name for name, on in features.items() if on)
+    except ImportError:
+        simd = None
+    blas = [{k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    return {"numpy": np.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "blas": blas, "simd": simd, "note": "for information only: nothing in a float32 bundle depends on it"}

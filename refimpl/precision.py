@@ -16,7 +16,10 @@ weights      float32 | float64 | bf16 | fp16, or integer fake-quantisation of ev
              the embedding table and the depthwise conv:  int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}
              (ranges from the weights' own min/max per row or per block of the input axis: a stand-in when no
              encodings exist), or "encodings": the scales and offsets of an AIMET / QNN encodings JSON
-             (`encodings=path`), applied exactly; tensors the file does not name stay float.
+             (`encodings=path`), applied exactly; tensors the file does not name stay float. The file's
+             activation encodings quantise activations where AIMET's QuantSim does (refimpl/models/quantisers.py):
+             a module's inputs and output; the rest of the arithmetic stays in the activation dtype.
+             strict_encodings: an activation encoding refimpl cannot place is an error (else a warning).
              Default: the activation dtype (bf16 weights for bf16 activations, as a bf16 checkpoint).
 kv           None (keys/values as the activations leave them) | bf16 | fp16 | int8: what the KV cache holds.
              int8 is symmetric per (token, head) over head_dim: s = max|x| / 127, x -> round_half_even(x/s) * s.
@@ -27,13 +30,13 @@ float32 and float64 make every hook the identity: the float32 path is bit-identi
 
 import dataclasses
 import hashlib
-import json
 import re
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from .encodings import Encoding, read_encodings  # noqa: F401  (re-exported: refimpl.precision's API)
 from .errors import FormatError, InputError
 from .kernels import quant
 from .kernels.activation import identity
@@ -69,7 +72,9 @@ class Policy:
     activations: str = "float32"
     weights: str | None = None        # None: the activation dtype
     kv: str | None = None
-    encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings")
+    encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings", and its activations)
+    strict_encodings: bool = False    # an activation encoding that names nothing refimpl has is an error
+    fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -80,8 +85,12 @@ class Policy:
                              "int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}")
         if (w == "encodings") != (self.encodings is not None):
             raise InputError("precision: weights='encodings' and an encodings file go together")
+        if self.strict_encodings and self.encodings is None:
+            raise InputError("precision: strict_encodings needs an encodings file")
         if self.kv not in KV:
             raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
+        if not isinstance(self.fast, bool):
+            raise InputError(f"precision fast must be True or False, got {self.fast!r}")
         if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
             raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
 
@@ -124,7 +133,16 @@ class Policy:
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": list(CAST_POINTS) if self.emulated else []}
+                "cast_points": list(CAST_POINTS) if self.emulated else [], "arithmetic": self.arithmetic}
+
+    @property
+    def arithmetic(self) -> str:
+        """How products, sums and elementary functions are computed (docs/numerics.md): "correctly-rounded"
+        (float32, the same bits on every platform), "plain-blas" (float32, fast: BLAS / NumPy order, not portable)
+        or "float64" (the oracle: NumPy / BLAS float64, portable to ~1e-15 relative, not bitwise)."""
+        if self.dtype == "float64":
+            return "float64"
+        return "plain-blas" if self.fast else "correctly-rounded"
 
 
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
@@ -134,9 +152,9 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     """The policy a bundle manifest's `precision` records (older bundles: just {"dtype"}). An encodings policy
     needs the file again (the manifest keeps its name and sha256), which must match."""
     activations = recorded.get("activations", recorded.get("dtype", "float32"))
-    weights, kv = recorded.get("weights"), recorded.get("kv")
+    weights, kv, fast = recorded.get("weights"), recorded.get("kv"), recorded.get("arithmetic") == "plain-blas"
     if weights != "encodings":
-        return Policy(activations, None if weights == activations else weights, kv)
+        return Policy(activations, None if weights == activations else weights, kv, fast=fast)
     want = (recorded.get("encodings") or {}).get("sha256")
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
@@ -144,7 +162,7 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     got = hashlib.sha256(Path(encodings).read_bytes()).hexdigest()
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings))
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast)
 
 
 def policy(precision) -> Policy:
@@ -191,122 +209,6 @@ def fake_quant_weight(w: np.ndarray, spec: str, tensor_range=None) -> np.ndarray
     else:
         out = quant.onnx_fake_quant(x, *quant.onnx_params_from_range(lo, hi, f"int{bits}"), f"int{bits}", **kw)
     return out.reshape(w.shape).astype(w.dtype)
-
-
-@dataclasses.dataclass
-class Encoding:
-    """One tensor's QNN encoding: x = (q + offset) * scale, q in [0, 2^bitwidth - 1] (or, signed, in
-    [-2^(bitwidth-1), 2^(bitwidth-1) - 1]).
-    scale / offset: scalars (per tensor), [out] (per channel, axis 0), or with block_size: [out * blocks] or
-    [out, blocks] scales (blocks of block_size along the input axis; offsets per block or per channel).
-    LPBQ entries are expanded to per-block float scales on reading."""
-    bitwidth: int
-    scale: np.ndarray
-    offset: np.ndarray
-    block_size: int | None = None
-    signed: bool = False
-
-    def rows(self, index, shape: tuple) -> "Encoding":
-        """The encoding of part `index` of the leading axis of a tensor of `shape`: per-channel and per-block
-        scales / offsets restricted to that part's rows (a per-tensor encoding is its own)."""
-        def part(a):
-            if not a.ndim:
-                return a
-            return np.asarray(a).reshape(shape[0], -1)[index].reshape(-1)
-        if not self.scale.ndim:
-            return self
-        return dataclasses.replace(self, scale=part(self.scale), offset=part(self.offset))
-
-    def fake_quant(self, w: np.ndarray) -> np.ndarray:
-        """w [out, ...] -> (q + offset) * scale with q = clip(round(w / scale) - offset): the device's values."""
-        x = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w   # channels = every output row (fused experts too)
-        scale, offset, kw = self.scale, self.offset, {}
-        if scale.ndim and self.block_size is None:
-            kw = {"axis": 0}
-        elif scale.ndim:
-            kw = {"axis": 1, "block_size": self.block_size}
-            blocks = -(-x.shape[1] // self.block_size)
-            if scale.size != x.shape[0] * blocks:
-                raise InputError(f"block encodings: {scale.size} scales for {x.shape[0]} channels x {blocks} "
-                                 f"blocks of {self.block_size}")
-            scale = scale.reshape(x.shape[0], blocks)
-            offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size == x.shape[0] else offset.reshape(
-                x.shape[0], blocks), scale.shape)
-        q = quant.qnn_quantize(x, scale, offset, self.bitwidth, signed=self.signed, **kw)
-        return quant.qnn_dequantize(q, scale, offset, **kw).reshape(w.shape).astype(w.dtype)
-
-
-def read_encodings(path) -> dict[str, Encoding]:
-    """param_encodings of an AIMET / QNN encodings JSON -> {tensor name: Encoding}.
-
-    Legacy (AIMET < 1.0):  {"param_encodings": {name: [{"bitwidth", "scale", "offset", "min", "max",
-                            "is_symmetric"}, ...]}}   one entry per tensor, or one per output channel.
-    1.0.0:                 {"version": "1.0.0", "param_encodings": [{"name", "enc_type": "PER_TENSOR" |
-                            "PER_CHANNEL" | "PER_BLOCK" | "LPBQ", "bw", "scale": [...], "offset": [...],
-                            "block_size", "per_block_int_scale": [...] (LPBQ)}, ...]}
-    Offsets are QNN's (<= 0, the negative zero point), over unsigned codes. A symmetric entry whose offsets are all
-    0 can only mean signed codes (an unsigned grid from 0 up is not symmetric), so it is read as SFIXED_POINT:
-    q in [-2^(bw-1), 2^(bw-1) - 1]. For LPBQ the float scale is per channel and the integer block scales
-    [out * blocks] multiply it (QNN blockwise expansion).
-    """
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-        params = doc["param_encodings"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise FormatError(f"{path}: not an encodings JSON with param_encodings ({e})") from None
-    out = {}
-    try:
-        if isinstance(params, dict):
-            for name, encs in params.items():
-                encs = encs if isinstance(encs, list) else [encs]
-                if str(encs[0].get("dtype", "int")).lower() == "float":   # kept in float: not quantised
-                    continue
-                scale = np.array([e["scale"] for e in encs], np.float32)
-                offset = np.array([e["offset"] for e in encs], np.int32)
-                if len(encs) == 1:
-                    scale, offset = scale[0], offset[0]
-                sym = str(encs[0].get("is_symmetric", "False")).lower() == "true"
-                out[_model_name(name)] = Encoding(int(encs[0]["bitwidth"]), scale, offset,
-                                                  signed=sym and not offset.any())
-        else:
-            for e in params:
-                if str(e.get("dtype", "INT")).lower() == "float":   # kept in float: not quantised
-                    continue
-                kind = e.get("enc_type", "PER_TENSOR")
-                scale = np.array(e["scale"], np.float32)
-                offset = np.array(e["offset"], np.int32)
-                block = e.get("block_size")
-                if kind == "PER_TENSOR":
-                    scale, offset, block = scale.reshape(()), offset.reshape(()), None
-                elif kind == "PER_CHANNEL":
-                    block = None
-                elif kind == "PER_BLOCK":
-                    block = int(block)  # flat [out * blocks]; shaped [out, blocks] when applied
-                elif kind == "LPBQ":
-                    ints = np.array(e["per_block_int_scale"], np.float32).reshape(len(scale), -1)
-                    scale, block = scale[:, None] * ints, int(block)
-                    offset = np.broadcast_to(offset.reshape(-1, 1), scale.shape)
-                else:
-                    raise FormatError(f"{path}: {e['name']}: unknown enc_type {kind!r}")
-                bw, signed = int(e["bw"]), bool(e.get("is_sym")) and not offset.any()
-                if kind == "LPBQ" and "compressed_bw" in e:
-                    # AIMET writes bw as the expanded width (8) with offset -2^(bw-1); the codes are the
-                    # compressed width's signed range: q in [-2^(cbw-1), 2^(cbw-1) - 1], no offset
-                    bw, signed, offset = int(e["compressed_bw"]), True, np.zeros_like(offset)
-                out[_model_name(e["name"])] = Encoding(bw, scale, offset, block, signed)
-    except (KeyError, TypeError, ValueError) as err:
-        raise FormatError(f"{path}: malformed param encoding ({type(err).__name__}: {err})") from None
-    for name, enc in out.items():
-        if np.any(enc.offset > 0):
-            raise FormatError(f"{path}: {name}: offset {int(np.max(enc.offset))} > 0; QNN offsets are <= 0 (the "
-                              f"negative zero point) — was a zero point given?")
-    return out
-
-
-def _model_name(name: str) -> str:
-    """Checkpoint name -> the name refimpl's Weights use (the multimodal prefix dropped, as Weights does)."""
-    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
 def check_encodings(p: "Policy", names, encodings: dict | None = None) -> None:

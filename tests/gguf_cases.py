@@ -52,8 +52,47 @@ CASES = {
     "qwen3-h256": {**_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256,
                    "head_dim": 64, "intermediate_size": 256, "tie_word_embeddings": True,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    # every block type llama.cpp's quantiser makes, one per matrix (EVERY_TYPE): 29 matrices whose rows are 256
+    # (hidden) or 128 (attention output, ffn_down) wide
+    "qwen3-every-type": {**_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256,
+                         "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                         "intermediate_size": 128, "tie_word_embeddings": True,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
 }
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "IQ4_XS")   # of qwen3-h256
+# qwen3-every-type: GGUF tensor -> the type llama_model_quantize is told to make it (its tensor-type overrides)
+EVERY_TYPE = {
+    "token_embd.weight": "Q5_K",
+    **{f"blk.{i}.{name}.weight": t for i, row in enumerate([
+        # attn_q,   attn_k,    attn_v,    ffn_gate, ffn_up   (rows of 256) | attn_output, ffn_down (rows of 128)
+        ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1"),
+        ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "Q5_0", "Q5_1"),
+        ("IQ1_S", "IQ1_M", "IQ4_XS", "TQ1_0", "TQ2_0", "Q8_0", "IQ4_NL"),
+        ("Q1_0", "BF16", "F16", "Q2_0", "MXFP4", "NVFP4", "Q4_0"),
+    ]) for name, t in zip(("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up", "attn_output", "ffn_down"), row)},
+}
+
+# GGUF files whose meaning differs between llama.cpp and transformers (a GGUF runs as llama.cpp runs it; the HF
+# checkpoint as transformers runs it): name -> (HF config, the case whose weights it uses, metadata a GGUF of it has
+# beyond what refimpl's writer writes, {key: (gguf-py value type, value)}). make_fixtures.py records llama.cpp's
+# logits of each file `write_semantics_gguf` makes.
+_MROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_interleaved": True}
+SEMANTICS = {
+    # 8 rotary pairs: llama.cpp leaves pair 5 (sector 5 of 6) / pairs 2, 5 to its fourth section, position 0
+    "qwen35-mrope321": ({**CASES["qwen35"], "rope_parameters": {**_MROPE, "mrope_section": [3, 2, 1]}}, "qwen35", {}),
+    "qwen35-mrope330": ({**CASES["qwen35"], "rope_parameters": {**_MROPE, "mrope_section": [3, 3, 0]}}, "qwen35", {}),
+    "qwen35moe-mrope321": ({**CASES["qwen35moe"], "rope_parameters": {**_MROPE, "mrope_section": [3, 2, 1]}},
+                           "qwen35moe", {}),
+    # the Gated DeltaNet l2norm: llama.cpp's eps is rms_norm_eps, transformers' 1e-6
+    "qwen35-eps1e-2": ({**CASES["qwen35"], "rms_norm_eps": 1e-2}, "qwen35", {}),
+    # YaRN: llama.cpp's qwen3 reads none of the rope.scaling.yarn_* keys the converter writes (beta_fast 32,
+    # beta_slow 1, attention factor 0.1 ln(factor) + 1), but rope.scaling.attn_factor
+    "qwen3-yarn": ({**CASES["qwen3"], "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                    "original_max_position_embeddings": 64, "beta_fast": 8.0, "beta_slow": 2.0,
+                    "attention_factor": 1.25}}, "qwen3", {"qwen3.rope.scaling.attn_factor": ("FLOAT32", 0.75)}),
+    # a factor alone: llama.cpp's rope scaling type defaults to linear
+    "qwen3-factor2": (CASES["qwen3"], "qwen3", {"qwen3.rope.scaling.factor": ("FLOAT32", 2.0)}),
+}
 
 
 def weights(name: str) -> dict[str, np.ndarray]:
@@ -96,14 +135,46 @@ def tokenizer_json() -> str:
 
 
 def write_checkpoint(name: str, directory: str | Path) -> Path:
-    """config.json, model.safetensors and the tokenizer files of a case."""
+    """config.json, model.safetensors and the tokenizer files of a case (or of a SEMANTICS case's HF side)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(CASES[name], indent=1))
-    write_safetensors(directory / "model.safetensors", weights(name))
+    config, base = (SEMANTICS[name][0], SEMANTICS[name][1]) if name in SEMANTICS else (CASES[name], name)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    write_safetensors(directory / "model.safetensors", weights(base))
     (directory / "tokenizer.json").write_text(tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "unk_token": None, "add_prefix_space": False, "chat_template": CHAT_TEMPLATE,
         "model_max_length": 4096}, indent=1))
     return directory
+
+
+def semantics_model(name: str):
+    """The HF side of a SEMANTICS case: its config (transformers' semantics) over its base case's weights."""
+    from refimpl.models.model import Model
+    from refimpl.models.weights import Weights
+    config, base, _ = SEMANTICS[name]
+    return Model(config_from_dict(config, source=name), Weights(weights(base)))
+
+
+def write_gguf_with(path: str | Path, model, extra: dict | None = None, edit=None) -> Path:
+    """An F32 GGUF of `model` as refimpl's writer lays it out (no vocabulary), with extra metadata
+    {key: (gguf-py value type name, value)} and its llama.cpp tensors passed through `edit` first."""
+    import gguf
+    from refimpl.formats import gguf as G
+    tensors = G.hf_to_gguf_tensors(model.config, model.weights)
+    if edit is not None:
+        edit(tensors)
+    wr = gguf.GGUFWriter(path, G.MODEL_TYPE_TO_ARCH[model.config.model_type])
+    G._write_metadata(wr, model.config, Path(path).stem, "F32", None)
+    for key, (vtype, value) in (extra or {}).items():
+        wr.add_key_value(key, value, gguf.GGUFValueType[vtype])
+    for name, a in tensors.items():
+        wr.add_tensor(name, a)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return Path(path)
+
+
+def write_semantics_gguf(name: str, path: str | Path) -> Path:
+    """The GGUF side of a SEMANTICS case (what make_fixtures.py ran llama.cpp on)."""
+    return write_gguf_with(path, semantics_model(name), SEMANTICS[name][2])

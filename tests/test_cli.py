@@ -54,7 +54,8 @@ def test_golden_records_the_precision_policy(tmp_path, capsys):
     assert "bf16 activations" in capsys.readouterr().out
     b = read_bundle(out)
     p = b.manifest["precision"]
-    assert (p["activations"], p["weights"], p["kv"], p["blas_threads"]) == ("bf16", "int8-per-channel-qnn", "int8", 1)
+    assert (p["activations"], p["weights"], p["kv"], p["arithmetic"]) == ("bf16", "int8-per-channel-qnn", "int8",
+                                                                         "correctly-rounded")
     assert p["cast_points"] and json.loads((out / "manifest.json").read_text())["precision"] == p
     logits = b.tensor(0, "output", "logits")
     assert np.array_equal(logits, logits.astype(ml_dtypes.bfloat16).astype(logits.dtype))

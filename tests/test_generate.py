@@ -1,9 +1,12 @@
 """Generation: cached == naive recompute, the documented sampler (order, boundaries, draws), per-row finishing in a
 batch, stop strings, streaming, and clear errors."""
 
+import math
+
 import numpy as np
 import pytest
 
+import exact
 import refimpl
 from helpers import scaled
 from refimpl.errors import InputError
@@ -118,7 +121,7 @@ def test_distribution_applies_the_documented_order():
 def test_sampler_boundaries_as_documented():
     """At an exact top-p / min-p boundary `sample` (what generate calls) keeps what `distribution` keeps."""
     l = np.array([0.3, 0.0, 0.5])                          # order [2, 0, 1]
-    Z = np.exp(l - 0.5).sum()
+    Z = math.fsum(exact.exp32(l - 0.5))                    # e_i: float32 exps, correctly rounded; Z: exact sum
     top_p = 1.0 / Z
     if top_p * Z != 1.0:                                   # make E_0 == top_p * Z hold exactly
         top_p = np.nextafter(top_p, 1.0) if top_p * Z < 1.0 else np.nextafter(top_p, 0.0)
@@ -131,7 +134,7 @@ def test_sampler_boundaries_as_documented():
     assert distribution(l, above)[0].tolist() == [2, 0] and sample(l, above, 0.999) == 0
     # min-p exactly at e_2 = exp(0.4 - 2) keeps it; one ulp above drops it
     l = np.array([2.0, -2.6, 0.4])
-    e2 = float(np.exp(0.4 - 2.0))
+    e2 = float(exact.exp32(0.4 - 2.0))
     for min_p, kept in ((e2, [0, 2]), (float(np.nextafter(e2, 1.0)), [0])):
         params = SamplingParams(temperature=1.0, min_p=min_p)
         assert distribution(l, params)[0].tolist() == kept
@@ -294,7 +297,7 @@ def test_return_logits_and_logprobs(models):
     np.testing.assert_array_equal(r.logits[0][0], model.forward(np.array([PROMPT]), logits_to_keep=1)[0, -1])
     for k, t in enumerate(r.tokens[0]):
         l = r.logits[0][k].astype(np.float64)
-        assert r.logprobs[0][k] == pytest.approx(l[t] - np.log(np.exp(l - l.max()).sum()) - l.max(), abs=1e-12)
+        assert r.logprobs[0][k] == exact.log_softmax_at(l, t)       # the exact value, correctly rounded
         assert r.logprobs[0][k] == log_softmax_at(r.logits[0][k], t)
 
 

@@ -23,8 +23,8 @@ import make_anchors  # noqa: E402
 
 
 def _same_tree(a: Path, b: Path):
-    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.name != "platform.json")
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.name != "platform.json")
     assert files_a == files_b
     mismatch = [str(f) for f in files_a if not filecmp.cmp(a / f, b / f, shallow=False)]
     assert not mismatch, f"files differ: {mismatch[:5]}"
@@ -87,11 +87,38 @@ def test_cli_bundles_identical_across_runs_and_blas_threads(tmp_path):
     (["--decode-steps", "x"], "invalid int"),
     (["--convention", "qeff", "--mask-floor", "-50"], "--mask-floor does not apply to --convention qeff"),
     (["--ar", "4"], "--ar does not apply to --convention hf"),
+    (["--convention", "qeff", "--pad-side", "left"], "--pad-side does not apply to --convention qeff"),
+    (["--convention", "genie", "--pad-side", "middle"], "invalid choice"),
+    (["--convention", "genie", "--conv-state-len", "2"], "conv_state_len must be an integer >= Kc - 1 = 3"),
+    (["--convention", "genie", "--model", "tiny-qwen3", "--conv-state-len", "4"], "hybrid (Gated DeltaNet) models only"),
 ])
 def test_cli_bad_arguments_exit_2(args, message, tmp_path):
     proc = _cli("golden", "--input-ids", "1,2,3,4,5,6,7,8,9,10", *args, "--out", str(tmp_path / "b"))
     assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_cli_genie_options_reach_the_manifest(tmp_path):
+    """Every genie option is a flag, and the manifest records each one as run (pad id and conv state length
+    resolved from the model)."""
+    proc = _cli("golden", "--input-ids", "9707,11,1879", "--convention", "genie", "--ar", "2", "--cl", "8",
+                "--pad-side", "right", "--conv-state-len", "3", "--mask-floor", "-50", "--key-layout", "plain",
+                "--kv-output", "window", "--k-prescale", "--decode-ar", "2", "--pad-id", "7", "--no-taps", "-q",
+                "--out", str(tmp_path / "b"))
+    assert proc.returncode == 0, proc.stderr
+    m = read_bundle(tmp_path / "b").manifest
+    assert m["convention"]["params"] == {"ar": 2, "cl": 8, "decode_ar": 2, "pad_id": 7, "pad_side": "right",
+                                         "mask_floor": -50.0, "key_transposed": False, "kv_output": "window",
+                                         "k_prescale": True, "conv_state_len": 3}
+    assert m["tensors"]["1/input/input_ids"]["shape"] == [1, 2] and m["tensors"]["1/input/conv_state_0_in"]["shape"] \
+        == [1, 128, 3]
+    assert read_bundle(tmp_path / "b").tensor(1, "input", "input_ids").tolist() == [[1879, 7]]   # right-padded
+    defaults = _cli("golden", "--input-ids", "9707,11,1879", "--convention", "genie", "--ar", "2", "--cl", "8",
+                    "--no-taps", "-q", "--out", str(tmp_path / "d"))
+    assert defaults.returncode == 0, defaults.stderr
+    params = read_bundle(tmp_path / "d").manifest["convention"]["params"]
+    assert (params["pad_side"], params["mask_floor"], params["conv_state_len"], params["pad_id"]) == \
+        ("left", -100.0, 4, PRESETS["tiny-qwen3.5"]["eos_token_id"])
 
 
 @pytest.mark.parametrize("convention,params", [("hf", {}), ("genie", {"ar": 2, "cl": 10}),

@@ -242,7 +242,7 @@ def test_aimet_lpbq_as_exported_float_entries_offsets_and_names(tmp_path):
     path = tmp_path / "lpbq.encodings"
     path.write_text(json.dumps({"version": "1.0.0", "param_encodings": [entry, float_entry]}))
     enc = read_encodings(path)
-    assert set(enc) == {name} and enc[name].bitwidth == 4 and enc[name].signed
+    assert set(enc) == {name, float_entry["name"]} and enc[name].bitwidth == 4 and enc[name].signed
     x = np.array([[0.95, -0.9, 0.04, 0.06]], np.float32)
     from refimpl.precision import Encoding
     e = Encoding(4, np.float32(0.1), np.int32(0), None, True)
@@ -250,6 +250,8 @@ def test_aimet_lpbq_as_exported_float_entries_offsets_and_names(tmp_path):
     m = refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(path)))
     q = np.clip(np.rint(w / np.float32(0.1)), -8, 7)
     np.testing.assert_array_equal(m.weights[name], q.astype(np.float32) * np.float32(0.1))
+    up = refimpl.load("tiny-qwen3").weights[float_entry["name"]]       # a float 16 entry: QuantSim's fp16 cast
+    np.testing.assert_array_equal(m.weights[float_entry["name"]], up.astype(np.float16).astype(np.float32))
     bad = tmp_path / "bad.encodings"
     bad.write_text(json.dumps({"version": "1.0.0", "param_encodings": [{**entry, "enc_type": "PER_TENSOR",
                                                                         "scale": [0.1], "offset": [126]}]}))

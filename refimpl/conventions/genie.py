@@ -1,23 +1,27 @@
-"""Qualcomm Genie / AI Hub static graphs (device_conventions.md §1-2).
+"""Qualcomm Genie / AI Hub static graphs (device_conventions.md §1-2; docs/conventions.md has the I/O table).
 
-A graph takes AR token slots over a context of CL slots. The host splits the prompt into chunks of AR tokens
-(the last chunk left-padded with `pad_id`), then decodes one token per call of the token graph (AR = decode_ar).
-Per call, with W = CL - AR cached slots and `cur` valid cached tokens:
+A graph takes AR token slots over a context of CL slots. The host splits the prompt into chunks of AR tokens and
+pads one of them with `pad_id`: with pad_side="left" (AI Hub's host driver, `lm_driver/generator.py`) the chunks
+are aligned to the end of the prompt and the pads lead the FIRST chunk; with pad_side="right" (the Genie runtime,
+as AI Hub's Qwen3.5 graph code describes it) the chunks start at the prompt's start and the pads trail the LAST
+chunk. It then decodes one token per call of the token graph (AR = decode_ar, padded on the same side).
+Per call, with W = CL - AR cached slots and `cur` valid cached tokens, inputs in the exported graph's order
+(AI Hub's `get_input_spec`: the fixed inputs, then each decoder layer's pair in layer order):
 
-  input_ids           [1, AR] int32            left-padded chunk
+  input_ids           [1, AR] int32            the padded chunk
   attention_mask      [1, 1, AR, CL] float32   0 where allowed, else finfo.min clamped to mask_floor; key slots
-                                               are [W - cur empty | cur cached | AR chunk]; causal over slots
-  position_ids_cos/sin [1, 1, AR, rot/2]       half-width tables at clip(cumsum(mask) - 1, 0, CL - 1)
-  past_key_{i}_in     [Hkv, 1, D, W] (transposed; or [Hkv, 1, W, D])   left-padded shift window, oldest first
-  past_value_{i}_in   [Hkv, 1, W, D]
-  conv_state_{i}_in   [1, conv_dim, S]  the last S raw conv inputs (S = Kc - 1 as device exports keep it)
-  recurrent_state_{i}_in [1, Hv, Dk, Dv]
-outputs: logits [1, AR, V]; past_key_{i}_out [Hkv, 1, D, AR] / past_value_{i}_out [Hkv, 1, AR, D] (the new
-entries; or the updated window with kv_output="window"); conv_state_{i}_out, recurrent_state_{i}_out (full).
+                                               are [W - cur empty | cur cached | AR chunk]; causal over slots,
+                                               pad slots masked
+  position_ids_cos/sin [1, 1, AR, rot/2]       half-width tables at clip(cumsum(slot mask) - 1, 0, CL - 1)
+  per layer i: past_key_{i}_in [Hkv, 1, D, W] (transposed; or [Hkv, 1, W, D]) and past_value_{i}_in
+               [Hkv, 1, W, D] (left-padded shift window, oldest first), or conv_state_{i}_in [1, conv_dim, S]
+               (the last S raw conv inputs; S = Kc as AI Hub exports it) and recurrent_state_{i}_in [1, Hv, Dk, Dv]
+outputs: logits [1, AR, V], then per layer: past_key_{i}_out [Hkv, 1, D, AR] / past_value_{i}_out [Hkv, 1, AR, D]
+(the new entries; or the updated window with kv_output="window"), or conv_state_{i}_out, recurrent_state_{i}_out.
 
 Pads in Gated DeltaNet layers: the graph treats a chunk slot as padding when its own mask entry (the diagonal
-of the chunk block) is masked, and pad steps leave the conv and recurrent state untouched (refimpl's choice,
-recorded in the manifest; a device must neutralise them too, e.g. as QEfficient does with g = beta = 0).
+of the chunk block) is masked, and pad steps leave the conv and recurrent state untouched on either side (as
+AI Hub's graph does: a gathered conv window, zeroed k, v and decay on pads; recorded in the manifest).
 Pad query rows and empty cache slots are don't-care: `valid` marks what may be scored.
 """
 
@@ -34,15 +38,24 @@ from ..trace import trace
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    ar: int = 32                    # token slots of the prompt graph
-    cl: int = 128                   # context length
+    """Defaults are AI Hub's exported graph and host driver (qai-hub-models 0.65.0; tests/conformance/)."""
+    ar: int = 128                   # token slots of the prompt graph (AI Hub's DEFAULT_SEQUENCE_LENGTH)
+    cl: int = 4096                  # context length (AI Hub's DEFAULT_CONTEXT_LENGTH)
     decode_ar: int = 1              # token slots of the token graph
     pad_id: int | None = None       # default: the model's eos token
-    mask_floor: float = -1000.0     # -1000 (fp16 activations), -100, -50 (quantised) are in use
+    pad_side: str = "left"          # "left": AI Hub's host driver; "right": the Genie runtime
+    mask_floor: float = -100.0      # AI Hub's host driver clips at -100; Genie's fp16 runtime -1000, quantised -50
     key_transposed: bool = True     # past_key as [Hkv, 1, D, W] (True) or [Hkv, 1, W, D]
     kv_output: str = "new"          # "new": only the AR new entries; "window": the updated W-slot window
     k_prescale: bool = False        # scores as q . (k / sqrt(D))
-    conv_state_len: int | None = None  # conv state columns; default Kc - 1
+    conv_state_len: int | None = None  # conv state columns S (hybrid models); default Kc, as AI Hub exports it
+
+    def resolved(self, model) -> "Options":
+        """The options with the model-dependent defaults filled in (what a manifest records)."""
+        cfg = model.config
+        return dataclasses.replace(self, pad_id=self.pad_id if self.pad_id is not None else _eos(cfg),
+                                   conv_state_len=self.conv_state_len or (cfg.linear_conv_kernel_dim
+                                                                          if cfg.is_hybrid else None))
 
     def check(self, model) -> None:
         for name in ("ar", "cl", "decode_ar"):
@@ -50,6 +63,8 @@ class Options:
                 raise InputError(f"genie: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.ar >= self.cl or self.decode_ar >= self.cl:
             raise InputError(f"genie: AR ({self.ar}, token graph {self.decode_ar}) must be smaller than CL ({self.cl})")
+        if self.pad_side not in ("left", "right"):
+            raise InputError(f"genie: pad_side must be 'left' or 'right', got {self.pad_side!r}")
         if self.kv_output not in ("new", "window"):
             raise InputError(f"genie: kv_output must be 'new' or 'window', got {self.kv_output!r}")
         if self.kv_output == "window" and max(self.ar, self.decode_ar) > self.cl - max(self.ar, self.decode_ar):
@@ -61,9 +76,13 @@ class Options:
             raise InputError(f"genie: mask_floor must be negative, got {self.mask_floor}")
         if "sliding_attention" in model.config.layer_types:
             raise InputError("genie: sliding-window layers need a second mask input, which this convention lacks")
-        Kc = model.config.linear_conv_kernel_dim
-        if self.conv_state_len is not None and model.config.is_hybrid and self.conv_state_len < Kc - 1:
-            raise InputError(f"genie: conv_state_len must be >= Kc - 1 = {Kc - 1}, got {self.conv_state_len}")
+        if self.conv_state_len is not None:
+            Kc = model.config.linear_conv_kernel_dim
+            if not model.config.is_hybrid:
+                raise InputError("genie: conv_state_len applies to hybrid (Gated DeltaNet) models only")
+            if not isinstance(self.conv_state_len, int) or self.conv_state_len < Kc - 1:
+                raise InputError(f"genie: conv_state_len must be an integer >= Kc - 1 = {Kc - 1}, "
+                                 f"got {self.conv_state_len!r}")
 
 
 @dataclasses.dataclass
@@ -120,59 +139,74 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     """The host loop: prompt chunks through the prompt graph, then `decode_steps` greedy tokens through the
     token graph. Returns every call's inputs and outputs (and the taps matching the regex `taps`)."""
     opts.check(model)
+    opts = opts.resolved(model)
     cfg, dtype = model.config, model.dtype.type
     prompt = prompt_list(prompt_ids, "genie")
-    pad_id = check_pad_id(opts.pad_id if opts.pad_id is not None else _eos(cfg), cfg, "genie")
+    pad_id = check_pad_id(opts.pad_id, cfg, "genie")
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     attn = [i for i, k in enumerate(cfg.layer_types) if k != "linear_attention"]
     kv = {i: (np.zeros((Hkv, 0, D), dtype), np.zeros((Hkv, 0, D), dtype)) for i in attn}   # real tokens only
-    states = {}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            S = opts.conv_state_len or cfg.linear_conv_kernel_dim - 1
-            zero = zero_state(cfg, dtype, S)
-            states[i] = (zero.conv, zero.recurrent)
-    chunks = [("prompt", opts.ar, prompt[s:s + opts.ar]) for s in range(0, len(prompt), opts.ar)]
+    states = {i: zero_state(cfg, dtype, opts.conv_state_len) for i, k in enumerate(cfg.layer_types)
+              if k == "linear_attention"}
+    chunks = [("prompt", opts.ar, c) for c in prompt_chunks(prompt, opts.ar, opts.pad_side)]
     calls, cur = [], 0
     for step in range(len(chunks) + decode_steps):
         if step < len(chunks):
             name, AR, tokens = chunks[step]
         else:
-            name, AR, tokens = "token", opts.decode_ar, [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]
+            name, AR, tokens = "token", opts.decode_ar, [greedy(calls[-1])]
         W, n = opts.cl - AR, len(tokens)
         if cur > W:
             raise InputError(f"genie: context length CL={opts.cl} is too small: call {step} ({name} graph, AR={AR}) "
                              f"needs {cur} cached tokens but its window holds CL - AR = {W}")
-        p = AR - n
-        mask1d = np.concatenate([np.zeros(W - cur), np.ones(cur), np.zeros(p), np.ones(n)])      # [CL]
+        lo, hi = (AR - n, AR) if opts.pad_side == "left" else (0, n)                # the real slots of the chunk
+        chunk_mask = np.zeros(AR)
+        chunk_mask[lo:hi] = 1
+        mask1d = np.concatenate([np.zeros(W - cur), np.ones(cur), chunk_mask])                   # [CL]
         allowed = (mask1d[None, :] == 1) & (np.arange(opts.cl)[None, :] <= W + np.arange(AR)[:, None])
         mask = np.maximum(np.where(allowed, 0, np.finfo(np.float32).min), opts.mask_floor).astype(dtype)
         positions = np.clip(np.cumsum(mask1d) - 1, 0, opts.cl - 1)[-AR:].astype(np.int64)
         cos, sin = model._rope(positions[None], None)                                             # [1, AR, rot/2]
-        inputs = {"input_ids": np.array([[pad_id] * p + tokens], np.int32),
-                  "attention_mask": mask[None, None], "position_ids_cos": cos[None], "position_ids_sin": sin[None]}
-        for i in attn:
-            keys, values = _window(kv[i][0], W), _window(kv[i][1], W)
-            inputs[f"past_key_{i}_in"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
-            inputs[f"past_value_{i}_in"] = values[:, None]
-        for i, (conv, rec) in states.items():
-            inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"] = conv, rec
+        ids = np.full((1, AR), pad_id, np.int32)
+        ids[0, lo:hi] = tokens
+        inputs = {"input_ids": ids, "attention_mask": mask[None, None], "position_ids_cos": cos[None],
+                  "position_ids_sin": sin[None]}
+        for i, kind in enumerate(cfg.layer_types):   # the exported graph's order: each layer's pair, layer by layer
+            if kind == "linear_attention":
+                inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"] = states[i].conv, states[i].recurrent
+            else:
+                keys, values = _window(kv[i][0], W), _window(kv[i][1], W)
+                inputs[f"past_key_{i}_in"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
+                inputs[f"past_value_{i}_in"] = values[:, None]
         with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
             outputs = graph(model, inputs, opts)
         for i in attn:  # the host appends the new real entries to its cache
             keys = outputs[f"past_key_{i}_out"][:, 0]
             keys = keys.swapaxes(1, 2) if opts.key_transposed else keys
-            new = slice(-n, None)
+            new = slice(W - AR + lo, W - AR + hi) if opts.kv_output == "window" else slice(lo, hi)
             kv[i] = (np.concatenate([kv[i][0], keys[:, new]], 1),
                      np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, new]], 1))
         for i in states:
-            states[i] = (outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
+            states[i] = LinearAttentionState(outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
         taps_ = {t: tr[t] for t in tr.names()}
-        valid = {**_valid(outputs, p, AR, W, cur, n, opts), **_window_valid(inputs, W, cur, opts),
-                 **tap_valid(taps_, AR, p, AR, allowed)}
+        valid = {**_valid(outputs, lo, hi, AR, W, cur, opts), **_window_valid(inputs, W, cur, opts),
+                 **tap_valid(taps_, AR, lo, hi, allowed)}
         calls.append(Call(name, tokens, inputs, outputs, _axes(inputs, outputs, opts), valid, taps_))
         cur += n
     return calls
+
+
+def prompt_chunks(prompt: list, ar: int, pad_side: str) -> list[list]:
+    """The prompt in chunks of at most `ar` tokens, the short one where the pads go: first for left padding
+    (AI Hub's host driver slices from the prompt's end), last for right padding."""
+    first = len(prompt) % ar if pad_side == "left" and len(prompt) % ar else ar
+    return [prompt[:first]] + [prompt[s:s + ar] for s in range(first, len(prompt), ar)]
+
+
+def greedy(call: Call) -> int:
+    """The token graph's next input: the argmax of the call's logits at its last real slot."""
+    (_, _), (_, hi), _ = call.valid["logits"][0]
+    return int(np.argmax(call.outputs["logits"][0, hi - 1]))
 
 
 def _eos(cfg) -> int:
@@ -266,19 +300,21 @@ def _window_valid(inputs: dict, W: int, cur: int, opts: Options) -> dict:
     return valid
 
 
-def _valid(outputs: dict, p: int, AR: int, W: int, cur: int, n: int, opts: Options) -> dict:
-    """Don't-care regions: pad query rows of the logits and of the new KV entries, empty window slots."""
-    valid = {"logits": [[[0, 1], [p, AR], [0, outputs["logits"].shape[-1]]]]}
+def _valid(outputs: dict, lo: int, hi: int, AR: int, W: int, cur: int, opts: Options) -> dict:
+    """Don't-care regions: pad query rows of the logits and of the new KV entries, empty window slots. The real
+    slots of the chunk are lo..hi."""
+    valid = {"logits": [[[0, 1], [lo, hi], [0, outputs["logits"].shape[-1]]]]}
     for name, a in outputs.items():
         if name.startswith(("past_key_", "past_value_")):
             t_axis = 3 if name.startswith("past_key_") and opts.key_transposed else 2
-            # new: [p pads | n real]; window: the last W of [W - cur empty | cur cached | p pads | n real]
-            spans = [(p, AR)] if opts.kv_output == "new" else [(max(W - cur - AR, 0), max(W - AR, 0)), (W - n, W)]
+            # new: the chunk's AR slots; window: the last W of [W - cur empty | cur cached | AR chunk]
+            spans = [(lo, hi)] if opts.kv_output == "new" else [(max(W - cur - AR, 0), max(W - AR, 0)),
+                                                                (W - AR + lo, W - AR + hi)]
             boxes = []
-            for lo, hi in spans:
-                if hi > lo:
+            for a_lo, a_hi in spans:
+                if a_hi > a_lo:
                     box = [[0, s] for s in a.shape]
-                    box[t_axis] = [lo, hi]
+                    box[t_axis] = [a_lo, a_hi]
                     boxes.append(box)
             valid[name] = boxes
     return valid

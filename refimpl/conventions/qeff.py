@@ -45,6 +45,12 @@ class Options:
         if "sliding_attention" in model.config.layer_types:
             raise InputError("qeff: sliding-window layers are not supported by this convention")
 
+    def resolved(self, model) -> "Options":
+        """The options with the model-dependent default filled in: pad id = the model's pad token, else eos."""
+        cfg = model.config
+        return dataclasses.replace(self, pad_id=self.pad_id if self.pad_id is not None else
+                                   cfg.pad_token_id if cfg.pad_token_id is not None else _eos(cfg))
+
 
 class ScatterCache(Cache):
     """KV slots indexed by position: new entries are written at their position ids (CtxScatter), pads dropped."""
@@ -95,9 +101,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     if len(prompt) + decode_steps > opts.ctx_len:
         raise InputError(f"qeff: ctx_len {opts.ctx_len} is too small for {len(prompt)} prompt tokens + "
                          f"{decode_steps} decode steps")
-    pad_id = opts.pad_id if opts.pad_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None
-                                                          else _eos(cfg))
-    pad_id = check_pad_id(pad_id, cfg, "qeff")
+    pad_id = check_pad_id(opts.resolved(model).pad_id, cfg, "qeff")
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     state = {}
     for i, kind in enumerate(cfg.layer_types):

@@ -25,6 +25,14 @@ def add_commands(sub) -> None:
     d.add_argument("--emulated", help="bundle of the same case at the device's precision: three-way judging "
                                       "(device error within k x the emulation's)")
     d.add_argument("--k", type=float, help="k of three-way judging (default 4)")
+    d.add_argument("--float", dest="float_bundle", metavar="FLOAT_BUNDLE",
+                   help="quantised device: BUNDLE is the quantised golden (--encodings), FLOAT_BUNDLE the float golden "
+                        "of the same case; per tensor the device's distance to BUNDLE next to quantisation's own "
+                        "(docs/diff.md)")
+    d.add_argument("--excess", type=float, help="with --float: the device's RMS error against the quantised golden "
+                                                "allowed, as a multiple of quantisation's own (default 0.01)")
+    d.add_argument("--encodings", help="the bundle's AIMET encodings file: dump files of quantised taps may hold "
+                                       "integer codes (uint8 / uint16), dequantised with the tap's encoding")
     d.add_argument("--json", help="write raw metrics (re-judge later with --rejudge)")
     d.add_argument("--html", help="write the HTML report with plots")
     d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
@@ -113,6 +121,7 @@ def cmd_diff(args) -> int:
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
         if out and not Path(out).resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
+    rows = None  # three-way rows of a quantised device (--float)
     if args.rejudge:
         saved = load_metrics(args.rejudge)
         if args.dtype is None and args.policy is None:  # judge at the dtype it was measured for
@@ -125,15 +134,33 @@ def cmd_diff(args) -> int:
         policy = _policy(args)
         bundle = _bundle(args.bundle)
         dump = _dump(args, bundle)
+        if args.float_bundle and args.emulated:
+            raise InputError("--float (a quantised device) and --emulated are two kinds of three-way diff: give one")
+        if args.excess is not None and not args.float_bundle:
+            raise InputError("--excess applies to --float")
+        if args.encodings:
+            from .quantised import decode_codes, tap_encodings
+            decode_codes(dump, bundle, tap_encodings(bundle, args.encodings))
         emulated = _bundle(args.emulated) if args.emulated else None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
                       disable=args.quiet) as bar:
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))
-            report = compare(bundle, dump, policy, emulated,
-                               progress=lambda i, total: bar.update(task, completed=i + 1))
+
+            def tick(i, total):
+                bar.update(task, completed=i + 1)
+            if args.float_bundle:
+                from .quantised import EXCESS, compare_three_way
+                report, rows = compare_three_way(_bundle(args.float_bundle), bundle, dump, policy,
+                                                 EXCESS if args.excess is None else args.excess, progress=tick)
+            else:
+                report = compare(bundle, dump, policy, emulated, progress=tick)
         first_error = _first_error(bundle, dump, report, policy)
-    print_report(report, top=args.top)
+    if rows is not None:
+        from .quantised import print_three_way
+        print_three_way(report, rows, top=args.top)
+    else:
+        print_report(report, top=args.top)
     page = render_html(report, first_error) if args.html else None
     if args.json:
         save_metrics(report, args.json)

@@ -551,11 +551,18 @@ def save_metrics(report: Report, path) -> None:
     write_atomic(path, json.dumps(dataclasses.asdict(report), indent=1, default=str))
 
 
-def write_atomic(path, text: str) -> None:
+def write_atomic(path, content) -> None:
+    """Write text, bytes or an iterable of byte chunks (a file larger than memory) to a temporary file beside
+    `path` and rename it into place: `path` is either absent, the old file or the whole new one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        if isinstance(content, str):
+            tmp.write_text(content)
+        else:
+            with open(tmp, "wb") as f:
+                for chunk in [content] if isinstance(content, (bytes, bytearray, memoryview)) else content:
+                    f.write(chunk)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)

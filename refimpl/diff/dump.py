@@ -23,6 +23,7 @@ are listed in `unknown`, never fatal; an unreadable or truncated file becomes an
 """
 
 import dataclasses
+import functools
 import json
 import re
 import zipfile
@@ -86,6 +87,20 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     """Read a device dump and match its tensors to `bundle`'s (a refimpl.bundle.Bundle).
     mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's); default
     float32 (qnn-net-run), native when the dump is itself a refimpl bundle (has a manifest.json)."""
+    matched, unknown = match_dump(path, bundle, mapping=mapping, dtype=dtype)
+    dump = Dump(Path(path), {}, unknown)
+    for key, (source, load) in matched.items():
+        try:
+            array, problem = load(), None
+        except FormatError as e:
+            array, problem = None, str(e)
+        dump.items[key] = Item(key, source, array, problem)
+    return dump
+
+
+def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> tuple[dict, list]:
+    """The matching of read_dump without reading: ({bundle key: (source, load)}, unknown sources), where load()
+    returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
     path = Path(path)
     if dtype is None:
         dtype = "native" if (path / "manifest.json").is_file() else "float32"
@@ -94,7 +109,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     if not path.exists():
         raise InputError(f"{path}: no such dump file or directory")
     matcher = _Matcher(bundle.manifest, mapping or {})
-    dump = Dump(path, {}, [])
+    matched, unknown = {}, []
     if path.is_dir():
         entries = _directory(path)
     elif path.suffix == ".npz":
@@ -106,21 +121,16 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     for parts, source, load in entries:
         key, why = matcher.match(parts)
         if key is None:
-            dump.unknown.append(f"{source} ({why})")
+            unknown.append(f"{source} ({why})")
             continue
-        if key in dump.items:
-            dump.unknown.append(f"{source} (duplicate of {dump.items[key].source} for {key})")
+        if key in matched:
+            unknown.append(f"{source} (duplicate of {matched[key][0]} for {key})")
             continue
-        rec = bundle.manifest["tensors"][key]
-        try:
-            array, problem = load(rec, dtype), None
-        except FormatError as e:
-            array, problem = None, str(e)
-        dump.items[key] = Item(key, source, array, problem)
-    if not dump.items:
+        matched[key] = (source, functools.partial(load, bundle.manifest["tensors"][key], dtype))
+    if not matched:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
-                         f"({len(dump.unknown)} unknown, e.g. {dump.unknown[:3]})")
-    return dump
+                         f"({len(unknown)} unknown, e.g. {unknown[:3]})")
+    return matched, unknown
 
 
 # --------------------------------------------------------------------------------------------- containers

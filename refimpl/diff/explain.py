@@ -6,6 +6,9 @@ that produced it and the reference's intermediate values.
 The step is re-run under a trace (the golden's own values, recomputed; with a dump, the device's values are
 shown beside them). Ops with an element-level view: RMSNorm, linear layers, RoPE, attention scores,
 probabilities and output, SwiGLU, residual adds, gates; others list their inputs' values at the same token.
+A linear layer's element, an attention score and an RMSNorm element of a float32 bundle are reproduced bit for
+bit from the printed inputs: the exact sum of products (docs/numerics.md), its float32 rounding, then each
+IEEE float32 operation that follows.
 """
 
 import re
@@ -13,6 +16,8 @@ import re
 import numpy as np
 
 from ..errors import InputError
+from ..kernels.elementary import inverse_sqrt
+from ..kernels.products import exact_dot
 from ..models.config import config_from_dict
 from ..trace import trace
 from .dataflow import producer
@@ -69,6 +74,28 @@ def _f(v) -> str:
     return f"{float(v):+.8g}"
 
 
+def _x(v) -> str:
+    """A float32 exactly: decimal (9 digits round-trip) and hexadecimal."""
+    return f"{float(v):+.9g} ({float(v).hex()})"
+
+
+def _sum_lines(what: str, a, b, stored=None) -> tuple[list[str], np.float32]:
+    """The exact sum of products a.b, its float32 rounding, and whether that is the stored value."""
+    s, r = exact_dot(a, b)
+    lines = [f"{what} = exact sum of {np.size(a)} products = {float(s):+.17g}"
+             + ("" if float(s) == s else " (rounded here for display; exactly " + str(s.limit_denominator(10**30))
+                [:60] + "...)"),
+             f"  float32 rounding (nearest, ties to even) = {_x(r)}"]
+    if stored is not None:
+        same = np.float32(stored).view(np.int32) == r.view(np.int32)
+        lines.append(f"  stored value {_x(stored)}: " + ("reproduced bit for bit" if same else "DIFFERS"))
+    return lines, r
+
+
+def _float32(values, *names) -> bool:
+    return all(np.asarray(values[n]).dtype == np.float32 for n in names)
+
+
 def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
     w = model.weights
     src = [n for n in node.inputs if n in values]
@@ -79,6 +106,8 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         y = values[name]
         if x.size == 2 * y.size and name.endswith("q_norm"):  # gated attention: q_proj holds [q_h | gate_h]
             x = x.reshape(*y.shape[:-1], 2 * y.shape[-1])[..., :y.shape[-1]]
+        if _float32(values, src[0], name) and w[f"{name}.weight"].dtype == np.float32:
+            return _rms_norm_exact(cfg, x.reshape(y.shape)[idx[:-1]], w[f"{name}.weight"], idx[-1], y[idx])
         row = x.reshape(y.shape)[idx[:-1]].astype(np.float64)
         weight = np.asarray(w[f"{name}.weight"], np.float64)
         ms = np.mean(row ** 2)
@@ -97,9 +126,19 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         W = np.asarray(w.rows(weight, slice(idx[-1], idx[-1] + 1))[0], np.float64)   # the one row it reads
         terms = x * W
         top = np.argsort(-np.abs(terms))[:5]
-        return [f"x = {src[0]}{list(idx[:-1])}: {x.size} values, |x| = {_f(np.linalg.norm(x))}",
-                f"y = sum_i x[i] W[{idx[-1]}, i] = {_f(terms.sum())}   (float64)",
+        head = [f"x = {src[0]}{list(idx[:-1])}: {x.size} values, |x| = {_f(np.linalg.norm(x))}",
                 "largest terms: " + ", ".join(f"i={i}: {_f(x[i])}*{_f(W[i])}" for i in top)]
+        if not _float32(values, src[0], name):
+            return head + [f"y = sum_i x[i] W[{idx[-1]}, i] = {_f(terms.sum())}   (float64)"]
+        bias = _linear_bias(cfg, name, w)
+        lines, r = _sum_lines(f"y = sum_i x[i] W[{idx[-1]}, i]", x, W, None if bias is not None
+                              else values[name][idx])
+        if bias is not None:
+            y = np.float32(r + np.float32(bias[idx[-1]]))
+            same = y.view(np.int32) == np.float32(values[name][idx]).view(np.int32)
+            lines.append(f"  + bias {_x(bias[idx[-1]])} = {_x(y)} (float32): " + ("reproduced bit for bit" if same
+                                                                                 else "DIFFERS"))
+        return head + lines
     if node.op == "rope":
         x = values[src[0]]
         half = cfg.rotary_dim // 2
@@ -132,6 +171,20 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
             out.append(f"mask[{i},{j}] = {_f(m)};  q.k / sqrt({cfg.head_dim}) = score - mask = {_f(values[name][idx] - m)}")
         else:
             out.append(f"score = q.k / sqrt({cfg.head_dim}) + mask (0 where allowed, finfo.min where masked)")
+        keys = _keys(values, a, b, h // rep, values[name].shape[-1])
+        if keys is not None and _float32(values, name, f"{a}.q_rope"):
+            lines, r = _sum_lines(f"q.k[{j}]", values[f"{a}.q_rope"][b, i, h], keys[j])
+            scale = np.float32(inverse_sqrt(cfg.head_dim))
+            scaled = np.float32(r * scale)
+            lines.append(f"  * {_x(scale)} (1/sqrt({cfg.head_dim}), float32) = {_x(scaled)}")
+            if mask is not None:
+                m = np.float32(mask[b if mask.shape[0] > 1 else 0, 0, i, j])
+                scaled = np.float32(scaled + m)
+                lines.append(f"  + mask {_x(m)} = {_x(scaled)}")
+            same = scaled.view(np.int32) == np.float32(values[name][idx]).view(np.int32)
+            lines.append(f"  stored score {_x(values[name][idx])}: " + ("reproduced bit for bit" if same
+                                                                     else "differs (a mask floor or pre-scaled keys)"))
+            out += lines
         return out
     if name.endswith("attn_probs"):
         b, h, i, j = idx
@@ -139,11 +192,11 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         e = np.exp(s - s.max())
         return [f"scores row: max {_f(s.max())} at slot {int(np.argmax(s))}; s[{j}] = {_f(s[j])}",
                 f"p = exp(s[j] - max) / sum = {_f(e[j])} / {_f(e.sum())} = {_f(e[j] / e.sum())}"]
-    if node.op == "swiglu":
+    if name.endswith((".mlp.hidden", ".shared_expert.hidden")):
         m = name.rsplit(".", 1)[0]
-        g, u = values[f"{m}.gate_proj"][idx], values[f"{m}.up_proj"][idx]
-        return [f"gate = {_f(g)}, silu(gate) = {_f(g / (1 + np.exp(-float(g))))}, up = {_f(u)}",
-                f"hidden = silu(gate) * up = {_f(g / (1 + np.exp(-float(g))) * u)}"]
+        g, a, u = values[f"{m}.gate_proj"][idx], values[f"{m}.act_fn"][idx], values[f"{m}.up_proj"][idx]
+        return [f"gate = {_f(g)}, act_fn = act(gate) = {_f(a)} (silu: {_f(g / (1 + np.exp(-float(g))))}), up = {_f(u)}",
+                f"hidden = act_fn * up = {_f(a * u)}"]
     out = []
     for n in src:  # generic: the inputs at the same token ([B, T, ...] taps; not caches, states or masks)
         if not n.startswith(("model.", "lm_head")):
@@ -157,6 +210,57 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
             if device is not None and n in device:
                 out.append(f"  device: |diff| max {_f(np.abs(device[n][lead] - v[lead]).max())}")
     return out
+
+
+def _keys(values, a: str, b: int, kv_head: int, slots: int):
+    """The keys [slots, D] a score row reads, when the call's inputs and trace hold them: the cache window of the
+    graph input and this call's new keys (genie: past_key_{i}_in [Hkv, 1, D|W, W|D]; hf: past_key_values.{i}.key
+    [B, Hkv, P, D]); None when they do not make up the row (qeff scatters new keys into its cache)."""
+    k = values.get(f"{a}.k_rope")
+    if k is None:
+        return None
+    new = np.asarray(k)[b, :, kv_head]                                   # [T, D]
+    layer = a.split(".")[2]
+    past = None
+    if f"past_key_{layer}_in" in values:
+        past = np.asarray(values[f"past_key_{layer}_in"])[kv_head, 0]    # [D, W] or [W, D]
+    elif f"past_key_values.{layer}.key" in values:
+        past = np.asarray(values[f"past_key_values.{layer}.key"])[b, kv_head]
+    if past is not None:
+        window, D = slots - new.shape[0], new.shape[-1]
+        if f"past_key_{layer}_in" in values and past.shape == (D, window):   # genie's transposed keys
+            past = past.T
+        if past.shape != (window, D):
+            return None
+        new = np.concatenate([past, new])
+    return new if new.shape[0] == slots else None
+
+
+def _rms_norm_exact(cfg, row: np.ndarray, weight: np.ndarray, d: int, stored) -> list[str]:
+    """An RMSNorm element of a float32 run, each float32 operation in the kernel's order."""
+    n = row.shape[-1]
+    lines, ss = _sum_lines(f"sum x^2 over {n}", row, row)
+    var = np.float32(ss / np.float32(n))
+    root = np.float32(np.sqrt(var + np.float32(cfg.rms_norm_eps)))
+    inv = np.float32(np.float32(1) / root)
+    nu = np.float32(row[d] * inv)
+    lines += [f"mean = {_x(var)};  + eps {cfg.rms_norm_eps:g}, sqrt = {_x(root)};  1/. = {_x(inv)}",
+              f"x[{d}] = {_x(row[d])};  nu = x * 1/. = {_x(nu)}"]
+    if cfg.zero_centered_norms:
+        y = np.float32(nu * np.float32(np.float32(1) + weight[d]))
+        lines.append(f"y = nu * (1 + w[{d}] = {_x(weight[d])}) = {_x(y)}")
+    else:
+        y = np.float32(weight[d] * nu)
+        lines.append(f"y = w[{d}] {_x(weight[d])} * nu = {_x(y)}")
+    same = y.view(np.int32) == np.float32(stored).view(np.int32)
+    return lines + [f"stored value {_x(stored)}: " + ("reproduced bit for bit" if same else
+                                                        "differs (reduced-precision emulation rounds in between)")]
+
+
+def _linear_bias(cfg, name: str, w):
+    if name == "lm_head" or not cfg.attention_bias or not name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    return w[f"{name}.bias"]
 
 
 def _linear_weight(cfg, name: str, w) -> str:

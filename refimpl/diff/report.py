@@ -95,7 +95,7 @@ def _verdict(report: Report, bad: str, good: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ HTML
 
-def _png(fig) -> str:
+def figure_png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -124,7 +124,7 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if len(steps) <= 12:
         ax.legend(fontsize=7)
-    out["Error vs layer (worst tensor of each layer, KV and GDN state included)"] = _png(fig)
+    out["Error vs layer (worst tensor of each layer, KV and GDN state included)"] = figure_png(fig)
     fig, ax = plt.subplots(figsize=(7, 3.2))
     names = ["logits"] + sorted({r.name for r in report.results if r.positions and r.role == "tap"
                                  and r.name.count(".") == 2 and r.name.startswith("model.layers.")},
@@ -135,7 +135,7 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
             ax.plot([p for p, _ in c], [_clip(v) for _, v in c], marker=".", label=n)
     ax.set_xlabel("token position"), ax.set_ylabel("SQNR dB"), ax.grid(alpha=.3), ax.legend(fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    out["Error vs token position"] = _png(fig)
+    out["Error vs token position"] = figure_png(fig)
     fig, ax = plt.subplots(figsize=(7, 3.2))
     groups = {"logits": ["logits"]}
     for r in report.results:
@@ -148,13 +148,13 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
             ax.plot(list(c), [_clip(v) for v in c.values()], marker="o", label=label)
     ax.set_xlabel("step (graph call)"), ax.set_ylabel("worst SQNR dB"), ax.grid(alpha=.3), ax.legend(fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    out["Error vs decode step (outputs)"] = _png(fig)
+    out["Error vs decode step (outputs)"] = figure_png(fig)
     if first_error is not None and first_error.size:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         e = first_error[np.isfinite(first_error)]
         ax.hist(e, bins=60, color="#b33")
         ax.set_yscale("log"), ax.set_xlabel("device - golden"), ax.set_ylabel("elements")
-        out["Histogram of the first failing tensor's error"] = _png(fig)
+        out["Histogram of the first failing tensor's error"] = figure_png(fig)
     return out
 
 

@@ -23,6 +23,7 @@ The reader undoes each (w = stored - 1, A_log = ln(-ssm_a), ...), so the model s
 """
 
 import dataclasses
+import logging
 import math
 import mmap
 import os
@@ -36,7 +37,11 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ConfigError, FormatError, WeightsError
+from ..kernels.elementary import log
+from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
+from ..models.config import HYBRID_TYPES, config_from_dict
 
+_log = logging.getLogger(__name__)
 MAGIC = b"GGUF"
 # metadata value types
 _U8, _I8, _U16, _I16, _U32, _I32, _F32, _BOOL, _STRING, _ARRAY, _U64, _I64, _F64 = range(13)
@@ -56,41 +61,82 @@ class TensorInfo:
     shape: tuple          # torch order (outermost first): reversed ne
     ggml_type: int
     offset: int           # absolute byte offset in the file
-    nbytes: int
+    nbytes: int | None    # bytes in the file; None for a type this reader does not know the size of
 
 
-@cache
-def _ggml_types():
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    return GGMLQuantizationType, GGML_QUANT_SIZES
+# Every ggml type id (ggml.h `enum ggml_type`, llama.cpp as vendored by llama-cpp-python 0.3.36): name, values per
+# block, bytes per block (ggml.c's type_traits; ggml-common.h's block structs). tests check it against ggml's own
+# traits, recorded in quant-types.gguf. Q8_1 / Q8_K are ggml's activation formats (no to_float: llama.cpp does not
+# run them as weights); the I types are integer tensors; ids 4, 5, 31-33, 36-38 were removed from ggml.
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18), 42: ("Q2_0", 64, 18),
+}
+REMOVED_TYPES = {4: "Q4_2", 5: "Q4_3", 31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8", 36: "IQ4_NL_4_4",
+                 37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
+FLOAT_VIEWS = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": ml_dtypes.bfloat16}   # read in place
+_NOT_WEIGHTS = {"Q8_1": "ggml's activation format (ggml has no dequantisation for it; llama.cpp does not run it as "
+                        "a weight)",
+                "I8": "an integer type, not a weight", "I16": "an integer type, not a weight",
+                "I32": "an integer type, not a weight", "I64": "an integer type, not a weight"}
+_NOT_WEIGHTS["Q8_K"] = _NOT_WEIGHTS["Q8_1"]
+OWN_DEQUANTISERS = {"Q1_0": dequantize_q1_0, "Q2_0": dequantize_q2_0}   # the block types gguf-py 0.19 lacks
 
 
 def type_name(ggml_type: int) -> str:
-    qtypes, _ = _ggml_types()
-    try:
-        return qtypes(ggml_type).name
-    except ValueError:
-        return f"type id {ggml_type}"
+    if ggml_type in GGML_TYPES:
+        return GGML_TYPES[ggml_type][0]
+    if ggml_type in REMOVED_TYPES:
+        return REMOVED_TYPES[ggml_type]
+    return f"type id {ggml_type}"
+
+
+
+
+def unreadable(ggml_type: int) -> str | None:
+    """Why tensors of this type cannot be read as weights, or None when they can (float types in place, every
+    block type ggml dequantises: gguf-py's dequantisation, or refimpl's for the types gguf-py lacks)."""
+    if ggml_type in REMOVED_TYPES:
+        return f"{REMOVED_TYPES[ggml_type]} (type id {ggml_type}), which ggml has removed (llama.cpp refuses it)"
+    if ggml_type not in GGML_TYPES:
+        return (f"type id {ggml_type}, which this reader does not know (ggml's types as of llama.cpp 0.3.36: ids "
+                f"0-{max(GGML_TYPES)})")
+    name = GGML_TYPES[ggml_type][0]
+    if name in _NOT_WEIGHTS:
+        return f"{name}, {_NOT_WEIGHTS[name]}"
+    if name in FLOAT_VIEWS or name in OWN_DEQUANTISERS or _gguf_py_dequantises(ggml_type):
+        return None
+    return f"{name}, which neither gguf-py nor refimpl can dequantise"
 
 
 @cache
-def can_dequantize(ggml_type: int) -> bool:
-    """Whether this ggml type is a float type or one gguf-py can dequantise (tried on one zero block)."""
+def _gguf_py_dequantises(ggml_type: int) -> bool:
+    """Whether the installed gguf-py dequantises this block type (tried on one zero block)."""
     import gguf.quants
-    qtypes, sizes = _ggml_types()
+    from gguf.constants import GGMLQuantizationType
     try:
-        qtype = qtypes(ggml_type)
-    except ValueError:
-        return False
-    if qtype.name in ("F32", "F16", "BF16", "F64"):
-        return True
-    if qtype.name in ("I8", "I16", "I32", "I64"):   # integer tensors are not weights
-        return False
-    try:
-        gguf.quants.dequantize(np.zeros((1, sizes[qtype][1]), np.uint8), qtype)
+        qtype = GGMLQuantizationType(ggml_type)
+        gguf.quants.dequantize(np.zeros((1, GGML_TYPES[ggml_type][2]), np.uint8), qtype)
         return True
     except (NotImplementedError, KeyError, ValueError):
         return False
+
+
+def dequantize(rows: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Rows of blocks of a readable block type, uint8 [..., row bytes] -> float32 [..., row values], as ggml's
+    to_float computes them (bit for bit: tests/formats/test_gguf.py)."""
+    own = OWN_DEQUANTISERS.get(type_name(ggml_type))
+    if own is not None:
+        return own(rows)
+    import gguf.quants
+    from gguf.constants import GGMLQuantizationType
+    return gguf.quants.dequantize(rows, GGMLQuantizationType(ggml_type))
 
 
 class _Cursor:
@@ -258,22 +304,22 @@ class GGUFFile:
             raise FormatError(f"{self.path}: metadata 'general.alignment' must be a positive multiple of 8, "
                               f"got {alignment!r}")
         data_start = -(-c.pos // alignment) * alignment
-        qtypes, sizes = _ggml_types()
         self.tensors: dict[str, TensorInfo] = {}
         for name, shape, ggml_type, offset in infos:
-            try:
-                block, type_size = sizes[qtypes(ggml_type)]
-            except ValueError:
-                raise WeightsError(f"{self.path}: tensor {name!r} has unknown ggml type id {ggml_type}") from None
-            inner = shape[-1] if shape else 1
-            if inner % block:
-                raise FormatError(f"{self.path}: tensor {name!r}: row of {inner} values is not a multiple of the "
-                                  f"{type_name(ggml_type)} block size {block}")
-            nbytes = math.prod(shape) // block * type_size
-            begin = data_start + offset
-            if begin + nbytes > size:
-                raise FormatError(f"{self.path}: truncated: tensor {name!r} needs bytes [{begin}, {begin + nbytes}) "
-                                  f"but the file has {size}")
+            begin, nbytes = data_start + offset, None
+            if ggml_type in GGML_TYPES:   # a type of unknown size is listed, and refused when read (unreadable)
+                _, block, type_size = GGML_TYPES[ggml_type]
+                inner = shape[-1] if shape else 1
+                if inner % block:
+                    raise FormatError(f"{self.path}: tensor {name!r}: row of {inner} values is not a multiple of the "
+                                      f"{type_name(ggml_type)} block size {block}")
+                nbytes = math.prod(shape) // block * type_size
+                if begin + nbytes > size:
+                    raise FormatError(f"{self.path}: truncated: tensor {name!r} needs bytes [{begin}, {begin + nbytes}) "
+                                      f"but the file has {size}")
+            elif begin > size:
+                raise FormatError(f"{self.path}: truncated: tensor {name!r} starts at byte {begin} but the file has "
+                                  f"{size}")
             self.tensors[name] = TensorInfo(name, shape, ggml_type, begin, nbytes)
         self._data = np.frombuffer(self._mm, np.uint8)
 
@@ -281,39 +327,51 @@ class GGUFFile:
     def architecture(self) -> str:
         return self.metadata.get("general.architecture", "")
 
-    def raw(self, name: str, index: int | None = None) -> np.ndarray:
-        """The stored bytes of a tensor as [..., row bytes] uint8 (of sub-tensor `index` of the leading axis)."""
+    def raw(self, name: str, index=None) -> np.ndarray:
+        """The stored bytes of a tensor as [..., row bytes] uint8, or part `index` (int, slice or int array) of its
+        leading axis."""
         t = self.tensors[name]
-        qtypes, sizes = _ggml_types()
-        block, type_size = sizes[qtypes(t.ggml_type)]
+        if t.nbytes is None:
+            raise WeightsError(f"{self.path}: tensor {name!r} has {unreadable(t.ggml_type)}")
+        _, block, type_size = GGML_TYPES[t.ggml_type]
         shape = t.shape or (1,)
         a = self._data[t.offset:t.offset + t.nbytes].reshape(*shape[:-1], shape[-1] // block * type_size)
         return a if index is None else a[index]
 
-    def array(self, name: str, index: int | None = None) -> np.ndarray:
-        """A tensor (or sub-tensor `index` of its leading axis) in torch order: F32 / F16 / BF16 / F64 as
-        zero-copy views of the file, every block-quantised type dequantised to float32 (gguf.quants)."""
+    def array(self, name: str, index=None) -> np.ndarray:
+        """A tensor, or part `index` (int, slice or int array) of its leading axis, in torch order: F32 / F16 /
+        BF16 / F64 as zero-copy views of the file, every block type dequantised to float32 (`dequantize`)."""
         t = self.tensors[name]
-        if not can_dequantize(t.ggml_type):
-            raise WeightsError(f"{self.path}: tensor {name!r} has type {type_name(t.ggml_type)}, which gguf-py "
-                               f"cannot dequantise")
+        if (why := unreadable(t.ggml_type)) is not None:
+            raise WeightsError(f"{self.path}: tensor {name!r} has {why}")
+        if index is not None and len(t.shape) < 2:   # a vector is one row: read it whole
+            return self.array(name)[index]
         raw = self.raw(name, index)
         kind = type_name(t.ggml_type)
-        views = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": ml_dtypes.bfloat16}
-        shape = (*raw.shape[:-1], t.shape[-1]) if t.shape else ()   # the part's rows, whole rows of values
-        if kind in views:
-            return raw.view(views[kind]).reshape(shape)
-        import gguf.quants
-        qtypes, _ = _ggml_types()
-        return gguf.quants.dequantize(raw, qtypes(t.ggml_type)).reshape(shape)
+        shape = t.shape if index is None else (*raw.shape[:-1], t.shape[-1])
+        if kind in FLOAT_VIEWS:
+            return raw.view(FLOAT_VIEWS[kind]).reshape(shape)
+        return dequantize(raw, t.ggml_type).reshape(shape)
+
+    def storage(self) -> list[tuple[str, int, int | None]]:
+        """The file's tensors by type, largest first: (type name, tensor count, bytes; None when the type's size
+        is unknown)."""
+        by_type: dict[str, list] = {}
+        for t in self.tensors.values():
+            entry = by_type.setdefault(type_name(t.ggml_type), [0, 0])
+            entry[0] += 1
+            entry[1] = None if t.nbytes is None or entry[1] is None else entry[1] + t.nbytes
+        return sorted(((k, n, b) for k, (n, b) in by_type.items()), key=lambda e: -(e[2] or 0))
 
 
 # ---------------------------------------------------------------------------------------------------- metadata
 
-def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None):
+def _key(g: GGUFFile, arch: str, key: str, required: bool = True, default=None, array: bool = False):
     full = f"{arch}.{key}"
     if full in g.metadata:
         v = g.metadata[full]
+        if array:
+            return v
         if isinstance(v, np.ndarray):   # per-layer arrays: accepted when uniform
             if v.size == 0 or (v != v.flat[0]).any():
                 raise ConfigError(f"{g.path}: metadata {full!r} varies per layer ({v.tolist()}); not supported")
@@ -367,17 +425,38 @@ def config_dict(g: GGUFFile) -> dict:
     if (ff := k("feed_forward_length", required=False)) is not None:
         d["intermediate_size"] = ff
     rope = {"rope_type": "default", "rope_theta": _f32(k("rope.freq_base", required=False, default=10000.0))}
-    scaling = k("rope.scaling.type", required=False, default="none")
-    if scaling in ("linear", "yarn"):
-        rope.update(rope_type=scaling, factor=_f32(k("rope.scaling.factor")))
+    # llama.cpp's reading (llama_model_base::load_hparams, llama_context): the scaling type defaults to linear, the
+    # factor to rope.scaling.factor, else the older rope.scale_linear, else none; YaRN's original context to
+    # context_length. For these architectures it reads no rope.scaling.yarn_* key (ignored_metadata): beta_fast 32,
+    # beta_slow 1 and the attention factor mscale(factor) = 0.1 ln(factor) + 1 always, times
+    # rope.scaling.attn_factor, which it applies to every rope type.
+    scaling = k("rope.scaling.type", required=False, default="linear")
+    factor = k("rope.scaling.factor", required=False) or k("rope.scale_linear", required=False) or 0.0
+    attn_factor = k("rope.scaling.attn_factor", required=False, default=1.0)
     if scaling == "yarn":
-        rope["original_max_position_embeddings"] = k("rope.scaling.original_context_length")
-        for key, hf in (("attn_factor", "attention_factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
-                        ("ext_factor", "extrapolation_factor")):
-            if (v := k(f"rope.scaling.yarn_{key}", required=False)) is not None:
-                rope[hf] = _f32(v)
+        factor = factor or 1.0
+        rope.update(rope_type="yarn", factor=_f32(factor), original_max_position_embeddings=k(
+            "rope.scaling.original_context_length", required=False, default=d["max_position_embeddings"]))
+        if attn_factor != 1:
+            rope["attention_factor"] = float(np.float32(attn_factor)) * (0.1 * math.log(factor) + 1 if factor > 1
+                                                                         else 1.0)
+    elif scaling == "linear" and factor not in (0, 1):
+        rope.update(rope_type="linear", factor=_f32(factor))
     elif scaling not in ("none", "linear"):
         raise ConfigError(f"{g.path}: unsupported {arch}.rope.scaling.type {scaling!r}; supported: none, linear, yarn")
+    if scaling != "yarn" and attn_factor != 1:
+        raise ConfigError(f"{g.path}: {arch}.rope.scaling.attn_factor {attn_factor:g} with rope scaling {scaling!r}: "
+                          f"llama.cpp scales cos and sin by it, which has no transformers counterpart here "
+                          f"(supported with yarn only)")
+    rot = k("rope.dimension_count", required=False, default=head_dim)
+    if model_type not in HYBRID_TYPES and rot != head_dim:
+        raise ConfigError(f"{g.path}: {arch}.rope.dimension_count {rot} differs from the head dim {head_dim}, which "
+                          f"llama.cpp's {arch} refuses (GGML_ASSERT(n_embd_head == n_rot))")
+    if model_type in HYBRID_TYPES:
+        prf = rot / head_dim
+        if int(head_dim * prf) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
+            prf = math.nextafter(prf, math.inf)
+        rope["partial_rotary_factor"] = prf
     if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         # norm_topk_prob is not stored: llama.cpp always renormalises the top-k weights (models.md §7.2)
         d.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
@@ -390,7 +469,7 @@ def config_dict(g: GGUFFile) -> dict:
                                f"are all sparse)")
         if model_type != "qwen3_moe":
             d["shared_expert_intermediate_size"] = k("expert_shared_feed_forward_length")
-    if model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+    if model_type in HYBRID_TYPES:
         dt_rank = k("ssm.time_step_rank")
         d.update(linear_conv_kernel_dim=k("ssm.conv_kernel"), linear_key_head_dim=k("ssm.state_size"),
                  linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=dt_rank,
@@ -400,15 +479,12 @@ def config_dict(g: GGUFFile) -> dict:
             d["layer_types"] = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:n_layers]]
         else:
             d["full_attention_interval"] = k("full_attention_interval", required=False, default=4)
-        rot = k("rope.dimension_count", required=False, default=head_dim)
-        factor = rot / head_dim
-        if int(head_dim * factor) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
-            factor = math.nextafter(factor, math.inf)
-        rope["partial_rotary_factor"] = factor
-        if model_type != "qwen3_next":
-            sections = g.metadata.get(f"{arch}.rope.dimension_sections")
-            rope.update(mrope_section=[int(s) for s in sections[:3]] if sections is not None else [11, 11, 10],
-                        mrope_interleaved=True)
+        if model_type != "qwen3_next":   # llama.cpp requires the sections: [T, H, W, E], E (llama.cpp's) usually 0
+            sections = [int(v) for v in k("rope.dimension_sections", array=True)]
+            if len(sections) != 4:
+                raise ConfigError(f"{g.path}: metadata '{arch}.rope.dimension_sections' must have 4 entries, got "
+                                  f"{sections}")
+            rope.update(mrope_section=sections if sections[3] else sections[:3], mrope_interleaved=True)
         d["mtp_num_hidden_layers"] = nextn
     d["rope_parameters"] = rope
     return d
@@ -417,20 +493,27 @@ def config_dict(g: GGUFFile) -> dict:
 # ---------------------------------------------------------------------------------------------------- tensors
 
 class LazyTensor:
-    """A tensor computed (dequantised, transformed) only when read: a stored tensor of refimpl.models.weights.
-    Shape and dtype are known up front, so Weights.check and the CLI's parameter count read no data.
-    compute(index=None) -> the tensor, or part `index` of its leading axis when `partial` (only that part is
-    dequantised); otherwise compute() -> the whole tensor, and a part is cut from it."""
+    """A model tensor read from the file only when used: dequantised, and its conversion transform undone, then.
 
-    def __init__(self, shape, compute, dtype=np.float32, partial=False):
-        self.shape, self.dtype, self._compute, self.partial = tuple(shape), np.dtype(dtype), compute, partial
+    shape, dtype (float32: what `read` returns) and nbytes (the bytes it takes in the file) are known up front, so
+    checks, sizes and `refimpl info` read no data. `read(index)` gives the tensor, or part `index` (int, slice or
+    int array) of its leading axis; `partial` says whether that reads only the part (a plain dequantisation, an
+    expert of a stack: rows of blocks are independent) or computes the whole tensor first (a transform that moves
+    rows, such as Qwen3.5's value-head untiling). A tensor of a type that cannot be read raises WeightsError,
+    naming it, when it is read.
+    """
+
+    def __init__(self, shape, compute, nbytes: int, partial: bool = False):
+        """compute(index) when partial, else compute(): the float array."""
+        self.shape, self.dtype, self.nbytes, self.partial = tuple(shape), np.dtype(np.float32), int(nbytes), partial
         self.ndim = len(self.shape)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self._compute = compute
 
     def read(self, index=None) -> np.ndarray:
-        if index is not None and self.partial:
-            return np.asarray(self._compute(index), dtype=self.dtype)
-        a = np.asarray(self._compute(), dtype=self.dtype).reshape(self.shape)
+        if self.partial:
+            a = np.asarray(self._compute(index), np.float32)
+            return a.reshape(self.shape) if index is None else a
+        a = np.asarray(self._compute(), np.float32).reshape(self.shape)
         return a if index is None else a[index]
 
     def __array__(self, dtype=None, copy=None):
@@ -438,7 +521,7 @@ class LazyTensor:
         return a if dtype is None else a.astype(dtype, copy=False)
 
     def __getitem__(self, index):
-        return self.read(index)
+        return np.asarray(self)[index] if isinstance(index, tuple) else self.read(index)
 
 
 def untile_v_heads(a: np.ndarray, axis: int, Hk: int, r: int, d: int) -> np.ndarray:
@@ -492,8 +575,9 @@ def _norm_names(cfg) -> dict:
     return m
 
 
-def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
-    """HF name -> array (or LazyTensor) for every tensor of the model, the conversion transforms undone."""
+def read_gguf_tensors(g: GGUFFile, cfg, strict: bool = True) -> dict:
+    """HF name -> array (or LazyTensor) for every tensor of the model, the conversion transforms undone.
+    strict: a tensor of a type that cannot be read (`unreadable`) is an error now, naming it; else only when read."""
     from ..models.model import _architecture
     path = g.path
     hf_shapes = _architecture(cfg)[0](cfg)
@@ -501,37 +585,38 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
     read = set()
 
     def need(name, shape=None):
-        """The tensor's info, after checking it exists, can be dequantised and (given `shape`) has that shape."""
+        """The tensor's info, after checking it exists, (strict) can be read and (given `shape`) has that shape."""
         read.add(name)
         if name not in g.tensors:
             expected = f" (expected shape {list(shape)})" if shape else ""
             raise WeightsError(f"{path}: missing tensor {name!r}{expected}")
         t = g.tensors[name]
-        if not can_dequantize(t.ggml_type):   # named now, not at the first forward pass
-            raise WeightsError(f"{path}: tensor {name!r} has type {type_name(t.ggml_type)}, which gguf-py cannot "
-                               f"dequantise")
+        if strict and (why := unreadable(t.ggml_type)) is not None:   # named now, not at the first forward pass
+            raise WeightsError(f"{path}: tensor {name!r} has {why}")
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise WeightsError(f"{path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         return t
 
-    def lazy(shape, fn, partial=False):
-        return LazyTensor(shape, fn, partial=partial)
+    def lazy(shape, compute, *sources, partial=False, share=1):
+        """A LazyTensor over GGUF tensors `sources` (a `share` of their bytes: one expert of a stack)."""
+        return LazyTensor(shape, compute, sum(g.tensors[s].nbytes or 0 for s in sources) // share, partial)
 
     def src(name, index=None):
         return g.array(name, index)
 
     def direct(name, shape):
-        """A tensor used as stored (shape checked): F32 as a zero-copy view; anything else converted on first
-        use."""
+        """A tensor used as stored (shape checked): F32 / F16 / BF16 / F64 as a zero-copy view; a block type
+        dequantised when read."""
         t = need(name, shape)
-        if type_name(t.ggml_type) in ("F32", "F16", "BF16", "F64"):
+        if type_name(t.ggml_type) in FLOAT_VIEWS:
             return g.array(name)
-        return lazy(shape, lambda index=None: src(name, index), partial=True)   # rows dequantised as read
+        return lazy(shape, lambda index: src(name, index), name, partial=True)
 
     out = {hf: direct(gg, hf_shapes[hf]) for hf, gg in _plain_names(cfg).items()}
     for hf, gg in _norm_names(cfg).items():
         if cfg.zero_centered_norms:   # stored = 1 + w  ->  w = stored - 1 (exact in float32 for stored in [0.5, 2])
-            out[hf] = lazy(need(gg, hf_shapes[hf]).shape, lambda gg=gg: src(gg).astype(np.float32) - np.float32(1))
+            out[hf] = lazy(need(gg, hf_shapes[hf]).shape,
+                           lambda index, gg=gg: src(gg, index).astype(np.float32) - np.float32(1), gg, partial=True)
         else:
             out[hf] = direct(gg, hf_shapes[hf])
     for i in range(cfg.num_hidden_layers):
@@ -542,7 +627,7 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
                 # the converter writes [1, H] (ne {H, 1}); llama.cpp reads it as an H vector, so accept [H] too
                 name, H = f"{b}.ffn_gate_inp_shexp.weight", cfg.hidden_size
                 need(name, (H,) if g.tensors.get(name) and g.tensors[name].shape == (H,) else (1, H))
-                out[f"{p}.mlp.shared_expert_gate.weight"] = lazy((1, H), lambda name=name: src(name))
+                out[f"{p}.mlp.shared_expert_gate.weight"] = lazy((1, H), lambda name=name: src(name), name)
         if cfg.layer_types[i] == "linear_attention":
             out.update(_linear_attention(g, cfg, f"{p}.linear_attn", b, need, lazy, src, direct))
     # nextn (MTP) blocks blk.{L}.. are recognised (config mtp_layers) and not read; anything else unread means the
@@ -558,32 +643,33 @@ def read_gguf_tensors(g: GGUFFile, cfg) -> dict:
 
 def _experts(g, cfg, p, b, need, lazy, src) -> dict:
     """Stacked experts -> per-expert tensors (Qwen3-MoE, Qwen3-Next checkpoints) or the fused gate_up_proj /
-    down_proj (Qwen3.5-MoE checkpoints). A fused ffn_gate_up_exps is accepted too."""
+    down_proj (Qwen3.5-MoE checkpoints), each expert read on its own. A fused ffn_gate_up_exps is accepted too."""
     E, Ie, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    fused_src = f"{b}.ffn_gate_up_exps.weight" in g.tensors
+    fused, gate, up = (f"{b}.ffn_gate_up_exps.weight", f"{b}.ffn_gate_exps.weight", f"{b}.ffn_up_exps.weight")
     down = f"{b}.ffn_down_exps.weight"
     need(down, (E, H, Ie))
-    if fused_src:
-        need(f"{b}.ffn_gate_up_exps.weight", (E, 2 * Ie, H))
-        gate_up = lambda e=None: src(f"{b}.ffn_gate_up_exps.weight", e)
+    if fused in g.tensors:
+        need(fused, (E, 2 * Ie, H))
+        sources = (fused,)
+        gate_up = lambda e=None: src(fused, e)
     else:
-        need(f"{b}.ffn_gate_exps.weight", (E, Ie, H)), need(f"{b}.ffn_up_exps.weight", (E, Ie, H))
-        gate_up = lambda e=None: np.concatenate([src(f"{b}.ffn_gate_exps.weight", e),
-                                                 src(f"{b}.ffn_up_exps.weight", e)], axis=-2)
+        need(gate, (E, Ie, H)), need(up, (E, Ie, H))
+        sources = (gate, up)
+        gate_up = lambda e=None: np.concatenate([src(gate, e), src(up, e)], axis=-2)
     out = {}
     if cfg.model_type == "qwen3_5_moe_text":
-        out[f"{p}.mlp.experts.gate_up_proj"] = lazy((E, 2 * Ie, H), gate_up, partial=True)   # expert by expert
-        out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda e=None: src(down, e), partial=True)
+        out[f"{p}.mlp.experts.gate_up_proj"] = lazy((E, 2 * Ie, H), gate_up, *sources, partial=True)
+        out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda e=None: src(down, e), down, partial=True)
         return out
     for e in range(E):
         q = f"{p}.mlp.experts.{e}"
-        if fused_src:
-            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[:Ie])
-            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[Ie:])
+        if fused in g.tensors:
+            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[:Ie], fused, share=2 * E)
+            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[Ie:], fused, share=2 * E)
         else:
-            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: src(f"{b}.ffn_gate_exps.weight", e))
-            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: src(f"{b}.ffn_up_exps.weight", e))
-        out[f"{q}.down_proj.weight"] = lazy((H, Ie), lambda e=e: src(down, e))
+            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: src(gate, e), gate, share=E)
+            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: src(up, e), up, share=E)
+        out[f"{q}.down_proj.weight"] = lazy((H, Ie), lambda e=e: src(down, e), down, share=E)
     return out
 
 
@@ -599,33 +685,35 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
     for name, shape in (("ssm_a", (Hv,)), ("ssm_dt.bias", (Hv,)), ("ssm_conv1d.weight", (conv_dim, Kc)),
                         ("ssm_out.weight", (H, value_dim))):
         need(f"{b}.{name}", shape)
+    a, dt, conv, out_proj = (f"{b}.{n}" for n in ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ssm_out.weight"))
     out = {
         # ssm_a = -exp(A_log)  ->  A_log = ln(-ssm_a), in float64 then rounded
-        f"{p}.A_log": lazy((Hv,), lambda: untile(np.log(-src(f"{b}.ssm_a").astype(np.float64)), 0, 1)),
-        f"{p}.dt_bias": lazy((Hv,), lambda: untile(src(f"{b}.ssm_dt.bias"), 0, 1)),
-        f"{p}.conv1d.weight": lazy((conv_dim, 1, Kc),
-                                   lambda: untile(src(f"{b}.ssm_conv1d.weight"), 0, Dv, 2 * key_dim)[:, None, :]),
+        f"{p}.A_log": lazy((Hv,), lambda: untile(log(-src(a).astype(np.float32)), 0, 1), a),
+        f"{p}.dt_bias": lazy((Hv,), lambda: untile(src(dt), 0, 1), dt),
+        f"{p}.conv1d.weight": lazy((conv_dim, 1, Kc), lambda: untile(src(conv), 0, Dv, 2 * key_dim)[:, None, :], conv),
         f"{p}.norm.weight": direct(f"{b}.ssm_norm.weight", (Dv,)),
-        f"{p}.out_proj.weight": lazy((H, value_dim), lambda: untile(src(f"{b}.ssm_out.weight"), 1, Dv)),
+        # the value heads are columns here: rows stay independent
+        f"{p}.out_proj.weight": lazy((H, value_dim), lambda index: untile(src(out_proj, index), -1, Dv), out_proj,
+                                     partial=True),
     }
     if cfg.model_type == "qwen3_next":
         if f"{b}.ssm_in.weight" in g.tensors:          # older files: the unsplit, still grouped in_proj_qkvz
             out[f"{p}.in_proj_qkvz.weight"] = direct(f"{b}.ssm_in.weight", (2 * key_dim + 2 * value_dim, H))
         else:
-            need(f"{b}.attn_qkv.weight", (conv_dim, H)), need(f"{b}.attn_gate.weight", (value_dim, H))
+            qkv, z = f"{b}.attn_qkv.weight", f"{b}.attn_gate.weight"
+            need(qkv, (conv_dim, H)), need(z, (value_dim, H))
             out[f"{p}.in_proj_qkvz.weight"] = lazy((2 * key_dim + 2 * value_dim, H), lambda: regroup_qkvz(
-                src(f"{b}.attn_qkv.weight"), src(f"{b}.attn_gate.weight"), Hk, Dk, r * Dv))
+                src(qkv), src(z), Hk, Dk, r * Dv), qkv, z)
         out[f"{p}.in_proj_ba.weight"] = direct(f"{b}.ssm_ba.weight", (2 * Hv, H))
         return out
     for name, shape in (("attn_qkv.weight", (conv_dim, H)), ("attn_gate.weight", (value_dim, H)),
                         ("ssm_beta.weight", (Hv, H)), ("ssm_alpha.weight", (Hv, H))):
         need(f"{b}.{name}", shape)
-    out.update({
-        f"{p}.in_proj_qkv.weight": lazy((conv_dim, H), lambda: untile(src(f"{b}.attn_qkv.weight"), 0, Dv, 2 * key_dim)),
-        f"{p}.in_proj_z.weight": lazy((value_dim, H), lambda: untile(src(f"{b}.attn_gate.weight"), 0, Dv)),
-        f"{p}.in_proj_b.weight": lazy((Hv, H), lambda: untile(src(f"{b}.ssm_beta.weight"), 0, 1)),
-        f"{p}.in_proj_a.weight": lazy((Hv, H), lambda: untile(src(f"{b}.ssm_alpha.weight"), 0, 1)),
-    })
+    for hf, gg, d, start in (("in_proj_qkv", "attn_qkv", Dv, 2 * key_dim), ("in_proj_z", "attn_gate", Dv, 0),
+                             ("in_proj_b", "ssm_beta", 1, 0), ("in_proj_a", "ssm_alpha", 1, 0)):
+        name = f"{b}.{gg}.weight"
+        out[f"{p}.{hf}.weight"] = lazy(g.tensors[name].shape, lambda name=name, d=d, start=start: untile(
+            src(name), 0, d, start), name)
     return out
 
 
@@ -646,12 +734,56 @@ def split_qkvz(qkvz: np.ndarray, Hk: int, Dk: int, rDv: int) -> tuple[np.ndarray
     return np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)]), z.reshape(-1, H)
 
 
-def load_gguf(path: str | Path):
-    """(ModelConfig, HF name -> array or LazyTensor) of a .gguf file."""
-    from ..models.config import config_from_dict
+def reading_notes(g: GGUFFile) -> list[str]:
+    """How llama.cpp 0.3.36 reads metadata that would mean something else to transformers' eyes: the HF YaRN
+    parameters llama.cpp's converter writes as rope.scaling.yarn_* are read only by other architectures (grok,
+    mistral3), and a scaling factor without a scaling type is linear scaling."""
+    arch, m = g.architecture, g.metadata
+    ignored = [f"{arch}.rope.scaling.yarn_{key} {_f32(m[f'{arch}.rope.scaling.yarn_{key}']):g}"
+               for key in ("beta_fast", "beta_slow", "attn_factor", "ext_factor") if f"{arch}.rope.scaling.yarn_{key}" in m]
+    notes = [f"not read (llama.cpp does not): {', '.join(ignored)}"] if ignored else []
+    factor = m.get(f"{arch}.rope.scaling.factor") or m.get(f"{arch}.rope.scale_linear")
+    if factor not in (None, 0, 1) and f"{arch}.rope.scaling.type" not in m:
+        notes.append(f"rope scaling factor {_f32(factor):g} without a scaling type: linear, llama.cpp's default")
+    return notes
+
+
+def llamacpp_note(cfg, notes=()) -> str | None:
+    """The one-line note a GGUF gets on load where llama.cpp's semantics, which it runs with, differ from
+    transformers' for the same values (cfg.semantic_differences) or llama.cpp reads the metadata its own way
+    (reading_notes); None when there is nothing to say."""
+    parts = [*cfg.semantic_differences(), *notes]
+    return f"{cfg.source}: runs as llama.cpp runs it: " + "; ".join(parts) if parts else None
+
+
+def conversion_note(before, after) -> str | None:
+    """What a GGUF written from a model with config `before` means to llama.cpp (config `after`, read back)
+    that the model did not: values llama.cpp does not read (YaRN's betas, ...) and, for an HF model,
+    the places where llama.cpp's semantics differ from transformers'. None when the meaning is the same."""
+    parts = []
+    old, new = before.to_dict(), after.to_dict()
+    for key in sorted((set(old) | set(new)) - {"source", "semantics"}):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            parts += [f"{key}.{k} {a.get(k, 'unset')} -> {b.get(k, 'unset')}" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            parts.append(f"{key} {a!r} -> {b!r}")
+    if before.semantics != after.semantics:
+        parts += after.semantic_differences()
+    return f"{after.source}: llama.cpp runs it otherwise than {before.source}: " + "; ".join(parts) if parts else None
+
+
+def load_gguf(path: str | Path, strict: bool = True):
+    """(ModelConfig, HF name -> array or LazyTensor) of a .gguf file, with llama.cpp's semantics (a one-line note,
+    logged as a warning, says where they differ from transformers'). strict: a tensor of a type that cannot be
+    read is an error now (default), else only when it is read (`refimpl info` lists such files)."""
     g = GGUFFile(path)
-    cfg = config_from_dict(config_dict(g), source=str(g.path))
-    return cfg, read_gguf_tensors(g, cfg)
+    cfg = config_from_dict(config_dict(g), source=str(g.path), semantics="llama.cpp")
+    arrays = read_gguf_tensors(g, cfg, strict)
+    if (note := llamacpp_note(cfg, reading_notes(g))) is not None:
+        _log.warning(note)
+    return cfg, arrays
 
 
 # ---------------------------------------------------------------------------------------------------- writing
@@ -732,7 +864,7 @@ def encode_tensor(name: str, a: np.ndarray, qtype: str):
     quantiser (llama.cpp's reference rounding); a tensor whose rows are not whole blocks falls back to F16, as
     llama.cpp's converter does."""
     import gguf.quants
-    qtypes, _ = _ggml_types()
+    from gguf.constants import GGMLQuantizationType as qtypes
     if qtype == "F32" or _stays_f32(name, a):
         return a.astype(np.float32), qtypes.F32
     if qtype == "F16":
@@ -768,8 +900,8 @@ def _write_metadata(wr, cfg, name: str, qtype: str, tokenizer: dict | None) -> N
     elif rope["rope_type"] != "default":
         raise ConfigError(f"{cfg.source}: rope_type {rope['rope_type']!r} has no GGUF encoding here "
                           f"(supported: default, linear, yarn)")
-    if cfg.mrope_section is not None:
-        wr.add_array(f"{arch}.rope.dimension_sections", [int(s) for s in cfg.mrope_section] + [0])
+    if cfg.mrope_section is not None:   # [T, H, W, E]: llama.cpp's fourth (E) section is 0 unless a GGUF had one
+        wr.add_array(f"{arch}.rope.dimension_sections", [int(v) for v in (*cfg.mrope_section, 0, 0)[:4]])
     wr.add_rope_freq_base(rope["rope_theta"])
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.num_experts:
@@ -867,6 +999,13 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
         if isinstance(e, OSError):
             raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
+    try:   # the file as llama.cpp's semantics read it
+        back = config_from_dict(config_dict(GGUFFile(path)), str(path), "llama.cpp")
+    except (ConfigError, WeightsError) as e:   # written as asked, but not a model file refimpl reads back
+        _log.warning(f"{path}: written, but it does not read back as a model: {e}")
+    else:
+        if (note := conversion_note(cfg, back)) is not None:
+            _log.warning(note)
     return path
 
 

@@ -19,7 +19,7 @@ from ..errors import FormatError
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    "U16": np.dtype("<u2"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024

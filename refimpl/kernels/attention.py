@@ -7,6 +7,7 @@ transformers' eager path builds them), optionally clamped from below to a floor 
 
 import numpy as np
 
+from . import elementary, products
 from .activation import compute_dtype, identity, softmax
 
 
@@ -55,9 +56,9 @@ def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = Non
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
+    scale = elementary.inverse_sqrt(D) if scale is None else scale
     qg = q.reshape(B, Hkv, n_rep, Lq, D)
-    scores = rnd(rnd(qg @ k[:, :, None].swapaxes(-1, -2)) * q.dtype.type(scale))  # [B, Hkv, n_rep, Lq, Lk]
+    scores = rnd(rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))) * q.dtype.type(scale))  # [B, Hkv, n_rep, Lq, Lk]
     if mask is not None:
         if mask_floor is not None:
             mask = np.maximum(mask, mask.dtype.type(mask_floor))
@@ -77,4 +78,4 @@ def attend(probs: np.ndarray, v: np.ndarray, *, rnd=identity) -> np.ndarray:
     B, Hkv, Lk, Dv = v.shape
     Lq = probs.shape[-2]
     probs = probs.reshape(B, Hkv, -1, Lq, Lk)
-    return rnd(probs @ v[:, :, None]).reshape(B, -1, Lq, Dv)
+    return rnd(products.matmul(probs, v[:, :, None])).reshape(B, -1, Lq, Dv)

@@ -24,6 +24,10 @@ import numpy as np
 
 from refimpl.errors import InputError
 
+from . import elementary, products
+from .elementary import exp
+from .products import matmul
+
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """l2norm(x) = x * 1/sqrt(sum_i x_i^2 + eps) over the last axis.  [..., D] -> [..., D], in x's dtype.
@@ -31,7 +35,7 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     eps is added to the SUM of squares inside the root (transformers' l2norm, fla's l2norm to rounding); it is
     not rms_norm_eps, and this is not F.normalize's x / max(||x||, eps). A zero vector maps to 0.
     """
-    return x * (1 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps))
+    return x * (1 / np.sqrt(products.sumprod(x, x, keepdims=True) + x.dtype.type(eps)))
 
 
 def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm):
@@ -67,7 +71,7 @@ def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm):
 
 def _vecmat(x: np.ndarray, S: np.ndarray) -> np.ndarray:
     """S^T x for a stack of vectors.  x [..., Dk], S [..., Dk, Dv] -> [..., Dv]"""
-    return (x[..., None, :] @ S)[..., 0, :]
+    return matmul(x[..., None, :], S)[..., 0, :]
 
 
 def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm=True, scale=None):
@@ -82,10 +86,10 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     B, Hv, T, Dk = k.shape
-    q = q / math.sqrt(Dk) if scale is None else q * float(scale)
+    q = q / q.dtype.type(math.sqrt(Dk)) if scale is None else q * q.dtype.type(scale)
     o = np.empty_like(v)  # [B, Hv, T, Dv]
     for t in range(T):
-        S *= np.exp(g[:, :, t, None, None])  # S <- exp(g_t) S
+        S *= exp(g[:, :, t, None, None])  # S <- exp(g_t) S
         u = beta[:, :, t, None] * (v[:, :, t] - _vecmat(k[:, :, t], S))  # u = beta_t (v_t - S^T k_t)
         S += k[:, :, t, :, None] * u[:, :, None, :]  # S <- S + k_t u_t^T
         o[:, :, t] = _vecmat(q[:, :, t], S)  # o_t = S^T q_t
@@ -107,16 +111,16 @@ def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None)
 def _unit_lower_inverse(L: np.ndarray) -> np.ndarray:
     """(I + L)^-1 for a strictly lower-triangular L, by forward substitution (spec §3.3).  [..., C, C] -> same.
 
-    Row by row, in increasing order, with M = -L:  M[i, :i] <- M[i, :i] + M[i, :i] @ M[:i, :i]  (rows < i are
-    final), which is T[i, j] = -L[i, j] - sum_{j<m<i} L[i, m] T[m, j]. Then T = M + I.
+    With T = I - L, row by row in increasing order (rows < i are final):  T[i, :i] <- T[i, :i] @ T[:i, :i],
+    i.e. T[i, j] = -L[i, j] - sum_{j<m<i} L[i, m] T[m, j], each element one correctly rounded sum.
     transformers solves with solve_triangular instead (same maths, other rounding); numpy has no triangular solver,
     and this loop over rows, vectorised over [B, H, N], was 5x faster than np.linalg.solve's pivoted LU here.
     """
     C = L.shape[-1]
-    M = -L
-    for i in range(1, C):
-        M[..., i, :i] += (M[..., i, None, :i] @ M[..., :i, :i])[..., 0, :]
-    return M + np.eye(C, dtype=L.dtype)
+    T = np.eye(C, dtype=L.dtype) - L
+    for i in range(2, C):
+        T[..., i, :i] = matmul(T[..., i, None, :i], T[..., :i, :i])[..., 0, :]
+    return T
 
 
 def _to_chunks(x: np.ndarray, C: int) -> np.ndarray:
@@ -135,18 +139,18 @@ def _chunk_setup(q, k, v, g, beta):
     """Everything per chunk that does not depend on the state.  [B, Hv, n, C, .] ->
     U~ [.., C, Dv], W [.., C, Dk], exp(G) Q [.., C, Dk], A_qk [.., C, C], (exp(G_C - G) K)^T [.., Dk, C], exp(G_C)."""
     C = g.shape[-1]
-    G = np.cumsum(g, axis=-1)  # [B, Hv, n, C]  within-chunk cumulative log decay
+    G = products.cumsum(g, axis=-1)  # [B, Hv, n, C]  within-chunk cumulative log decay
     causal = np.tril(np.ones((C, C), dtype=bool))  # i <= r
-    Gamma = np.exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))  # [B, Hv, n, C, C]; -inf first
+    Gamma = exp(np.where(causal, G[..., :, None] - G[..., None, :], -np.inf))  # [B, Hv, n, C, C]; -inf first
     kT = k.swapaxes(-1, -2)  # [B, Hv, n, Dk, C]
-    A_ut = np.tril(((beta[..., None] * k) @ kT) * Gamma, -1)  # [B, Hv, n, C, C]  strict lower
-    A_qk = (q @ kT) * Gamma  # [B, Hv, n, C, C]
+    A_ut = np.tril(matmul(beta[..., None] * k, kT) * Gamma, -1)  # [B, Hv, n, C, C]  strict lower
+    A_qk = matmul(q, kT) * Gamma  # [B, Hv, n, C, C]
     T_ut = _unit_lower_inverse(A_ut)  # [B, Hv, n, C, C]
-    U_tilde = T_ut @ (beta[..., None] * v)  # [B, Hv, n, C, Dv]
-    W = T_ut @ ((beta * np.exp(G))[..., None] * k)  # [B, Hv, n, C, Dk]
-    q_dec = np.exp(G)[..., None] * q  # [B, Hv, n, C, Dk]
-    k_decT = (np.exp(G[..., -1:] - G)[..., None] * k).swapaxes(-1, -2)  # [B, Hv, n, Dk, C]
-    lam = np.exp(G[..., -1])[..., None, None]  # [B, Hv, n, 1, 1]
+    U_tilde = matmul(T_ut, beta[..., None] * v)  # [B, Hv, n, C, Dv]
+    W = matmul(T_ut, (beta * exp(G))[..., None] * k)  # [B, Hv, n, C, Dk]
+    q_dec = exp(G)[..., None] * q  # [B, Hv, n, C, Dk]
+    k_decT = (exp(G[..., -1:] - G)[..., None] * k).swapaxes(-1, -2)  # [B, Hv, n, Dk, C]
+    lam = exp(G[..., -1])[..., None, None]  # [B, Hv, n, 1, 1]
     return U_tilde, W, q_dec, A_qk, k_decT, lam
 
 
@@ -175,7 +179,7 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, 
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     B, Hv, T, Dk = k.shape
     Dv, C = v.shape[-1], chunk_size
-    q = q * Dk**-0.5 if scale is None else q * float(scale)
+    q = q * q.dtype.type(elementary.inverse_sqrt(Dk) if scale is None else scale)
 
     q, k, v, g, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))  # [B, Hv, N, C, .], zero-padded
     N = g.shape[2]
@@ -185,10 +189,10 @@ def gated_delta_chunked(q, k, v, g, beta, initial_state=None, *, chunk_size=64, 
         U_tilde, W, q_dec, A_qk, k_decT, lam = _chunk_setup(q[:, :, block], k[:, :, block], v[:, :, block],
                                                             g[:, :, block], beta[:, :, block])
         for j in range(U_tilde.shape[2]):
-            U = U_tilde[:, :, j] - W[:, :, j] @ S  # [B, Hv, C, Dv]  values written
-            o[:, :, start + j] = q_dec[:, :, j] @ S + A_qk[:, :, j] @ U  # [B, Hv, C, Dv]
+            U = U_tilde[:, :, j] - matmul(W[:, :, j], S)  # [B, Hv, C, Dv]  values written
+            o[:, :, start + j] = matmul(q_dec[:, :, j], S) + matmul(A_qk[:, :, j], U)  # [B, Hv, C, Dv]
             S *= lam[:, :, j]  # S <- exp(G_C) S       (in place: S is our own copy)
-            S += k_decT[:, :, j] @ U  # S <- S + (exp(G_C - G) K)^T U
+            S += matmul(k_decT[:, :, j], U)  # S <- S + (exp(G_C - G) K)^T U
     o = o.reshape(B, Hv, N * C, Dv)[:, :, :T]  # drop the padding
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 

@@ -2,14 +2,17 @@
 
 import numpy as np
 
+from . import products
+
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """y = x W^T (+ b).  x [..., in], weight [out, in] (PyTorch layout), bias [out] -> [..., out].
 
-    Leading axes are flattened so the product is one matrix multiply (one GEMM, or a GEMV for one row).
+    Each element is the correctly rounded sum of its products (kernels/products.py); leading axes are flattened
+    so the product is one matrix multiply.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    y = weight @ x2[0] if x2.shape[0] == 1 else x2 @ weight.T
+    y = products.matmul(x2, weight.T)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])

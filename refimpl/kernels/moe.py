@@ -3,13 +3,13 @@
 router:  p = softmax(float32(logits)) over all E; (w, idx) = top-k(p); w <- w / sum(w) if renormalised;
          w cast back to the logits dtype.
 mix:     out = sum over the chosen experts, in ascending expert id, of w_e * expert_e(x), from zeros.
-shared:  out += sigmoid(x . w_sg) * shared_expert(x)
+shared:  out += sigmoid(x . w_sg) * shared_expert(x)   (the model composes it: a linear, then sigmoid)
 """
 
 import numpy as np
 
-from .activation import compute_dtype, identity, sigmoid, softmax
-
+from . import products
+from .activation import compute_dtype, identity, softmax
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity):
@@ -23,7 +23,7 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity):
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     weights = np.take_along_axis(probs, experts, axis=-1)
     if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights = weights / products.sum(weights, axis=-1, keepdims=True)
     return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
 
 
@@ -38,8 +38,3 @@ def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_
         token, slot = np.nonzero(experts == e)  # a token picks an expert at most once: no repeated rows
         out[token] = rnd(out[token] + rnd(expert_fn(int(e), x[token]) * weights[token, slot, None]))
     return out
-
-
-def shared_expert_gate(x: np.ndarray, gate_weight: np.ndarray, *, rnd=identity) -> np.ndarray:
-    """Per-token scalar gate sigmoid(x . w_sg).  x [N, H], gate_weight [1, H] -> [N, 1]."""
-    return rnd(sigmoid(rnd(x @ gate_weight.T)))

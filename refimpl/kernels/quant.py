@@ -7,6 +7,13 @@ ONNX:              q signed or unsigned,           x = (q - zero_point) * scale
                    q = saturate(round(x / scale) + zero_point)   (QuantizeLinear)
 
 round is round-half-to-even in both (ONNX specifies it; for QNN it is an assumption, as AIMET's torch.round).
+
+AIMET QuantSim (aimet-torch 2.x, on CPU) computes the QNN codes in float32, in one of two ways (docs/numerics.md):
+  per tensor / per channel (torch.fake_quantize_per_{tensor,channel}_affine, its inference path):
+                   q = clip(round(x * fl(1 / scale)) - offset, qmin, qmax)     the reciprocal rounded first
+  per block, LPBQ (its own QuantDequantFunc):
+                   q = clip(round(fl(x / scale)) - offset, qmin, qmax)
+                   the two differ by one code for ~1e-4 of the elements (a quotient within an ulp of k + 1/2).
 Granularity is given by the shape of scale / offset:
   per tensor:   scalars
   per channel:  1-D [x.shape[axis]], one per index along `axis`
@@ -16,6 +23,7 @@ Everything is computed in float64 and returned in float32 (dequantised) or int32
 value is (q + offset) * scale evaluated once in float32, as a device's float32 dequantise does.
 """
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import InputError
@@ -71,6 +79,35 @@ def _divide(x, scale) -> np.ndarray:
     """x / scale in float32, as ONNX Runtime, the onnx reference and QNN divide (float32 scales): a float64
     quotient rounds differently at half-way codes (e.g. -0.43664998 / 0.0123 is -35.5 in float32, not -35.49...)."""
     return np.asarray(x, np.float32) / np.asarray(scale, np.float32)
+
+
+def quantsim_quantize(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """AIMET QuantSim's codes on CPU  -> int32, x's shape (offset is QNN's, <= 0; [qmin, qmax] the code range:
+    [0, 2^bw - 1] unsigned, [-2^(bw-1), 2^(bw-1) - 1] signed).
+
+    per tensor / per channel:  q = clip(round_half_even(x32 * fl32(1 / s)) - offset, qmin, qmax)
+    per block:                 q = clip(round_half_even(fl32(x32 / s)) - offset, qmin, qmax)
+    """
+    x = np.asarray(x, np.float32)
+    s = expand(np.asarray(scale, np.float32), x.shape, axis, block_size)
+    o = expand(np.asarray(offset, np.float32), x.shape, axis, block_size)
+    scaled = x / s if block_size is not None else x * (np.float32(1) / s)
+    return np.clip(np.rint(scaled) - o, qmin, qmax).astype(np.int32)
+
+
+def quantsim_fake_quant(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """x -> (q + offset) * scale with q = quantsim_quantize(x): one float32 product, as torch's fake_quantize
+    and AIMET's QuantDequantFunc dequantise  -> float32."""
+    q = quantsim_quantize(x, scale, offset, qmin, qmax, axis, block_size)
+    return qnn_dequantize(q, scale, offset, axis, block_size)
+
+
+def float_fake_cast(x, dtype) -> np.ndarray:
+    """AIMET's float quantiser of a 16-bit float encoding (scale 1): x clipped to +-finfo(dtype).max (it
+    saturates), rounded to dtype (round-to-nearest-even) and back  -> x's dtype."""
+    x = np.asarray(x)
+    big = x.dtype.type(ml_dtypes.finfo(dtype).max)
+    return np.clip(x, -big, big).astype(dtype).astype(x.dtype)
 
 
 def onnx_dequantize(q, scale, zero_point, axis=None, block_size=None) -> np.ndarray:
@@ -156,3 +193,35 @@ def lpbq_dequantize(q, channel_scale, block_scale, offset, block_size: int) -> n
     block_scale [C, ceil(n / block_size)] (blocks along the input axis) -> float32 [C, n]."""
     s = np.asarray(channel_scale, np.float32)[:, None] * np.asarray(block_scale, np.float32)
     return qnn_dequantize(q, s, offset, axis=1, block_size=block_size)
+
+
+# ---------------------------------------------------------------------------------------------------- ggml blocks
+# ggml's block types gguf-py 0.19 cannot dequantise, from ggml's published layouts (ggml-common.h). A row of n values
+# is n / block consecutive blocks; `d` is an IEEE half (little-endian), converted to float32 exactly, and every value
+# is one float32 product of d and a small integer (exact here), as ggml's to_float computes it.
+
+def _ggml_blocks(rows: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 [..., nb * block_bytes] -> (d float32 [..., nb, 1], the remaining bytes uint8 [..., nb, block_bytes - 2])
+    of blocks that open with a half-precision scale d."""
+    rows = np.asarray(rows, np.uint8)
+    blocks = rows.reshape(*rows.shape[:-1], rows.shape[-1] // block_bytes, block_bytes)
+    d = np.ascontiguousarray(blocks[..., :2]).view("<f2").astype(np.float32)
+    return d, blocks[..., 2:]
+
+
+def dequantize_q1_0(rows: np.ndarray) -> np.ndarray:
+    """ggml Q1_0 (block_q1_0: f16 d, 16 bytes of signs; 128 values): bit j of the block is bit j % 8 of byte
+    j // 8, and x_j = +d if it is set, -d if not.   uint8 [..., nb * 18] -> float32 [..., nb * 128]"""
+    d, qs = _ggml_blocks(rows, 18)
+    bits = np.unpackbits(qs, axis=-1, bitorder="little")                  # [..., nb, 128], bit j of the block
+    x = np.where(bits.astype(bool), d, -d)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def dequantize_q2_0(rows: np.ndarray) -> np.ndarray:
+    """ggml Q2_0 (block_q2_0: f16 d, 16 bytes of 2-bit codes; 64 values): code j is bits 2(j % 4) .. 2(j % 4) + 1
+    of byte j // 4, and x_j = (code_j - 1) * d, i.e. one of -d, 0, d, 2d.   uint8 [..., nb * 18] -> float32 [..., nb * 64]"""
+    d, qs = _ggml_blocks(rows, 18)
+    codes = (qs[..., :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3      # [..., nb, 16, 4]: code 4*byte + k
+    x = (codes.reshape(*codes.shape[:-2], 64).astype(np.float32) - np.float32(1)) * d
+    return x.reshape(*x.shape[:-2], -1)

@@ -3,20 +3,23 @@ cos/sin tables, and the half-split (NeoX, `rotate_half`) rotation with partial r
 
 Shapes: positions [B, T] (integers); inv_freq [rot/2]; tables [B, T, rot/2] (half width, as device graphs
 take them); x [B, T, H, D] with rot <= D. Frequencies are formed in the table dtype (float32 in the default
-mode, float64 in the oracle mode); `base ** exponent` is evaluated in float64 and rounded once.
+mode, float64 in the oracle mode). In float32, base ** exponent and cos / sin are correctly rounded
+(kernels/elementary.py), and constants derived from the configuration (YaRN's and LongRoPE's logarithms, ...)
+are computed once at high precision and rounded to float64: the tables are the same bits on every platform.
 """
 
 import math
 
 import numpy as np
 
+from . import elementary
 from .activation import identity
 
 
 def _base_powers(base: float, dim: int, dtype) -> np.ndarray:
     """base ** (2i / dim) for i < dim/2: the exponent is formed in `dtype` as transformers forms it."""
     exponent = np.arange(0, dim, 2).astype(dtype) / dtype(dim)
-    return (np.float64(base) ** exponent.astype(np.float64)).astype(dtype)
+    return elementary.power(base, exponent)
 
 
 def default_inv_freq(base: float, dim: int, dtype=np.float32) -> np.ndarray:
@@ -31,7 +34,7 @@ def _yarn(p: dict, dim: int, max_pos: int, dtype):
         factor = max_pos / original
 
     def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        return 1.0 if scale <= 1 else 0.1 * m * elementary.scalar(lambda mp: mp.log(scale)) + 1.0
 
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
@@ -42,7 +45,7 @@ def _yarn(p: dict, dim: int, max_pos: int, dtype):
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def correction_dim(rotations):  # the dimension whose wavelength makes `rotations` turns over `original`
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return elementary.scalar(lambda mp: dim * mp.log(original / (rotations * 2 * mp.pi)) / (2 * mp.log(base)))
 
     low, high = correction_dim(beta_fast), correction_dim(beta_slow)
     if p.get("truncate", True):
@@ -76,7 +79,8 @@ def _longrope(p: dict, dim: int, max_pos: int, seq_len, dtype):
     factor = p.get("factor") or max_pos / original
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention_factor = 1.0 if factor <= 1 else elementary.scalar(
+            lambda mp: mp.sqrt(1 + mp.log(factor) / mp.log(original)))
     long = seq_len is not None and seq_len > original
     ext = np.asarray(p["long_factor"] if long else p["short_factor"], dtype=dtype)
     return dtype(1) / (ext * _base_powers(p["rope_theta"], dim, dtype)), float(attention_factor)
@@ -89,7 +93,7 @@ def _dynamic(p: dict, dim: int, max_pos: int, seq_len, dtype):
     # (factor - 1) rounded once from float64, raised to dim/(dim-2) in float64 and rounded once.
     factor = dtype(p["factor"])
     x = factor * dtype(seq_len) / dtype(max_pos) - dtype(p["factor"] - 1)
-    growth = dtype(np.float64(x) ** (dim / (dim - 2)))
+    growth = dtype(elementary.scalar(lambda mp: mp.mpf(float(x)) ** (dim / (dim - 2))))
     return default_inv_freq(dtype(p["rope_theta"]) * growth, dim, dtype), 1.0
 
 
@@ -122,12 +126,12 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, attention_scaling: 
 
     freqs = p * inv_freq (in the table dtype); cos = cos(freqs) * scaling. transformers duplicates the table to
     width rot (`cat(freqs, freqs)`); the half is all the information, and is what device graphs take.
-    cos/sin are evaluated in float64 and rounded once.
+    cos/sin are correctly rounded (float32) or NumPy's (float64).
     """
     dtype = inv_freq.dtype.type
     freqs = positions.astype(dtype)[..., None] * inv_freq  # [B, T, rot/2]
-    cos = np.cos(freqs.astype(np.float64)).astype(dtype) * dtype(attention_scaling)
-    sin = np.sin(freqs.astype(np.float64)).astype(dtype) * dtype(attention_scaling)
+    cos = elementary.cos(freqs) * dtype(attention_scaling)
+    sin = elementary.sin(freqs) * dtype(attention_scaling)
     return cos, sin
 
 
@@ -148,18 +152,46 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity)
     return np.concatenate([y1, y2, rest], axis=-1).astype(x.dtype, copy=False)
 
 
+def interleaved_mrope_axes(n_pairs: int, mrope_section, llama_cpp: bool = False) -> np.ndarray:
+    """The position axis each rotary pair j rotates with under Qwen3.5's interleaved M-RoPE: 0 T, 1 H, 2 W, 3 E.
+
+    transformers (apply_interleaved_mrope):  H if j % 3 == 1 and j < 3*s[1];  W if j % 3 == 2 and j < 3*s[2];  else T.
+    llama.cpp (ggml's IMROPE; s may have a fourth entry, else 0):  sector = j mod (s[0] + s[1] + s[2] + s[3]);
+        H if sector % 3 == 1 and sector < 3*s[1];  W if % 3 == 2 and < 3*s[2];  T if % 3 == 0 and < 3*s[0];
+        else E, its fourth axis (position 0 for text).
+    They differ only where the sections leave pairs uncovered (transformers: T; llama.cpp: E, or a repeat).
+    """
+    s = [int(v) for v in mrope_section] + [0] * (4 - len(mrope_section))
+    j = np.arange(n_pairs)
+    if llama_cpp:
+        j = j % max(sum(s), 1)
+    axes = np.full(n_pairs, 3 if llama_cpp else 0)
+    if llama_cpp:
+        axes[(j % 3 == 0) & (j < 3 * s[0])] = 0
+    axes[(j % 3 == 1) & (j < 3 * s[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * s[2])] = 2
+    return axes
+
+
+def mrope_tables(positions: np.ndarray, inv_freq: np.ndarray, pair_axes, attention_scaling=1.0):
+    """M-RoPE tables: pair j rotates with the positions of axis pair_axes[j].
+    positions [A, B, T] (one row per axis) -> cos, sin [B, T, rot/2]; each pair bit-identical to rope_tables of
+    its axis' positions."""
+    j = np.arange(inv_freq.shape[0])
+    axes = np.asarray(pair_axes)
+    cos_sin = [rope_tables(positions[a], inv_freq, attention_scaling) for a in range(positions.shape[0])]
+    cos = np.stack([cs[0] for cs in cos_sin])[axes, :, :, j].transpose(1, 2, 0)
+    sin = np.stack([cs[1] for cs in cos_sin])[axes, :, :, j].transpose(1, 2, 0)
+    return cos, sin
+
+
 def mrope_interleaved_tables(positions_thw: np.ndarray, inv_freq: np.ndarray, mrope_section, attention_scaling=1.0):
-    """Qwen3.5's interleaved multimodal RoPE: frequency slot j takes its angle from axis H if j % 3 == 1 and
-    j < 3*section[1], from axis W if j % 3 == 2 and j < 3*section[2], else from axis T.
+    """Qwen3.5's interleaved multimodal RoPE as transformers computes it: frequency slot j takes its angle from axis
+    H if j % 3 == 1 and j < 3*section[1], from axis W if j % 3 == 2 and j < 3*section[2], else from axis T
+    (interleaved_mrope_axes).
 
     positions_thw [3, B, T] -> cos, sin [B, T, rot/2]. For text, all three rows hold the same positions, so
     every slot reads the same angle and this is exactly `rope_tables(positions, ...)`.
     """
-    j = np.arange(inv_freq.shape[0])
-    axis = np.zeros_like(j)
-    axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    cos_sin = [rope_tables(positions_thw[a], inv_freq, attention_scaling) for a in range(3)]
-    cos = np.stack([cs[0] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
-    sin = np.stack([cs[1] for cs in cos_sin])[axis, :, :, j].transpose(1, 2, 0)
-    return cos, sin
+    axes = interleaved_mrope_axes(inv_freq.shape[0], mrope_section)
+    return mrope_tables(positions_thw, inv_freq, axes, attention_scaling)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..kernels.activation import ACTIVATIONS
+from ..kernels.rope import interleaved_mrope_axes
 
 DENSE_TYPES = ("qwen3",)
 MOE_TYPES = ("qwen3_moe",)
@@ -70,6 +71,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     source: str = ""
     mtp_layers: int = 0             # multi-token-prediction blocks in the checkpoint (recognised, not run)
+    # whose meaning the config has where transformers and llama.cpp compute a model differently: "transformers"
+    # (HF checkpoints, presets) or "llama.cpp" (GGUF files: a GGUF means what llama.cpp runs). The properties below
+    # and rotary_dim carry each difference; semantic_differences() lists those that matter for this config.
+    semantics: str = "transformers"
 
     @property
     def is_hybrid(self) -> bool:
@@ -85,6 +90,38 @@ class ModelConfig:
     def zero_centered_norms(self) -> bool:
         """Qwen3-Next / Qwen3.5 scale their norms by (1 + w); Qwen3 / Qwen3-MoE by w."""
         return self.is_hybrid
+
+    @property
+    def mrope_pair_axes(self) -> tuple | None:
+        """Per rotary pair, the position axis it rotates with under Qwen3.5's interleaved M-RoPE (0 T, 1 H, 2 W,
+        3 llama.cpp's fourth axis, position 0 for text), by transformers' rule or llama.cpp's
+        (kernels.rope.interleaved_mrope_axes: they differ only where mrope_section leaves pairs uncovered)."""
+        if self.mrope_section is None:
+            return None
+        return tuple(int(a) for a in interleaved_mrope_axes(self.rotary_dim // 2, self.mrope_section,
+                                                            llama_cpp=self.semantics == "llama.cpp"))
+
+    @property
+    def linear_l2norm_eps(self) -> float:
+        """eps of the Gated DeltaNet q / k l2norm, x / sqrt(sum x^2 + eps): transformers fixes it at 1e-6;
+        llama.cpp (build_gdn_l2_norm) uses rms_norm_eps."""
+        return self.rms_norm_eps if self.semantics == "llama.cpp" else 1e-6
+
+    def semantic_differences(self) -> list[str]:
+        """Where this config, under llama.cpp's semantics, computes something other than transformers would for
+        the same fields (empty under transformers' semantics, and for files whose values make the two agree)."""
+        if self.semantics != "llama.cpp":
+            return []
+        out = []
+        if self.mrope_section is not None:
+            still = [j for j, a in enumerate(self.mrope_pair_axes) if a == 3]
+            if still:
+                out.append(f"rotary pairs {still} of {self.rotary_dim // 2} stay unrotated for text (mrope_section "
+                           f"{list(self.mrope_section)} leaves them to llama.cpp's fourth section, position 0; "
+                           f"transformers rotates them by the text position)")
+        if self.is_hybrid and self.linear_l2norm_eps != 1e-6:
+            out.append(f"Gated DeltaNet q/k l2norm eps {self.linear_l2norm_eps:g} (rms_norm_eps; transformers: 1e-6)")
+        return out
 
     def is_moe_layer(self, i: int) -> bool:
         if self.model_type == "qwen3_5_moe_text":
@@ -130,8 +167,11 @@ def _standardize_rope(d: dict, hybrid: bool, source: str) -> dict:
     return rope
 
 
-def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
-    """Build and check a ModelConfig from a config.json dict (multimodal wrappers: their text_config)."""
+def config_from_dict(d: dict, source: str = "config.json", semantics: str = "transformers") -> ModelConfig:
+    """Build and check a ModelConfig from a config.json dict (multimodal wrappers: their text_config).
+    semantics: "transformers" (an HF config) or "llama.cpp" (the dict a GGUF's metadata describes)."""
+    if semantics not in ("transformers", "llama.cpp"):
+        raise ConfigError(f"{source}: semantics must be 'transformers' or 'llama.cpp', got {semantics!r}")
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
@@ -184,7 +224,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
     if hybrid:
         rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     else:
-        rotary_dim = head_dim  # Qwen3's rotary embedding always spans the full head
+        rotary_dim = head_dim  # Qwen3's rotary embedding always spans the full head (llama.cpp asserts it too)
     if rotary_dim % 2 or rotary_dim <= 0:
         raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
 
@@ -246,6 +286,9 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         extra.update(lin)
         if model_type != "qwen3_next":
             extra["mrope_section"] = tuple(rope.get("mrope_section") or (11, 11, 10))
+            if len(extra["mrope_section"]) not in (3, 4):
+                raise ConfigError(f"{source}: mrope_section must have 3 entries (T, H, W; a GGUF's fourth is "
+                                  f"llama.cpp's extra axis), got {list(extra['mrope_section'])}")
         extra["mtp_layers"] = int(d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or 0)
 
     return ModelConfig(
@@ -255,7 +298,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> ModelConfig:
         tie_word_embeddings=bool(get("tie_word_embeddings")), attention_bias=bool(get("attention_bias")),
         rope=rope, rotary_dim=rotary_dim, layer_types=tuple(layer_types), sliding_window=sliding_window,
         bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), pad_token_id=d.get("pad_token_id"),
-        source=source, **extra,
+        source=source, semantics=semantics, **extra,
     )
 
 

@@ -5,8 +5,8 @@ norms are zero-centred (1 + w); the MLP is dense or sparse with a shared expert 
 
 Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
   mixed_qkv, z, b, a = projections of x                   (Next: fused, grouped per key head; 3.5: split)
-  q, k, v = split( silu(causal_conv1d(mixed_qkv)) )       conv state: the last Kc raw inputs
-  q, k    = l2norm(q), l2norm(k)
+  q, k, v = split( silu(conv1d(mixed_qkv)) )              conv1d: causal depthwise; its state the last Kc raw inputs
+  q, k    = l2norm(q), l2norm(k)                           eps: cfg.linear_l2norm_eps
   beta    = sigmoid(b);   g = -exp(A_log) * softplus(a + dt_bias)
   o, S    = gated delta rule(q, k, v, g, beta, S)          chunked; one recurrent step for a cached single token
   out     = out_proj( rms_norm_gated(o, z) )
@@ -18,7 +18,8 @@ output and its silu, beta, the core output and the gated norm; g, the l2norms an
 
 import numpy as np
 
-from ..kernels.activation import sigmoid, softplus
+from ..kernels.activation import sigmoid, silu, softplus
+from ..kernels.elementary import exp
 from ..kernels.conv import causal_conv1d
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.norm import rms_norm_gated
@@ -40,57 +41,61 @@ def mixer(cfg, i: int):
     return linear_attention_mixer if cfg.layer_types[i] == "linear_attention" else gated_attention_mixer
 
 
-def projections(w, p: str, x: np.ndarray, cfg, put, r):
+def projections(w, p: str, x: np.ndarray, cfg, put, ctx):
     """x [B, T, H] -> mixed_qkv [B, T, conv_dim] (channels [q | k | v], head-major), z [B, T, Hv, Dv],
     b and a [B, T, Hv]; from Qwen3.5's split projections or Qwen3-Next's fused ones. put(name, value) taps
-    each raw projection output and returns what the block continues with; r rounds each projection's output
-    (the activation cast)."""
+    each projection output (qwen3.project: cast, quantised where the encodings say) and returns what the block
+    continues with."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     n = Hv // Hk
+
+    def proj(name):
+        return put(name, qwen3.project(w, f"{p}.{name}", x, ctx))
     if f"{p}.in_proj_qkvz.weight" in w:
         # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
-        qkvz = put("in_proj_qkvz", r(w.linear(x, f"{p}.in_proj_qkvz.weight"))).reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
-        ba = put("in_proj_ba", r(w.linear(x, f"{p}.in_proj_ba.weight"))).reshape(B, T, Hk, 2 * n)
+        qkvz = proj("in_proj_qkvz").reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
+        ba = proj("in_proj_ba").reshape(B, T, Hk, 2 * n)
         q, k, v, z = np.split(qkvz, [Dk, 2 * Dk, 2 * Dk + n * Dv], axis=-1)
         mixed_qkv = np.concatenate([q.reshape(B, T, Hk * Dk), k.reshape(B, T, Hk * Dk), v.reshape(B, T, Hv * Dv)], -1)
         b, a = ba[..., :n].reshape(B, T, Hv), ba[..., n:].reshape(B, T, Hv)   # value head h = kh * n + j
         return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
-    mixed_qkv = put("in_proj_qkv", r(w.linear(x, f"{p}.in_proj_qkv.weight")))
-    z = put("in_proj_z", r(w.linear(x, f"{p}.in_proj_z.weight")))
-    b = put("in_proj_b", r(w.linear(x, f"{p}.in_proj_b.weight")))
-    a = put("in_proj_a", r(w.linear(x, f"{p}.in_proj_a.weight")))
+    mixed_qkv, z, b, a = (proj(name) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
     return mixed_qkv, z.reshape(B, T, Hv, Dv), b, a
 
 
-def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put, r):
+def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put, ctx):
     """The block on rows that are all real tokens.  x [B, T, H] -> (out [B, T, H], new state).
     put(name, value) taps an intermediate and returns what the block continues with (refimpl.trace.tap);
-    r is the activation cast (ctx.round)."""
+    ctx.round is the activation cast, ctx.quant the AIMET quantisers."""
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    key_dim = Hk * Dk
-    mixed_qkv, z, b, a = projections(w, p, x, cfg, put, r)
+    key_dim, r, quant = Hk * Dk, ctx.round, ctx.quant
+    mixed_qkv, z, b, a = projections(w, p, x, cfg, put, ctx)
     mixed_qkv = put("mixed_qkv", mixed_qkv)
-    conv_out, conv_state = causal_conv1d(mixed_qkv.transpose(0, 2, 1), w[f"{p}.conv1d.weight"][:, 0, :],
-                                         None if state is None else state.conv, rnd=r)  # [B, conv_dim, T]
-    conv_out = put("conv1d", conv_out.transpose(0, 2, 1))                              # [B, T, conv_dim]
+    conv_in = quant.input(f"{p}.conv1d", mixed_qkv).transpose(0, 2, 1)                 # [B, conv_dim, T]
+    conv_out, conv_state = causal_conv1d(conv_in, w[f"{p}.conv1d.weight"][:, 0, :],
+                                         None if state is None else state.conv, activation=None, rnd=r)
+    conv_out = put("conv1d", quant.output(f"{p}.conv1d", conv_out.transpose(0, 2, 1)))  # [B, T, conv_dim]
+    conv_out = put("conv1d_silu", r(silu(conv_out)))
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk)))                                # [B, T, Hk, Dk]
-    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk)))
+    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))         # [B, T, Hk, Dk]
+    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
     beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
-    g = put("g", -np.exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
+    g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
     if state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False)                             # [B, T, Hv, Dv]
     core = put("core", r(core))                                                        # float32 core, cast out
-    normed = put("norm", rms_norm_gated(core, z, w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))  # [B, T, Hv, Dv]
-    out = put("out_proj", r(w.linear(normed.reshape(B, T, -1), f"{p}.out_proj.weight")))
+    normed = quant.output(f"{p}.norm", rms_norm_gated(quant.input(f"{p}.norm", core, 0), quant.input(f"{p}.norm", z, 1),
+                                                      w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))
+    normed = put("norm", normed)                                                       # [B, T, Hv, Dv]
+    out = put("out_proj", qwen3.project(w, f"{p}.out_proj", normed.reshape(B, T, -1), ctx))
     return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
 
 
@@ -101,7 +106,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
     cache = ctx.cache
     state = cache.layers[layer] if cache is not None else None
     if ctx.linear_mask is None:
-        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value), ctx.round)
+        out, new_state = _gdn(w, p, x, cfg, state, lambda name, value: tap(p, name, value), ctx)
     else:
         B, T, _ = x.shape
         out, taps, rows = np.zeros_like(x), {}, []
@@ -118,7 +123,7 @@ def gated_deltanet(w, p: str, layer: int, x: np.ndarray, cfg, ctx) -> np.ndarray
                 given = override(f"{p}.{name}")
                 return value if given is None else conform(f"{p}.{name}", given, taps[name])[row:row + 1, real]
 
-            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put, ctx.round)
+            o, s = _gdn(w, p, x[row:row + 1, real], cfg, row_state, put, ctx)
             out[row, real] = o[0]
             rows.append(s)
         rows = [s or zero_state(cfg, x.dtype) for s in rows]  # a fresh row that was all padding: zero state
@@ -153,6 +158,25 @@ def linear_attention_tensors(cfg, p: str) -> dict:
         t.update({f"{p}.in_proj_qkv.weight": (2 * key_dim + value_dim, H), f"{p}.in_proj_z.weight": (value_dim, H),
                   f"{p}.in_proj_b.weight": (Hv, H), f"{p}.in_proj_a.weight": (Hv, H)})
     return t
+
+
+def linear_attention_modules(cfg, p: str, x: str) -> dict:
+    """The Gated DeltaNet block's AIMET-quantisable modules -> their input taps (qwen3.expected_modules)."""
+    fused = ("in_proj_qkvz", "in_proj_ba") if cfg.model_type == "qwen3_next" else \
+        ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    return {**{f"{p}.{n}": (x,) for n in fused}, f"{p}.conv1d": (f"{p}.mixed_qkv",),
+            f"{p}.norm": (f"{p}.core", f"{p}.z"), f"{p}.out_proj": (f"{p}.norm",)}
+
+
+def mixer_modules(cfg, i: int) -> dict:
+    x = f"model.layers.{i}.input_layernorm"
+    if cfg.layer_types[i] == "linear_attention":
+        return linear_attention_modules(cfg, f"model.layers.{i}.linear_attn", x)
+    return qwen3.attention_modules(f"model.layers.{i}.self_attn", x, gated=True)
+
+
+def expected_modules(cfg) -> dict:
+    return qwen3.expected_modules(cfg, mixer_modules)
 
 
 def mixer_tensors(cfg, i: int) -> dict:

@@ -10,9 +10,11 @@ from .model import Model
 DTYPES = ("float32", "float64")
 
 
-def load(source: str | Path, dtype: str = "float32", precision=None, max_resident_bytes: int | None = None) -> Model:
+def load(source: str | Path, dtype: str = "float32", precision=None, strict: bool = True,
+         max_resident_bytes: int | None = None) -> Model:
     """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
     Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree.
+    strict: a GGUF tensor of a type that cannot be read is an error here (default), else when it is read.
     max_resident_bytes: the most converted weight bytes held at once; tensors beyond it are converted per layer
     (per routed expert) each time they run. Default: everything is kept when the converted model fits in half
     of the machine's memory, else streamed under 1 GiB (refimpl/models/weights.py)."""
@@ -28,7 +30,7 @@ def load(source: str | Path, dtype: str = "float32", precision=None, max_residen
     path = Path(source)
     if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
-        config, arrays = load_gguf(path)
+        config, arrays = load_gguf(path, strict)
         return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")

@@ -4,15 +4,19 @@ import dataclasses
 
 import numpy as np
 
+from ..encodings import read_activation_encodings
 from ..errors import InputError
+from ..kernels import products
 from ..kernels.attention import causal_mask
-from ..kernels.rope import inv_freq_and_scaling, mrope_interleaved_tables, rope_tables
-from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, weight_transform
+from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
+from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, rounder, weight_transform
 from ..progress import layer_progress
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
 from .config import ModelConfig
+from .quantisers import NONE as NO_QUANTISERS
+from .quantisers import Quantisers, place
 from .weights import Weights
 
 
@@ -27,6 +31,7 @@ class Context:
     mask_floor: float | None = None  # device graphs clamp the additive mask from below (-50, -100, -1000)
     k_prescale: bool = False         # scores as q . (k / sqrt(D)) instead of (q . k) / sqrt(D), as some graphs do
     precision: Policy = Policy()     # set by Model.run from the model's policy
+    quant: Quantisers = NO_QUANTISERS  # AIMET activation quantisers, set by Model.run from the model's encodings
 
     def round(self, x: np.ndarray) -> np.ndarray:
         """An activation cast point (refimpl/precision.py): the identity in float32 / float64."""
@@ -34,11 +39,11 @@ class Context:
 
 
 def _architecture(cfg: ModelConfig):
-    """(expected_tensors(cfg), mixer(cfg, i)) of the architecture."""
+    """(expected_tensors(cfg), mixer(cfg, i), expected_modules(cfg)) of the architecture."""
     if cfg.is_hybrid:
         from . import hybrid
-        return hybrid.expected_tensors, hybrid.mixer
-    return qwen3.expected_tensors, lambda cfg, i: qwen3.self_attention_mixer
+        return hybrid.expected_tensors, hybrid.mixer, hybrid.expected_modules
+    return qwen3.expected_tensors, lambda cfg, i: qwen3.self_attention_mixer, qwen3.expected_modules
 
 
 class Model:
@@ -48,13 +53,19 @@ class Model:
         self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
         self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
         self.precision = precision or policy(weights.dtype.name)
-        expected, mixer = _architecture(config)
+        expected, mixer, modules = _architecture(config)
         weights.check(expected(config))
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
         # what each layer reads (its experts aside: those the router picks), read ahead one layer early
         names = expected(config)
         self._layer_tensors = [[n for n in names if n.startswith(f"model.layers.{i}.") and ".experts." not in n]
                                for i in range(config.num_hidden_layers)] + [["lm_head.weight", "model.norm.weight"]]
+        self.modules = modules(config)            # AIMET-quantisable modules -> their input taps
+        self.quantisers = NO_QUANTISERS
+        if self.precision.encodings is not None:
+            self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
+                                    rounder(self.precision.activations), self.precision.strict_encodings,
+                                    self.precision.encodings)
         # integer weights: a tied lm_head is a MatMul the device quantises on its own, while the embedding table
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
@@ -112,7 +123,8 @@ class Model:
                 raise InputError(f"position_ids must be non-negative integers of shape [{B}, {T}] (or [1, {T}]), "
                                  f"got {positions.dtype} {list(positions.shape)}")
             positions = np.broadcast_to(positions.astype(np.int64), (B, T))
-        cos, sin = self._rope(positions, cache)
+        with products.plain_blas(self.precision.fast):
+            cos, sin = self._rope(positions, cache)
         padded = not full_mask.all()
         masks = {kind: causal_mask(T, P + T, offset=P, key_valid=full_mask if padded else None,
                                       sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
@@ -129,10 +141,14 @@ class Model:
     def run(self, ids: np.ndarray, ctx: Context, logits_to_keep: int = 0) -> np.ndarray:
         """The layers over checked ids [B, T] with a prepared context (positions' cos/sin, masks, cache):
         what `forward` runs, and what a device convention runs on the inputs its graph receives."""
+        with products.plain_blas(self.precision.fast):
+            return self._layers(ids, ctx, logits_to_keep)
+
+    def _layers(self, ids: np.ndarray, ctx: Context, logits_to_keep: int) -> np.ndarray:
         cfg, w = self.config, self.weights
-        ctx.precision = self.precision
+        ctx.precision, ctx.quant = self.precision, self.quantisers
         x = w.rows("model.embed_tokens.weight", ids)                        # [B, T, H]: the looked-up rows
-        x = tap("model.embed_tokens", None, x)
+        x = tap("model.embed_tokens", None, ctx.quant.output("model.embed_tokens", x))
         w.prefetch(self._layer_tensors[0])
         with layer_progress("forward", len(self._mixers)) as advance:
             for i, mixer in enumerate(self._mixers):
@@ -143,9 +159,9 @@ class Model:
         x = tap("model.norm", None, x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and not self._own_lm_head else "lm_head.weight"
-        logits = ctx.round(w.linear(x, head))                               # [B, T, V], in row blocks of V
-        return tap("lm_head", None, logits)
+        lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings and not self._own_lm_head \
+            else "lm_head.weight"
+        return tap("lm_head", None, qwen3.project(w, "lm_head", x, ctx, weight=lm_head))   # [B, T, V]
 
     def _check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
@@ -195,8 +211,8 @@ class Model:
         inv_freq, scaling = inv_freq_and_scaling(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings,
                                                  seq_len=rope_len, dtype=self.dtype.type)
         if cfg.mrope_section is not None:
-            # Qwen3.5's interleaved M-RoPE over (temporal, height, width) positions: text gives all three axes
-            # the same position, which makes it exactly 1-D RoPE
-            thw = np.broadcast_to(positions, (3, *positions.shape))
-            return mrope_interleaved_tables(thw, inv_freq, cfg.mrope_section, scaling)
+            # Qwen3.5's interleaved M-RoPE: text gives the temporal, height and width axes its position (exactly
+            # 1-D RoPE under transformers' rule) and llama.cpp's fourth axis position 0 (cfg.mrope_pair_axes)
+            thwe = np.stack([positions] * 3 + [np.zeros_like(positions)])
+            return mrope_tables(thwe, inv_freq, cfg.mrope_pair_axes, scaling)
         return rope_tables(positions, inv_freq, scaling)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels import elementary
 from .config import config_from_dict
 
 _QWEN3_COMMON = {
@@ -69,14 +70,14 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
     weights N(0, 0.1^2); biases N(0, 0.1^2); per-model extras (A_log, dt_bias, ...) as their module says.
     """
     from .model import _architecture
-    expected, _ = _architecture(config)
+    expected = _architecture(config)[0]
     out = {}
     for name, shape in sorted(expected(config).items()):
         r = _rng(seed, name)
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             a = r.standard_normal(shape, dtype=np.float32)
         elif name.endswith(".A_log"):
-            a = np.log(r.uniform(1.0, 16.0, shape)).astype(np.float32)
+            a = elementary.log(r.uniform(1.0, 16.0, shape), float32_result=True)
         elif name.endswith(".dt_bias") or name.endswith(".bias"):
             a = 0.1 * r.standard_normal(shape, dtype=np.float32)
         elif len(shape) == 1:

@@ -18,7 +18,7 @@ from refimpl.errors import InputError
 from refimpl.golden import write_golden
 
 PROMPT = [97, 11, 1879, 13, 42]
-PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
+PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0, "pad_side": "right"}   # step 0: four real tokens
 
 
 @pytest.fixture(scope="module")
@@ -256,9 +256,15 @@ def test_explain_rms_norm_element(case):
     model, bundle, root, _ = case
     text = explain(bundle, model, "model.layers.3.self_attn.q_norm[0,1,2,5]", step=0)
     golden = bundle.tensor(0, "tap", "model.layers.3.self_attn.q_norm")[0, 1, 2, 5]
-    assert "op: rms_norm (layer 3)" in text and "mean(x^2)" in text and "(1 + w)" in text
-    recomputed = float(text.split("y = x * rsqrt * gain = ")[1].split()[0])
-    assert recomputed == pytest.approx(float(golden), rel=1e-5, abs=1e-6)
+    assert "op: rms_norm (layer 3)" in text and "sum x^2 over 32 = exact sum of 32 products" in text
+    assert "(1 + w[5]" in text and text.count("reproduced bit for bit") == 1, text
+    assert np.float32(text.split("y = nu * (1 + w[5] = ")[1].split(") = ")[1].split()[0]) == golden
+    # a projection and an attention score, from their printed inputs: the exact sum rounded once, bit for bit
+    for spec, step in (("model.layers.3.self_attn.q_proj[0,1,7]", 0), ("model.layers.2.linear_attn.in_proj_qkv[0,2,9]", 0),
+                       ("model.layers.3.self_attn.attn_scores[0,1,2,0]", 0), ("model.layers.3.self_attn.attn_scores[0,1,2,14]", 1),
+                       ("lm_head[0,3,17]", 1)):
+        text = explain(bundle, model, spec, step=step)
+        assert "float32 rounding (nearest, ties to even)" in text and "reproduced bit for bit" in text, (spec, text)
     text = explain(bundle, model, "model.layers.3.self_attn.attn_probs[0,1,2,14]", step=1)
     assert "softmax" in text and "p = exp" in text
     text = explain(bundle, model, "model.layers.3.self_attn.q_rope[0,3,0,1]", step=0)

@@ -11,7 +11,7 @@ from refimpl.diff.dump import read_dump
 from refimpl.diff.replay import replay
 from refimpl.golden import write_golden
 
-PROMPT = [97, 11, 1879, 13, 42, 7, 99]          # 2 chunks of AR=4: the second has one pad slot
+PROMPT = [97, 11, 1879, 13, 42, 7, 99]          # 2 chunks of AR=4: the first has one (left) pad slot
 PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
 STEPS = 2                                        # greedy decode calls after the prompt
 
@@ -65,7 +65,7 @@ FAULTS = {
                                    (0, "recurrent_state_1_out")),
     "fp16 MLP output": ("hybrid", lambda m, a: (None, F.fp16_round("model.layers.2.mlp.down_proj")),
                         (0, "model.layers.2.mlp.down_proj")),
-    "pad leaks into GDN": ("hybrid", lambda m, a: (None, F.pad_leaks_into_gdn()), (1, "model.layers.0.linear_attn.conv1d")),
+    "pad leaks into GDN": ("hybrid", lambda m, a: (None, F.pad_leaks_into_gdn()), (0, "model.layers.0.linear_attn.conv1d")),
     "wrong expert": ("moe", lambda m, a: (None, F.wrong_expert(1, 2, 8)), (0, "model.layers.1.mlp.selected_experts")),
     "dense q_norm weight +-1e-2": ("dense", lambda m, a: (F.perturbed_weights(m, a, "model.layers.1.self_attn.q_norm.weight"),
                                                           None), (0, "model.layers.1.self_attn.q_norm")),

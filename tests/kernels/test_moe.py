@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refimpl.kernels.linear import linear
-from refimpl.kernels.moe import mix_experts, route, shared_expert_gate
+from refimpl.kernels.moe import mix_experts, route
 
 
 def softmax64(a):
@@ -152,17 +152,6 @@ def test_accumulation_order_is_visible_in_float32():
     f = np.float32
     ascending, rank = ((f(0) + f(1)) + f(1e8)) + f(-1e8), ((f(0) + f(-1e8)) + f(1e8)) + f(1)
     assert (ascending, rank) == (0, 1) and out[0, 0] == ascending
-
-
-@settings(max_examples=30, deadline=None)
-@given(N=st.integers(1, 6), H=st.integers(1, 16), seed=st.integers(0, 2**16))
-def test_shared_expert_gate_is_sigmoid_of_x_dot_w(N, H, seed):
-    rng = np.random.default_rng(seed)
-    x, w = rng.standard_normal((N, H)), rng.standard_normal((1, H))
-    g = shared_expert_gate(x, w)
-    assert g.shape == (N, 1)
-    np.testing.assert_allclose(g, 1 / (1 + np.exp(-(x * w).sum(-1, keepdims=True))), rtol=1e-14)
-    assert np.all((g > 0) & (g < 1))
 
 
 # ---------------------------------------------------------------- parity with transformers (float32)

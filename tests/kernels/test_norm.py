@@ -3,6 +3,8 @@ Qwen3NextRMSNorm (zero-centred) and Qwen3NextRMSNormGated (gated) in float32 (or
 
 import ml_dtypes
 import numpy as np
+
+import exact
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,7 +97,9 @@ def test_output_dtype_is_the_input_dtype_and_casts_sit_where_transformers_casts(
     assert all(o.dtype == np.dtype(dtype) and o.shape == x.shape for o in outs)
     c = np.float64 if dtype == np.float64 else np.float32
     xc, wc, zc = (a.astype(c) for a in (x, w, z))
-    nu = xc * (1 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + 1e-6))
+    # the mean of squares: the exact sum correctly rounded (float32), or NumPy's float64 sum, over n
+    squares = np.sum(xc * xc, axis=-1, keepdims=True) if c == np.float64 else exact.sum_squares(xc)
+    nu = xc * (1 / np.sqrt(squares / c(xc.shape[-1]) + 1e-6))
     cast = lambda a: a.astype(dtype).astype(c)  # noqa: E731
     expect = [cast(wc * cast(nu)), cast(nu * (1 + wc)), cast(cast(wc * cast(nu)) * silu(zc))]
     for o, e in zip(outs, expect):

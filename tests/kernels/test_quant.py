@@ -158,3 +158,29 @@ def test_int4_pack_unpack_round_trips(n, signed, seed):
     packed = quant.pack_int4(q)
     assert packed.shape == (3, (n + 1) // 2) and packed.dtype == np.uint8
     np.testing.assert_array_equal(quant.unpack_int4(packed, n, signed), q)
+
+
+# ---------------------------------------------------------------- ggml blocks gguf-py lacks (layout checks; the
+# bit-for-bit check against ggml's own dequantisation is tests/formats/test_gguf.py)
+
+def _block(d: float, payload: list[int]) -> bytes:
+    return np.float16(d).tobytes() + bytes(payload)
+
+
+def test_q1_0_layout_hand_computed():
+    """block_q1_0: f16 d, then bit j of the block = bit j % 8 of byte j // 8; set -> +d, clear -> -d."""
+    payload = [0b00000101] + [0xFF] * 7 + [0] * 8          # values 0 and 2 set in byte 0; 8..63 set; 64..127 clear
+    x = quant.dequantize_q1_0(np.frombuffer(_block(0.75, payload) + _block(-2.0, [0x80] * 16), np.uint8)[None])
+    assert x.shape == (1, 256) and x.dtype == np.float32
+    np.testing.assert_array_equal(x[0, :8], [0.75, -0.75, 0.75, -0.75, -0.75, -0.75, -0.75, -0.75])
+    assert (x[0, 8:64] == 0.75).all() and (x[0, 64:128] == -0.75).all()
+    np.testing.assert_array_equal(x[0, 128:136], [2.0] * 7 + [-2.0])   # second block: d = -2, only bit 7 set
+
+
+def test_q2_0_layout_hand_computed():
+    """block_q2_0: f16 d, then code j = bits 2(j % 4)..2(j % 4)+1 of byte j // 4; x = (code - 1) * d."""
+    payload = [0b11100100] + [0b01010101] * 15             # codes 0, 1, 2, 3, then all 1 (zero)
+    x = quant.dequantize_q2_0(np.frombuffer(_block(1.5, payload) * 2, np.uint8).reshape(2, 18))
+    assert x.shape == (2, 64) and x.dtype == np.float32
+    np.testing.assert_array_equal(x[:, :4], [[-1.5, 0.0, 1.5, 3.0]] * 2)
+    assert (x[:, 4:] == 0).all()

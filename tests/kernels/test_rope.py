@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl.kernels.rope import (apply_rope, default_inv_freq, inv_freq_and_scaling, mrope_interleaved_tables,
-                                  rope_tables)
+from refimpl.kernels.rope import (apply_rope, default_inv_freq, interleaved_mrope_axes, inv_freq_and_scaling,
+                                  mrope_interleaved_tables, mrope_tables, rope_tables)
 
 THETAS = st.sampled_from([1e4, 5e5, 1e6, 1e7]) | st.floats(100.0, 1e7)
 
@@ -219,6 +219,33 @@ def test_mrope_default_section_slots():
     per_axis = np.stack([rope_tables(p, inv_freq)[0][0, 0] for p in thw])  # [3, 32]
     axis = [[a for a in range(3) if cos[0, 0, j] == per_axis[a, j]] for j in range(32)]
     assert axis == [[1] if j in range(1, 32, 3) else [2] if j in range(2, 30, 3) else [0] for j in range(32)]
+
+
+def test_llamacpp_imrope_axes_follow_ggml():
+    """llama.cpp's interleaved M-RoPE (ggml_mrope_cache_init, IMROPE): sector = j mod (s0+s1+s2+s3); H where
+    sector % 3 == 1 and sector < 3*s1, W where % 3 == 2 and < 3*s2, T where % 3 == 0 and < 3*s0, else the fourth
+    axis E. Where the sections cover every pair it is transformers' rule."""
+    axes = lambda n, s, cpp: interleaved_mrope_axes(n, s, llama_cpp=cpp).tolist()
+    assert axes(8, [3, 2, 1], False) == [0, 1, 2, 0, 1, 0, 0, 0]
+    assert axes(8, [3, 2, 1], True) == [0, 1, 2, 0, 1, 3, 0, 1]          # 6, 7 repeat sectors 0, 1
+    assert axes(8, [3, 3, 0], True) == [0, 1, 3, 0, 1, 3, 0, 1]
+    assert axes(8, [2, 1, 1, 4], True) == [0, 1, 2, 0, 3, 3, 3, 3]       # a fourth section of the file's
+    for section in ([11, 11, 10], [2, 1, 1], [6, 5, 5]):
+        n = sum(section)
+        assert axes(n, section, True) == axes(n, section, False), section
+    # T's section counts pairs, not slots: [16, 8, 8] over 32 pairs leaves the H / W slots past 24 to nobody
+    differ = [j for j, (a, b) in enumerate(zip(axes(32, [16, 8, 8], True), axes(32, [16, 8, 8], False))) if a != b]
+    assert differ == [25, 26, 28, 29, 31] and {axes(32, [16, 8, 8], True)[j] for j in differ} == {3}
+
+
+def test_mrope_tables_put_each_pair_on_its_axis():
+    inv_freq = default_inv_freq(1e4, 16, np.float32)
+    positions = np.stack([np.full((1, 3), p) for p in (7, 8, 9, 0)])      # T, H, W, E
+    cos, sin = mrope_tables(positions, inv_freq, [0, 1, 2, 0, 1, 3, 0, 1])
+    per_axis = [rope_tables(p, inv_freq) for p in positions]
+    for j, a in enumerate([0, 1, 2, 0, 1, 3, 0, 1]):
+        assert np.array_equal(cos[..., j], per_axis[a][0][..., j]) and np.array_equal(sin[..., j], per_axis[a][1][..., j])
+    assert (cos[..., 5] == 1).all() and (sin[..., 5] == 0).all()          # position 0: unrotated
 
 
 # ---------------------------------------------------------------- parity with transformers (float32)

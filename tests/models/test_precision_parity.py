@@ -133,19 +133,51 @@ def test_emulation_matches_transformers_in_low_precision(arch, dtype, checkpoint
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_emulation_matches_transformers_on_a_left_padded_batch(arch, dtype, checkpoints):
-    """The additive mask in the activation dtype (its finfo.min), pads as identities on the GDN state."""
+    """The additive mask in the activation dtype (its finfo.min), pads as identities on the GDN state.
+
+    A token whose experts differ from transformers' is left out of the comparison, with the later tokens of its
+    row (they read it through attention), only where transformers' own router has a near-tie there (its k-th and
+    (k+1)-th logits within 2 units in the last place of the dtype): the emulation rounds where transformers rounds,
+    but a float32 accumulation inside a matmul may round its last bit the other way, and one such bit can swap two
+    experts whose logits tie to within it. Any other swap fails. (Measured: qwen3_moe fp16 swaps one token at a
+    1-ulp tie; without its row's tail, p99 0.0021 against float32's 0.0055.)"""
     hf, _, directory = checkpoints(arch, "precision", ARCHS[arch])
     ids, mask, positions = left_padded(np.random.default_rng(5), ARCHS[arch]["vocab_size"], 40, pads=7)
     low = copy.deepcopy(hf).to(TORCH_DTYPES[dtype])
     low.model.rotary_emb = type(low.model.rotary_emb)(low.config)
+    moe = "num_experts" in ARCHS[arch]
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "topk", _topk_lowest_id_on_ties)
-        theirs = low(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
-                     position_ids=torch.as_tensor(positions)).logits.float().numpy().astype(np.float64)
+        out = low(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                  position_ids=torch.as_tensor(positions), output_router_logits=moe)
+    theirs = out.logits.float().numpy().astype(np.float64)
     valid = mask.astype(bool)
-    ours = {p: refimpl.load(directory, precision=p).forward(ids, attention_mask=mask)[valid].astype(np.float64)
-            for p in (dtype, "float32")}
-    _check(agreement(ours[dtype], theirs[valid]), agreement(ours["float32"], theirs[valid]), dtype)
+    ours = {}
+    for p in (dtype, "float32"):
+        with refimpl.trace(r"mlp\.selected_experts$") as tr:
+            logits = refimpl.load(directory, precision=p).forward(ids, attention_mask=mask)
+        ours[p] = logits
+        if p == dtype and moe:
+            valid &= ~_near_tie_swaps(out.router_logits, tr, ids.shape, valid, dtype)
+    _check(agreement(ours[dtype][valid].astype(np.float64), theirs[valid]),
+           agreement(ours["float32"][valid].astype(np.float64), theirs[valid]), dtype)
+
+
+def _near_tie_swaps(router_logits, tr, shape, valid, dtype) -> np.ndarray:
+    """[B, T]: positions where refimpl picked other experts than transformers at a near-tie of transformers'
+    router logits, and every later position of the row; fails on a swap that is not at a near-tie."""
+    k = ARCHS["qwen3_moe"]["num_experts_per_tok"]
+    swapped = np.zeros(shape, bool)
+    for layer, logits in enumerate(router_logits):
+        theirs = logits.float().numpy().reshape(*shape, -1)
+        picked = np.sort(tr[f"model.layers.{layer}.mlp.selected_experts"], -1)
+        ordered = np.sort(theirs, -1)[..., ::-1]
+        margin = ordered[..., k - 1] - ordered[..., k]
+        ulp = np.abs(ordered[..., k - 1]) * {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}[dtype]
+        differs = valid & (np.sort(np.argsort(-theirs, -1, kind="stable")[..., :k], -1) != picked).any(-1)
+        assert not (differs & (margin > 2 * ulp)).any(), f"layer {layer}: experts differ away from a near-tie"
+        swapped |= differs
+    return np.logical_or.accumulate(swapped, axis=1)                  # the swapped token and its row's later ones
 
 
 def _module_outputs(model, ids) -> dict:

@@ -1,0 +1,99 @@
+"""AIMET activation quantisers, placed where AIMET puts them (docs/numerics.md).
+
+AIMET's QuantSim wraps nn.Modules of a transformers model; each wrapped module has input quantisers (one per
+argument) and output quantisers. refimpl's blocks declare the same modules beside their code
+(qwen3.expected_modules, hybrid.expected_modules): module -> the taps that are its inputs. So an activation
+encoding of module M is placed:
+
+    legacy  {M: {"output": {0: enc}}}   at the tap named M, before it is recorded
+            {M: {"input":  {i: enc}}}   on M's i-th input as M consumes it (q_proj's input quantiser acts on
+                                        input_layernorm's output as q_proj reads it, not as k_proj does)
+    1.0.0   {"name": M}                 M's output; AIMET's ONNX tensor name of a module output,
+                                        "/model/layers.0/self_attn/q_proj/MatMul_output_0", too
+
+Anything else (a module refimpl does not have, an input index it does not take, a tensor inside a module) cannot
+be placed: it is listed (`unplaced`), warned about, recorded in the manifest, and an error with strict=True.
+"""
+
+import re
+import warnings
+
+import numpy as np
+
+from ..encodings import ActivationEntry, Encoding, model_name
+from ..errors import InputError
+from ..kernels.activation import identity
+
+_ONNX_OUTPUT = re.compile(r"^/(?P<path>.+)/[A-Za-z0-9_]+_output_(?P<index>\d+)$")
+
+
+class EncodingsWarning(UserWarning):
+    """An encodings file names tensors refimpl cannot place; they are listed and left float."""
+
+
+class Quantisers:
+    """The activation quantisers of one model: `input(module, x, i)` and `output(module, y)` return the value as
+    the quantised device holds it (x itself where no encoding is placed). After each quantiser the value is cast
+    to the activation dtype (`rnd`): QuantSim on a reduced-precision model quantises in float32 and returns the
+    tensor's own dtype."""
+
+    def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity):
+        self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
+        self.outputs: dict[str, Encoding] = outputs or {}
+        self.unplaced: list[str] = list(unplaced)
+        self._rnd = rnd
+
+    def __bool__(self) -> bool:
+        return bool(self.inputs or self.outputs)
+
+    def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
+        enc = self.inputs.get((module, i)) if self.inputs else None
+        return x if enc is None else self._rnd(enc.apply(x))
+
+    def output(self, module: str, y: np.ndarray) -> np.ndarray:
+        enc = self.outputs.get(module) if self.outputs else None
+        return y if enc is None else self._rnd(enc.apply(y))
+
+    def describe(self, modules: dict) -> dict:
+        """The manifest record: every placed quantiser (module, input i / output, the tap it acts on, encoding)
+        in execution order, and what could not be placed."""
+        placed = []
+        for module, taps in modules.items():
+            for i, tap in enumerate(taps):
+                if (module, i) in self.inputs:
+                    placed.append({"module": module, "io": "input", "index": i, "tap": tap,
+                                   **self.inputs[module, i].describe()})
+            if module in self.outputs:
+                placed.append({"module": module, "io": "output", "index": 0, "tap": module,
+                               **self.outputs[module].describe()})
+        return {"quantisers": placed, "unplaced": list(self.unplaced)}
+
+
+NONE = Quantisers()
+
+
+def place(entries: list[ActivationEntry], modules: dict, rnd=identity, strict: bool = False,
+          source: str = "encodings") -> Quantisers:
+    """Place a file's activation encodings at the model's declared modules (module -> input taps)."""
+    inputs, outputs, unplaced = {}, {}, []
+    for e in entries:
+        module, io, index = model_name(e.name), e.io, e.index
+        if io is None:  # 1.0.0: a tensor name, a module's output
+            m = _ONNX_OUTPUT.match(e.name)
+            if module not in modules and m:
+                module, index = model_name(m["path"].replace("/", ".")), int(m["index"])
+            io = "output"
+        if module not in modules or (io == "output" and index != 0) or (io == "input" and index >= len(modules[module])):
+            unplaced.append(e.label)
+            continue
+        if io == "input":
+            inputs[module, index] = e.encoding
+        else:
+            outputs[module] = e.encoding
+    if unplaced:
+        message = (f"{source}: {len(unplaced)} activation encoding(s) name no module input / output refimpl has, "
+                   f"e.g. {unplaced[:3]}")
+        if strict:
+            raise InputError(message + " (--strict-encodings)")
+        warnings.warn(message + "; they stay float", EncodingsWarning, stacklevel=2)
+    return Quantisers(inputs, outputs, unplaced, rnd)
