@@ -19,6 +19,7 @@ import refimpl
 from refimpl.errors import WeightsError
 from refimpl.formats.safetensors import write_safetensors
 from refimpl.golden import write_golden
+from refimpl.kernels import products
 from refimpl.models import weights as W
 from refimpl.models.presets import PRESETS, save_preset
 
@@ -178,7 +179,8 @@ def test_gguf_streamed_equals_resident(case):
 
 def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
     """Peak traced allocations (numpy reports its buffers to tracemalloc) of a one-token forward: streamed under a
-    budget of twice the largest piece, they stay below the budget plus the activations; resident, they exceed
+    budget of twice the largest piece, they stay below the budget plus the activations and the product kernel's
+    working block; resident, they exceed
     the whole converted model."""
     cfg = {**PRESETS["tiny-qwen3"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
            "head_dim": 64, "tie_word_embeddings": False}
@@ -202,7 +204,9 @@ def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
         tracemalloc.stop()
         peaks[which + " budget"] = model.weights.budget
         total = model.weights.converted_nbytes()
-    assert peaks["streamed"] <= peaks["streamed budget"] + 2**20, peaks
+    # beyond the budget: the activations (< 1 MiB) and the product kernel's float64 block of the weight it
+    # multiplies (kernels/products.py converts at most _IN_BLOCK elements of the second operand at once)
+    assert peaks["streamed"] <= peaks["streamed budget"] + 2**20 + 8 * products._IN_BLOCK, peaks
     assert peaks["resident"] >= total, peaks
     assert total >= 8 * peaks["streamed budget"]
 
