@@ -175,6 +175,14 @@ def cmd_golden(args) -> int:
         if flag not in flags:
             raise InputError(f"--{flag.replace('_', '-')} does not apply to --convention {args.convention}")
         params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
+    decode_ids = None
+    if args.follow:
+        from .bundle import read_bundle
+        followed = read_bundle(args.follow, verify=False).manifest
+        if followed.get("prompt_ids") != [int(t) for t in args.input_ids[0]]:
+            raise InputError(f"--follow {args.follow}: its prompt differs from this one")
+        decode_ids = followed.get("generated_ids") or []
+        args.decode_steps = args.decode_steps or len(decode_ids)
     model = _load(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     from .progress import attach
@@ -186,7 +194,7 @@ def cmd_golden(args) -> int:
         path = write_golden(args.out, model, args.input_ids[0], source=source, convention=args.convention,
                             params=params, decode_steps=args.decode_steps, taps=args.taps,
                             exports=tuple(e for e in args.export.split(",") if e), aimet=args.aimet,
-                            overwrite=args.overwrite, progress=progress, codes=args.codes)
+                            overwrite=args.overwrite, progress=progress, codes=args.codes, decode_ids=decode_ids)
     quantised = model.quantisers.describe(model.modules)["quantisers"] if model.quantisers else []
     print(f"wrote {path} ({args.convention}, {len(args.input_ids[0])} prompt tokens, "
           f"{args.decode_steps} decode steps, {model.precision.activations} activations"
@@ -334,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="genie: past_key/value outputs hold the AR new entries or the updated window")
     g.add_argument("--k-prescale", action="store_true", help="genie: scores as q . (k / sqrt(D))")
     g.add_argument("--decode-steps", type=int, default=0, help="greedy tokens after the prompt")
+    g.add_argument("--follow", metavar="BUNDLE", help="decode the tokens that bundle generated (teacher forcing) "
+                                                     "instead of greedy ones: an emulated-precision bundle for "
+                                                     "three-way judging that stays on the golden's tokens")
     g.add_argument("--taps", default=".", help="regex of the trace taps to record per step (default: all of "
                                                "them; e.g. 'layers\\.0\\.'); see docs/taps.md")
     g.add_argument("--no-taps", dest="taps", action="store_const", const=None, help="record no taps")

@@ -22,8 +22,10 @@ SCHEMA_VERSION = 1
 
 
 def run_convention(model, prompt_ids, convention: str = "hf", params: dict | None = None, decode_steps: int = 0,
-                   taps: str | None = None):
-    """The convention's graph calls and its checked, resolved options. params: Options fields."""
+                   taps: str | None = None, decode_ids: list | None = None):
+    """The convention's graph calls and its checked, resolved options. params: Options fields.
+    decode_ids: the tokens the decode calls feed (teacher forcing, e.g. another bundle's generated ids: an
+    emulated-precision bundle that follows the golden's tokens); default each call's greedy choice."""
     if convention not in CONVENTIONS:
         raise InputError(f"unknown convention {convention!r}; choose one of {', '.join(CONVENTIONS)}")
     module = CONVENTIONS[convention]
@@ -34,13 +36,18 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
                          f"(options: {', '.join(sorted(fields)) or 'none'})")
     if not isinstance(decode_steps, int) or decode_steps < 0:
         raise InputError(f"decode steps must be a non-negative integer, got {decode_steps!r}")
+    if decode_ids is not None:
+        decode_ids = [int(t) for t in decode_ids]
+        if len(decode_ids) < decode_steps or not all(0 <= t < model.config.vocab_size for t in decode_ids):
+            raise InputError(f"decode ids: {decode_steps} ids in [0, {model.config.vocab_size}) expected, got "
+                             f"{len(decode_ids)} ({decode_ids[:8]})")
     opts = module.Options(**(params or {}))
     n_prompt = np.asarray(prompt_ids).size
     limit = model.config.max_position_embeddings
     if n_prompt + decode_steps > limit:
         raise InputError(f"prompt ({n_prompt} tokens) + decode steps ({decode_steps}) = {n_prompt + decode_steps} "
                          f"exceeds the model's context limit (max_position_embeddings {limit})")
-    calls = module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps)
+    calls = module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps, decode_ids=decode_ids)
     # the options as run, model-dependent defaults (pad id, conv state length) filled in: what the manifest records
     return calls, opts.resolved(model) if hasattr(opts, "resolved") else opts
 
@@ -70,7 +77,7 @@ def bundle_steps(result: list, codes: dict | None = None) -> list[list[Tensor]]:
     return steps
 
 
-def generation_record(result: list, n_prompt: int) -> dict:
+def generation_record(result: list, n_prompt: int, forced: bool = False) -> dict:
     """The host loop's token choices, one per call from the last prompt call on: the greedy token of that call's
     logits at its last real position, and its log-probability. tokens[:-1] are the generated ids (fed back as the
     next calls' inputs); the last one is what the final call predicts."""
@@ -86,18 +93,21 @@ def generation_record(result: list, n_prompt: int) -> dict:
         tokens.append(token)
         logprobs.append(log_softmax_at(logits[position], token))
     fed = [t for c in result[n_prompt:] for t in c.tokens]
-    assert tokens[:-1] == fed, "the convention fed back other tokens than the greedy choices"
-    return {"rule": "greedy: argmax of the logits output at the step's last real position, ties to the lowest id; "
-                    "logprob = log_softmax(logits) at the token, in float64",
-            "steps": steps, "positions": positions, "tokens": tokens, "logprobs": logprobs}
+    assert forced or tokens[:-1] == fed, "the convention fed back other tokens than the greedy choices"
+    record = {"rule": "greedy: argmax of the logits output at the step's last real position, ties to the lowest id; "
+                      "logprob = log_softmax(logits) at the token, in float64",
+              "steps": steps, "positions": positions, "tokens": tokens, "logprobs": logprobs}
+    if forced:
+        record["fed"] = "teacher forcing: the decode calls fed generated_ids, given, not these greedy choices"
+    return record
 
 
 def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "hf", params: dict | None = None,
                  decode_steps: int = 0, taps: str | None = None, exports=(), aimet: bool = False,
-                 overwrite: bool = False, progress=None, codes: bool = False):
+                 overwrite: bool = False, progress=None, codes: bool = False, decode_ids: list | None = None):
     """Compute and write one golden bundle; returns its path. codes: with activation encodings, also write each
-    output-quantised tap as its integer codes (`<tap>.codes`)."""
-    result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps)
+    output-quantised tap as its integer codes (`<tap>.codes`). decode_ids: see run_convention."""
+    result, opts = run_convention(model, prompt_ids, convention, params, decode_steps, taps, decode_ids)
     prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]  # checked by the convention
     n_prompt = sum(c.graph in ("prompt", "prefill") for c in result)
     manifest = {
@@ -108,7 +118,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
         "precision": model.precision.to_dict(),
         "prompt_ids": prompt,
         "generated_ids": [t for c in result[n_prompt:] for t in c.tokens],
-        "generation": generation_record(result, n_prompt),
+        "generation": generation_record(result, n_prompt, decode_ids is not None),
         "steps": [{"index": k, "graph": c.graph, "tokens": c.tokens} for k, c in enumerate(result)],
         "taps": taps,
     }

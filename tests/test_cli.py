@@ -59,3 +59,22 @@ def test_golden_records_the_precision_policy(tmp_path, capsys):
     assert p["cast_points"] and json.loads((out / "manifest.json").read_text())["precision"] == p
     logits = b.tensor(0, "output", "logits")
     assert np.array_equal(logits, logits.astype(ml_dtypes.bfloat16).astype(logits.dtype))
+
+
+def test_golden_follow_decodes_the_followed_bundles_tokens(tmp_path, capsys):
+    """An emulated-precision bundle for three-way judging follows the golden's generated tokens (teacher forcing):
+    its decode calls feed them, whatever its own greedy choices, and its generation record says so."""
+    import refimpl
+    from refimpl.bundle import read_bundle
+    from refimpl.golden import write_golden
+    followed = write_golden(tmp_path / "g", refimpl.load("tiny-qwen3"), [1, 2, 3], source="tiny-qwen3",
+                            decode_steps=2, decode_ids=[5, 6])          # not what greedy decoding picks
+    assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--follow", str(followed), "--out",
+                 str(tmp_path / "f"), "--no-taps", "-q"]) == 0
+    f = read_bundle(tmp_path / "f").manifest
+    assert f["generated_ids"] == [5, 6] and [s["tokens"] for s in f["steps"]] == [[1, 2, 3], [5], [6]]
+    assert "teacher forcing" in f["generation"]["fed"] and f["generation"]["tokens"][0] != 5
+    capsys.readouterr()
+    assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,4", "--follow", str(followed), "--out",
+                 str(tmp_path / "x"), "--no-taps", "-q"]) == 2
+    assert "its prompt differs" in capsys.readouterr().err

@@ -135,9 +135,11 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     return outputs
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None,
+        decode_ids: list | None = None) -> list[Call]:
     """The host loop: prompt chunks through the prompt graph, then `decode_steps` greedy tokens through the
-    token graph. Returns every call's inputs and outputs (and the taps matching the regex `taps`)."""
+    token graph (or the given `decode_ids`: teacher forcing). Returns every call's inputs and outputs (and the
+    taps matching the regex `taps`)."""
     opts.check(model)
     opts = opts.resolved(model)
     cfg, dtype = model.config, model.dtype.type
@@ -154,7 +156,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         if step < len(chunks):
             name, AR, tokens = chunks[step]
         else:
-            name, AR, tokens = "token", opts.decode_ar, [greedy(calls[-1])]
+            name, AR, tokens = "token", opts.decode_ar, [next_token(greedy(calls[-1]), decode_ids, step - len(chunks))]
         W, n = opts.cl - AR, len(tokens)
         if cur > W:
             raise InputError(f"genie: context length CL={opts.cl} is too small: call {step} ({name} graph, AR={AR}) "
@@ -207,6 +209,11 @@ def greedy(call: Call) -> int:
     """The token graph's next input: the argmax of the call's logits at its last real slot."""
     (_, _), (_, hi), _ = call.valid["logits"][0]
     return int(np.argmax(call.outputs["logits"][0, hi - 1]))
+
+
+def next_token(choice: int, decode_ids: list | None, j: int) -> int:
+    """Decode call j's token: the host's greedy `choice`, or decode_ids[j] (teacher forcing)."""
+    return int(decode_ids[j]) if decode_ids is not None else choice
 
 
 def _eos(cfg) -> int:

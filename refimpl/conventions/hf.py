@@ -14,7 +14,7 @@ import numpy as np
 
 from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
-from .genie import Call, prompt_list, tap_valid
+from .genie import Call, next_token, prompt_list, tap_valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +35,14 @@ def _state(cache, cfg, prefix: str) -> dict:
     return out
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None,
+        decode_ids: list | None = None) -> list[Call]:
     cfg = model.config
     prompt = prompt_list(prompt_ids, "hf")
     cache, calls = model.new_cache(), []
     for step in range(1 + decode_steps):
-        tokens = prompt if step == 0 else [int(np.argmax(calls[-1].outputs["logits"][0, -1]))]
+        tokens = prompt if step == 0 else [next_token(int(np.argmax(calls[-1].outputs["logits"][0, -1])), decode_ids,
+                                                      step - 1)]
         P = cache.seq_length
         inputs = {"input_ids": np.array([tokens], np.int64),
                   "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None], **_state(cache, cfg, "past")}

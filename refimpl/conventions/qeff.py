@@ -25,7 +25,7 @@ from ..models.cache import Cache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
-from .genie import Call, _eos, check_pad_id, prompt_list, tap_valid
+from .genie import Call, _eos, check_pad_id, next_token, prompt_list, tap_valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,8 @@ def graph(model, inputs: dict, opts: "Options | None" = None) -> dict:
     return outputs
 
 
-def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None) -> list[Call]:
+def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None,
+        decode_ids: list | None = None) -> list[Call]:
     opts.check(model)
     cfg, dtype = model.config, model.dtype.type
     prompt = prompt_list(prompt_ids, "qeff")
@@ -118,7 +119,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             graph_name, tokens = chunks[step]
             S = opts.seq_len
         else:
-            graph_name, tokens, S = "decode", [int(np.argmax(calls[-1].outputs["logits"][0, len(calls[-1].tokens) - 1]))], 1
+            last = calls[-1].outputs["logits"][0, len(calls[-1].tokens) - 1]
+            graph_name, tokens, S = "decode", [next_token(int(np.argmax(last)), decode_ids, step - len(chunks))], 1
         n = len(tokens)
         positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(S - n, np.int64)])
         inputs = {"input_ids": np.array([tokens + [pad_id] * (S - n)], np.int64),

@@ -6,8 +6,9 @@
     rows = replay(bundle, read_dump("output/", bundle), refimpl.load(source), layer=3)
     print(explain(bundle, model, "model.layers.3.self_attn.q_norm[0,5,2,17]"))
 
-metrics.py (formulas), dump.py (reading dumps), dataflow.py (the layer DAG), compare.py (judging, first
-divergence, curves), replay.py (teacher forcing), explain.py, report.py (table, HTML), commands.py (the CLI).
+metrics.py (formulas), dump.py (reading dumps), hooks.py (PyTorch module-hook dumps: names and layouts),
+dataflow.py (the layer DAG), compare.py (judging, first divergence, curves), replay.py (teacher forcing, op by op),
+explain.py, report.py (table, HTML), commands.py (the CLI).
 """
 
 from .compare import Policy, compare, load_metrics, load_policy, make_policy, rejudge, save_metrics

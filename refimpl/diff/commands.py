@@ -20,8 +20,9 @@ def add_commands(sub) -> None:
     d.add_argument("--dump-dtype", help="dtype of raw dump files: float32 (qnn-net-run's; the default), native (the "
                                         "bundle's; the default for a dump that is itself a bundle), float16, ...")
     d.add_argument("--mapping", help="JSON {golden name: device name} for names sanitising does not explain")
-    d.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER",
-                   help="declare a dump layout: transposed, nhwc or aimet (e.g. '.=aimet', 'past_key_.*=transposed')")
+    d.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER",
+                   help="declare a dump layout: transposed, nhwc, aimet or hf-hooks (PyTorch module hooks), for "
+                        "the tensors REGEX matches (e.g. '.=aimet', 'past_key_.*=transposed'); a bare name: all")
     d.add_argument("--emulated", help="bundle of the same case at the device's precision: three-way judging "
                                       "(device error within k x the emulation's)")
     d.add_argument("--k", type=float, help="k of three-way judging (default 4)")
@@ -69,7 +70,7 @@ def _reading_flags(p) -> None:
     p.add_argument("--encodings", help="the AIMET / QNN encodings file of a bundle made with --weights encodings")
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
-    p.add_argument("--layout", action="append", default=[], metavar="REGEX=ADAPTER", help="declared dump layout")
+    p.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER", help="declared dump layout")
     from ..cli import _size
     p.add_argument("--max-resident", type=_size, metavar="SIZE", help="most converted weights held at once "
                                                                      "(as for refimpl golden)")
@@ -80,8 +81,7 @@ def _policy(args):
     policy = load_policy(args.policy, args.dtype)
     for item in args.layout:
         pattern, sep, adapter = item.rpartition("=")
-        if not sep:
-            raise InputError(f"--layout expects REGEX=ADAPTER, got {item!r}")
+        pattern = pattern if sep else "."  # a bare adapter name: every tensor
         policy.layouts.insert(0, make_policy({"layouts": {pattern: adapter}}, policy.dtype, "--layout").layouts[0])
     if getattr(args, "k", None) is not None:
         if not args.k > 0:
@@ -172,7 +172,7 @@ def cmd_diff(args) -> int:
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
     from ..bundle import valid_mask
-    from .compare import _candidates
+    from .compare import candidates, conv_kernel, model_config
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None
@@ -181,7 +181,7 @@ def _first_error(bundle, dump, report, policy):
     result = next(r for r in report.results if r.key == keys[0])
     if item is None or item.problem or item.array is None or result.metrics is None:
         return None  # unreadable: nothing to histogram
-    cands = dict(_candidates(item, rec, result.layout))
+    cands = dict(candidates(item, rec, result.layout, conv_kernel(model_config(bundle.manifest["model"].get("config")))))
     device = cands.get(result.layout)
     if device is None:
         return None
@@ -191,29 +191,32 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from .report import _fmt
     from .replay import replay
+    from .report import fmt, print_table, terminal
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    model = _model(bundle, args.model, args.encodings, args.max_resident)
-    rows = replay(bundle, dump, model, layer=args.layer, tensor=args.tensor, step=args.step,
-                  policy=policy)
+    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings, args.max_resident), layer=args.layer,
+                  tensor=args.tensor, step=args.step, policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
-    t = Table(title=f"replay {'layer ' + str(args.layer) if args.layer is not None else args.tensor}: "
-                    "SQNR dB (total = inherited + added)")
-    for col in ("step", "tensor", "total", "inherited", "added", "verdict"):
-        t.add_column(col)
+    cells, styles = [], []
     for r in rows:
-        t.add_row(str(r.step), r.name, _fmt(r.total["sqnr_db"], "sqnr_db"), _fmt(r.inherited["sqnr_db"], "sqnr_db"),
-                  _fmt(r.added["sqnr_db"], "sqnr_db"),
-                  ("cannot separate: not dumped: " + ", ".join(r.not_forced)) if r.not_forced else
-                  ("ADDS ERROR: " + "; ".join(r.failures)) if r.adds_error else "inherited only",
-                  style="red" if r.adds_error else None)
-    Console().print(t)
+        if r.not_forced:
+            verdict = "cannot separate: not dumped: " + ", ".join(r.not_forced)
+        elif r.adds_error:
+            verdict = "ADDS ERROR" + (f" (this op or the undumped {', '.join(x.rsplit('.', 1)[-1] for x in r.through)} "
+                                      f"before it)" if r.through else "") + ": " + "; ".join(r.failures)
+        else:
+            verdict = "inherited only"
+        cells.append([str(r.step), r.name, *(fmt(m["sqnr_db"], "sqnr_db") for m in (r.total, r.inherited, r.added)),
+                      verdict])
+        styles.append("red" if r.adds_error else None)
+    console = terminal()
+    what = f"layer {args.layer}" if args.layer is not None else args.tensor
+    print_table(console, f"replay {what}, op by op on the device's inputs: SQNR dB (total = inherited + added)",
+                [("step", None, False), ("tensor", None, False), ("total", 2, False), ("inherited", None, False),
+                 ("added", None, False), ("verdict", None, True)], cells, styles)
     lacking = sorted({(r.step, n) for r in rows for n in r.golden_inputs if r.step > 0})
     if lacking:
         print(f"note: {len(lacking)} graph inputs of later steps are not in the dump (e.g. step {lacking[0][0]} "
@@ -230,12 +233,12 @@ def cmd_explain(args) -> int:
     if args.device:
         name, _ = parse(args.element)
         dump = _dump(args, bundle)
-        from .replay import _device
+        from .replay import device_tensor
         policy = _policy(args)   # declared --layout readings
         steps = [args.step] if args.step is not None else range(bundle.steps)
         for k in steps:
             for role in ("tap", "output", "input"):
-                d = _device(bundle, dump, k, role, name, policy)
+                d = device_tensor(bundle, dump, k, role, name, policy)
                 if d is not None:
                     device = {name: d}
                     break

@@ -17,13 +17,13 @@ Raw files are headerless: float32 unless told (qnn-net-run writes dequantised fl
 cache, NHWC, AIMET) are tried by refimpl.diff.compare so a layout mix-up is reported as one.
 
 Names: the device toolchain rewrites ':', '/' and '-' to '_'; some also '.'. A name is matched exactly, then
-after that rewriting, then with every non-alphanumeric character as '_' (if that is unambiguous). A mapping
+after that rewriting, then as a module-hook name (`model.layers.3.self_attn.1`, `...o_proj.input`: refimpl.diff.hooks),
+then with every non-alphanumeric character as '_' (if that is unambiguous). A mapping
 {golden name: device name} (QAIRT's tensor_mapping.json direction) covers the rest. Files that match nothing
 are listed in `unknown`, never fatal; an unreadable or truncated file becomes an item with a `problem`.
 """
 
 import dataclasses
-import functools
 import json
 import re
 import zipfile
@@ -35,6 +35,7 @@ import numpy as np
 from ..bundle import DTYPES, ROLES
 from ..errors import FormatError, InputError
 from ..formats.safetensors import read_safetensors
+from . import hooks
 
 SUFFIXES = (".raw", ".npy", ".bin")
 _ROLE_DIRS = {**{v: k for k, v in ROLES.items()}, **{k: k for k in ROLES}}  # "inputs" or "input" -> "input"
@@ -47,6 +48,7 @@ class Item:
     source: str                     # file path (or container key) it came from
     array: np.ndarray | None        # as stored: 1-D for raw files (shape comes from the bundle)
     problem: str | None = None      # unreadable, truncated, ... (then array is None)
+    reading: str | None = None      # the layout its source implies (a module-hook dump: refimpl.diff.hooks)
 
 
 @dataclasses.dataclass
@@ -94,7 +96,7 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
             array, problem = load(), None
         except FormatError as e:
             array, problem = None, str(e)
-        dump.items[key] = Item(key, source, array, problem)
+        dump.items[key] = Item(key, source, array, problem, load.reading)
     return dump
 
 
@@ -119,18 +121,49 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
     else:
         raise InputError(f"{path}: a dump must be a directory, a .npz or a .safetensors file")
     for parts, source, load in entries:
-        key, why = matcher.match(parts)
-        if key is None:
+        keys, why = matcher.match(parts)
+        if not keys:
             unknown.append(f"{source} ({why})")
             continue
-        if key in matched:
-            unknown.append(f"{source} (duplicate of {matched[key][0]} for {key})")
+        taken = [k for k in keys if k in matched]
+        if taken:
+            unknown.append(f"{source} (duplicate of {matched[taken[0]][0]} for {taken[0]})")
             continue
-        matched[key] = (source, functools.partial(load, bundle.manifest["tensors"][key], dtype))
+        recs = [bundle.manifest["tensors"][k] for k in keys]
+        widths = [r["shape"][-1] if r["shape"] else 1 for r in recs]
+        reading = hooks.rename(parts[-1])[1] if len(keys) == 1 else None
+        start = 0
+        for key, rec, width in zip(keys, recs, widths):
+            part = None if len(keys) == 1 else (start, start + width, sum(widths), [k.split("/", 2)[2] for k in keys])
+            matched[key] = (source, _Loader(load, rec, dtype, part, reading))
+            start += width
     if not matched:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
                          f"({len(unknown)} unknown, e.g. {unknown[:3]})")
     return matched, unknown
+
+
+@dataclasses.dataclass
+class _Loader:
+    """One matched tensor's reader: loader() -> its array, or FormatError. part: (start, stop, total width, names)
+    for a tap that a fused projection holds on its last axis beside others; reading: the layout its hook name
+    implies (refimpl.diff.hooks)."""
+    load: object
+    rec: dict
+    dtype: str
+    part: tuple | None = None
+    reading: str | None = None
+
+    def __call__(self):
+        if self.part is None:
+            return self.load(self.rec, self.dtype)
+        start, stop, total, names = self.part
+        whole = {**self.rec, "shape": [*self.rec["shape"][:-1], total]}
+        a = self.load(whole, self.dtype)
+        a = a.reshape(whole["shape"]) if a.ndim == 1 else a
+        if a.shape[-1] != total:
+            raise FormatError(f"last axis {a.shape[-1]}, expected {total} for {' + '.join(names)} side by side")
+        return a[..., start:stop]
 
 
 # --------------------------------------------------------------------------------------------- containers
@@ -227,7 +260,8 @@ class _Matcher:
                     loose.setdefault(_loose(n), []).append((role, n))
             self.by_step.append((exact, loose))
 
-    def match(self, parts: tuple) -> tuple[str | None, str]:
+    def match(self, parts: tuple) -> tuple[list[str], str]:
+        """The bundle keys a dumped file holds (several: a fused projection) or [] and why not."""
         *dirs, name = parts
         step, role = None, None
         for i, d in enumerate(dirs):  # the first Result_<k> / layer_outputs_<k> / <k> directory is the step
@@ -241,24 +275,28 @@ class _Matcher:
             name = "/".join([*dirs, name])
         if step is None:
             if len(self.steps) != 1:
-                return None, "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
+                return [], "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
             step = 0
         if step >= len(self.steps):
-            return None, f"step {step}, the bundle has {len(self.steps)}"
+            return [], f"step {step}, the bundle has {len(self.steps)}"
         exact, loose = self.by_step[step]
         golden = self.mapping.get(name) or self.mapping.get(sanitize(name))
         for candidate in (golden, name, sanitize(name)):
             roles = exact.get(candidate) if candidate else None
             if roles:
                 r = role if role in roles else roles[0]
-                return f"{step}/{r}/{candidate}", ""
+                return [f"{step}/{r}/{candidate}"], ""
+        alternatives, _ = hooks.rename(name)  # a module-hook name (refimpl.diff.hooks)
+        for taps in alternatives:
+            if all("tap" in exact.get(t, ()) for t in taps):
+                return [f"{step}/tap/{t}" for t in taps], ""
         hits = loose.get(_loose(name), [])
         if role:
             hits = [h for h in hits if h[0] == role] or hits
         names = {n for _, n in hits}
         if len(names) == 1:
             r, n = hits[0]
-            return f"{step}/{r}/{n}", ""
+            return [f"{step}/{r}/{n}"], ""
         if len(names) > 1:
-            return None, f"ambiguous: matches {sorted(names)}; give a mapping file"
-        return None, f"no tensor of step {step} is named like it"
+            return [], f"ambiguous: matches {sorted(names)}; give a mapping file"
+        return [], f"no tensor of step {step} is named like it"

@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import math
+import os
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ from .compare import FAILING, Report, layer_curve, position_curve, step_curve
 _COLUMNS = ("sqnr_db", "nmse", "cosine", "max_abs", "rel_p99", "not_close_frac", "ulp_max")
 
 
-def _fmt(v, key="") -> str:
+def fmt(v, key="") -> str:
     if v is None:
         return ""
     if isinstance(v, float):
@@ -48,22 +49,71 @@ def ordered(report: Report) -> list:
     return sorted(report.results, key=key)
 
 
-def print_report(report: Report, console: Console | None = None, top: int = 20) -> None:
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
-    first = set(report.first_divergence.values())
-    t = Table(title=f"refimpl diff: {report.dump} vs {report.bundle}", show_lines=False)
-    for col in ("step", "tensor", "status", "origin", "SQNR dB", "NMSE", "cosine", "max abs", "rel@p99",
-                "not-close", "ULP max", "NaN/Inf", "note"):
-        t.add_column(col, overflow="fold")
-    rows = ordered(report)
-    for r in rows[:top] if top else rows:
-        m = r.metrics or {}
-        style = "bold red" if r.key in first else ("red" if r.status in FAILING else None)
-        note = r.problem or "; ".join(r.failures)
-        nonfinite = f"{m.get('n_nan', 0)}/{m.get('n_inf', 0)}" if m else ""
-        t.add_row(str(r.step), ("* " if r.key in first else "") + f"{r.name} ({r.role})", r.status, r.origin or "",
-                  *(_fmt(m.get(c), c) for c in _COLUMNS), nonfinite, note, style=style)
+def terminal() -> Console:
+    """The console tables print to: the terminal's width, else $COLUMNS, else 200 (a pipe or a file)."""
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 200)
+
+
+def print_table(console: Console, title: str, columns: list, rows: list, styles: list | None = None) -> list:
+    """A table whose cells are never cut. columns: (header, drop order or None for a column that always shows,
+    wraps) in display order; rows: lists of cell strings. Columns that do not fit the console are left out,
+    the highest drop order first; a wrapping column (notes) folds its text instead. If even the columns that always
+    show do not fit, each row is printed as lines of `header: value` (names whole; the terminal wraps).
+    Returns the headers left out."""
+    def width(i):
+        cells = [len(columns[i][0])] + [len(r[i]) for r in rows]
+        return (min(max(cells), 12) if columns[i][2] else max(cells)) + 3
+    kept = list(range(len(columns)))
+    dropped = []
+    while sum(width(i) for i in kept) + 1 > console.width:
+        optional = [i for i in kept if columns[i][1] is not None]
+        if not optional:
+            break
+        worst = max(optional, key=lambda i: columns[i][1])
+        kept.remove(worst)
+        dropped.append(columns[worst][0])
+    if sum(width(i) for i in kept) + 1 > console.width:  # too narrow for a table: one block per row
+        console.print(title)
+        for j, r in enumerate(rows):
+            style = styles[j] if styles else None
+            console.print("  ".join(r[i] for i in kept[:2]), style=style, soft_wrap=True, highlight=False)
+            console.print("    " + "  ".join(f"{columns[i][0]}: {r[i]}" for i in kept[2:] if r[i]), style=style,
+                          soft_wrap=True, highlight=False)
+        return dropped
+    t = Table(title=title)
+    for i in kept:
+        header, _, wraps = columns[i]
+        t.add_column(header, overflow="fold" if wraps else "ignore", no_wrap=not wraps,
+                     min_width=None if wraps else width(i) - 3)
+    for j, r in enumerate(rows):
+        t.add_row(*(r[i] for i in kept), style=styles[j] if styles else None)
     console.print(t)
+    return dropped
+
+
+# (header, drop order: None = always shown, higher = left out first on a narrow terminal, wraps)
+_TABLE = (("step", None, False), ("tensor", None, False), ("role", 9, False), ("status", None, False),
+          ("origin", 2, False), ("SQNR dB", None, False), ("NMSE", 6, False), ("cosine", 8, False),
+          ("max abs", 7, False), ("rel@p99", 10, False), ("not-close", 11, False), ("ULP max", 12, False),
+          ("NaN/Inf", 3, False), ("note", 4, True))
+
+
+def print_report(report: Report, console: Console | None = None, top: int = 20) -> None:
+    console = console or terminal()
+    first = set(report.first_divergence.values())
+    rows, styles = [], []
+    ordered_rows = ordered(report)
+    for r in ordered_rows[:top] if top else ordered_rows:
+        m = r.metrics or {}
+        nonfinite = f"{m.get('n_nan', 0)}/{m.get('n_inf', 0)}" if m else ""
+        rows.append([str(r.step), ("* " if r.key in first else "") + r.name, r.role, r.status, r.origin or "",
+                     *(fmt(m.get(c), c) for c in _COLUMNS), nonfinite, r.problem or "; ".join(r.failures)])
+        styles.append("bold red" if r.key in first else ("red" if r.status in FAILING else None))
+    dropped = print_table(console, f"refimpl diff: {report.dump} vs {report.bundle}", list(_TABLE), rows, styles)
+    if dropped:
+        console.print(f"(left out to fit {console.width} columns: {', '.join(dropped)}; --json / --html have them all)",
+                      highlight=False)
     counts = {}
     for r in report.results:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -74,15 +124,23 @@ def print_report(report: Report, console: Console | None = None, top: int = 20) 
         if key:
             r = by_key[key]
             where = f"layer {r.layer}, " if r.layer is not None else ""
-            console.print(f"[bold red]first divergence, step {k}:[/] {r.name} ({r.role}; {where}op {r.op}) "
-                          f"{r.problem or '; '.join(r.failures)}")
+            console.print(f"[bold red]first divergence, step {k}:[/] {r.name} ({r.role}; {where}op "
+                          f"{op_name(r.name, r.op)}) {r.problem or '; '.join(r.failures)}", soft_wrap=True)
     for note in report.notes[1:]:
-        console.print(f"note: {note}")
-    for u in report.unknown:
-        console.print(f"unknown file: {u}")
+        console.print(f"note: {note}", soft_wrap=True)
+    if report.unknown:
+        console.print(f"{len(report.unknown)} dump files match no tensor of the bundle, e.g. "
+                      + "; ".join(report.unknown[:3]) + ("" if len(report.unknown) <= 3 else
+                                                         " (--json / --html list them all)"), soft_wrap=True)
     for r in report.missing:
-        console.print(f"missing output: step {r.step} {r.name}")
+        console.print(f"missing output: step {r.step} {r.name}", soft_wrap=True)
     console.print(_verdict(report, "[bold red]{}[/]", "[bold green]{}[/]"))
+
+
+def op_name(name: str, op: str | None) -> str:
+    """The op a tensor names, with its kind: 'conv1d (causal_conv1d + silu)', 'past_key_3_out (graph output)'."""
+    short = name.rsplit(".", 1)[-1] if name.startswith("model.layers.") else name
+    return f"{short} ({op})" if op else short
 
 
 def _verdict(report: Report, bad: str, good: str) -> str:
@@ -90,7 +148,8 @@ def _verdict(report: Report, bad: str, good: str) -> str:
         return bad.format("MISMATCH")
     if report.missing:
         return bad.format(f"INCOMPLETE ({len(report.missing)} graph outputs missing from the dump)")
-    return good.format("PASS")
+    diverged = sum(r.status == "diverged" for r in report.results)
+    return good.format(f"PASS ({diverged} tensors after a tie not judged)" if diverged else "PASS")
 
 
 # ------------------------------------------------------------------------------------------------ HTML
@@ -174,7 +233,7 @@ def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
         if key:
             r = by_key[key]
             parts.append(f"<li>step {k}: <b>{html.escape(r.name)}</b> ({r.role}, layer {r.layer}, op "
-                         f"{html.escape(str(r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
+                         f"{html.escape(op_name(r.name, r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
     if not any(report.first_divergence.values()):
         parts.append("<li>none</li>")
     parts.append("</ul>")
@@ -191,7 +250,7 @@ def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
         m = r.metrics or {}
         parts.append(f"<tr class='{cls}'><td>{r.step}</td><td>{html.escape(r.name)}</td><td>{r.role}</td>"
                      f"<td>{r.status}</td><td>{r.origin or ''}</td>"
-                     + "".join(f"<td>{_fmt(m.get(c), c)}</td>" for c in _COLUMNS)
+                     + "".join(f"<td>{fmt(m.get(c), c)}</td>" for c in _COLUMNS)
                      + f"<td>{html.escape(r.problem or '; '.join(r.failures))}</td></tr>")
     parts.append("</table>")
     if report.unknown:

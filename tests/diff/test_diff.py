@@ -346,4 +346,11 @@ def test_three_way_bar_and_an_explicit_rule():
     ref = {"nmse": 1e-6}
     assert policy.criteria("model.layers.0.mlp.up_proj", False, ref)["max_nmse"] == pytest.approx(4e-6)
     assert policy.criteria("model.layers.0.mlp.down_proj", False, ref)["max_nmse"] == 1e-3   # the rule wins
-    assert policy.criteria("x", False, {"nmse": 0.0})["max_nmse"] == pytest.approx(4e-9)     # floor: the fp32 bar
+    assert policy.criteria("x", False, {"nmse": 0.0})["max_nmse"] == pytest.approx(4e-8)     # floor: the fp32 bar
+    # a reduced-precision device never has to beat k^2 x one rounding to its dtype (u^2 / 3, fp16 u = 2^-11)
+    fp16 = make_policy({"three_way_k": 2}, "fp16")
+    assert fp16.criteria("x", False, {"nmse": 1e-12})["max_nmse"] == pytest.approx(4 * 2.0 ** -22 / 3)
+    assert fp16.criteria("x", False, {"nmse": 1e-6})["max_nmse"] == pytest.approx(4e-6)
+    # an integer tensor three-way: equal to the golden or, element by element, to the emulation
+    assert fp16.criteria("sel", True, {"equals_golden_or_emulation": True}).get("exact") is None
+    assert fp16.criteria("sel", True, {"equals_golden_or_emulation": False})["exact"] is True

@@ -121,7 +121,7 @@ def test_float64_rerun_passes_float32_thresholds(hybrid, tmp_path):
     report = compare(bundle, read_dump(dump, bundle), load_policy())
     assert report.failed == []
     worst = min(r.metrics["sqnr_db"] for r in report.results if r.metrics)
-    assert worst > 100  # float32 rounding noise sits far above the 90 dB bar
+    assert worst > 100  # float32 rounding noise sits far above the 80 dB bar
 
 
 def test_replay_separates_added_from_inherited(hybrid):
@@ -138,6 +138,9 @@ def test_replay_separates_added_from_inherited(hybrid):
         if layer > 1:  # downstream: real inherited error, nothing added
             assert all(r.inherited["sqnr_db"] < 90 and r.total["sqnr_db"] < 90 for r in block)
     assert verdict == {0: False, 1: True, 2: False, 3: False}
+    # op by op: inside layer 1 only the rounded op adds; the block output after it inherits
+    adding = {r.name for r in replay(bundle, dump, model, layer=1) if r.adds_error}
+    assert adding == {"model.layers.1.mlp.down_proj"}
     rows = replay(bundle, dump, model, tensor="model.layers.1.mlp.down_proj", step=0)
     assert len(rows) == 1 and rows[0].adds_error and rows[0].inherited["sqnr_db"] == float("inf")
 
@@ -149,7 +152,7 @@ def test_replay_on_weight_fault_blames_the_faulty_op(dense):
                      bundle)
     rows = replay(bundle, dump, model, layer=1, step=0)
     adding = [r.name for r in rows if r.adds_error]
-    assert adding[0] == "model.layers.1.self_attn.q_norm"
+    assert adding == ["model.layers.1.self_attn.q_norm"]  # RoPE, scores, ... after it only inherit
     rows = replay(bundle, dump, model, layer=2, step=0)
     assert not any(r.adds_error for r in rows)
     assert min(r.inherited["sqnr_db"] for r in rows) < 60
@@ -204,7 +207,9 @@ def test_replay_cannot_separate_without_the_layer_inputs(tmp_path):
     rows = replay(golden, dump, model, layer=2)
     assert rows and not any(r.adds_error for r in rows)
     gate = next(r for r in rows if r.name == "model.layers.2.mlp.gate_proj")
-    assert gate.not_forced == ["model.layers.2.post_attention_layernorm"]
+    # the reference had to compute layer 2's norm and attention from layer 1's (undumped) output: no claim
+    assert gate.not_forced == ["model.layers.1"]
+    assert "model.layers.2.post_attention_layernorm" in gate.through
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -244,3 +249,41 @@ def test_three_way_judging_with_precision_emulation(dtype, hybrid, tmp_path):
         dump = F.device_dump(device, PROMPT, PARAMS, STEPS, tmp_path / f"fault-{expected[1]}", context)
         report = compare(bundle, read_dump(dump, bundle), load_policy(dtype=dtype), emulated=emulated)
         assert _first(report) == expected
+
+
+def test_three_way_tie_is_followed_not_failed(tmp_path):
+    """Two experts with the same router row tie exactly at every token; refimpl breaks ties to the lower id,
+    torch.topk may not. A bf16 device taking the other expert of the tie passes three-way, the tensors after it are
+    'diverged' (another valid path, not judged) with a note; taking an expert that was not tied still fails."""
+    from refimpl.models.model import Model
+    from refimpl.models.weights import Weights
+    from refimpl.precision import policy, weight_transform
+    model, arrays = F.model_and_arrays("tiny-qwen3-moe", vocab_size=2048, eos_token_id=2000)
+    router = "model.layers.1.mlp.gate.weight"
+    arrays = {**arrays, router: arrays[router].copy()}
+    arrays[router][5] = arrays[router][2]                                  # experts 2 and 5 always tie
+    p = policy("bf16")
+
+    def at(precision_arrays, p=p):
+        return Model(model.config, Weights(precision_arrays, dtype=p.dtype, transform=weight_transform(p)), precision=p)
+    golden = read_bundle(write_golden(tmp_path / "g", Model(model.config, Weights(arrays)), PROMPT, source="x",
+                                      convention="genie", params=PARAMS, decode_steps=STEPS, taps="."))
+    emulated = read_bundle(write_golden(tmp_path / "e", at(arrays), PROMPT, source="x", convention="genie",
+                                        params=PARAMS, decode_steps=STEPS, taps=".",
+                                        decode_ids=golden.manifest["generated_ids"]))
+
+    def other_side(to):
+        def fn(selected):
+            s = selected.copy()
+            rows = (s == 2).any(-1) & ~(s == to).any(-1)
+            s[rows] = np.where(s[rows] == 2, to, s[rows])
+            return s
+        return F.corrupt_tap("model.layers.1.mlp.selected_experts", fn)
+    tied = F.device_dump(at(arrays), PROMPT, PARAMS, STEPS, tmp_path / "tied", other_side(5))
+    report = compare(golden, read_dump(tied, golden), load_policy(dtype="bf16"), emulated=emulated)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+    assert any(r.status == "diverged" for r in report.results)
+    assert any(n.startswith("tie at step") and "expert 5 where the emulation took 2" in n for n in report.notes)
+    untied = F.device_dump(at(arrays), PROMPT, PARAMS, STEPS, tmp_path / "untied", other_side(3))
+    report = compare(golden, read_dump(untied, golden), load_policy(dtype="bf16"), emulated=emulated)
+    assert _first(report)[1] == "model.layers.1.mlp.selected_experts"
