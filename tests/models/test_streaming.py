@@ -124,8 +124,8 @@ def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
     bundle = read_bundle(path)
     dump = read_dump(path, bundle)
     policy = load_policy(None, None)
-    a, _ = run_step(bundle, dump, resident, 1, set(), policy)
-    b, _ = run_step(bundle, dump, streamed, 1, set(), policy)
+    a, _ = run_step(bundle, dump, resident, 1, policy)
+    b, _ = run_step(bundle, dump, streamed, 1, policy)
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
