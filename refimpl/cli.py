@@ -67,8 +67,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    """A byte count: 1073741824, 512MiB, 1.5GiB, 2G (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB)."""
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or a number of bytes, got {text!r}")
+    return int(float(m[1]) * 1024 ** ("KMGT".find(m[2].upper()) + 1) if m[2] else float(m[1]))
+
+
 def _load(args, source=None, strict=True):
-    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings."""
+    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings and the
+    resident budget of --max-resident."""
     from . import load
     from .precision import Policy
     fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv,
@@ -79,7 +89,8 @@ def _load(args, source=None, strict=True):
         fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
     elif args.strict_encodings:
         raise InputError("--strict-encodings needs --encodings")
-    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict)
+    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict,
+                max_resident_bytes=args.max_resident)
 
 
 def _precision_flags(p) -> None:
@@ -96,6 +107,9 @@ def _precision_flags(p) -> None:
                                        "quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
     p.add_argument("--strict-encodings", action="store_true",
                    help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
+    p.add_argument("--max-resident", type=_size, metavar="SIZE",
+                   help="most converted weights held at once, e.g. 2GiB; the rest are converted per layer as they "
+                        "run (default: keep all when the converted model fits in half of memory, else 1GiB)")
 
 
 def _mib(n) -> str:
@@ -135,6 +149,7 @@ def cmd_info(args) -> int:
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
           + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else "")
           + (f", {len(placed['quantisers'])} activation quantisers" if placed else ""))
+    print(f"weights      {w.residency()}")
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")
     if args.verbose:
@@ -192,8 +207,10 @@ def cmd_golden(args) -> int:
         args.decode_steps = args.decode_steps or len(decode_ids)
     model = _load(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    from .progress import attach
     # a bar only on a terminal: rich ends even a hidden one with a newline, output that a pipe or file would keep
-    with Progress(*columns, transient=True, disable=args.quiet or not sys.stdout.isatty()) as bar:
+    with Progress(*columns, transient=True, disable=args.quiet or not sys.stdout.isatty()) as bar, \
+            attach(bar):   # forward bars join it
         task = bar.add_task(f"{args.convention} golden: computing {source}", total=None)
 
         def progress(k, total):
@@ -209,12 +226,14 @@ def cmd_golden(args) -> int:
     return 0
 
 
-def _prompt_ids(tok, text: str, chat: bool = False, system: str | None = None) -> list:
-    """Prompt text -> ids with the tokenizer; as a ChatML user turn (after an optional system turn) when chat."""
+def _prompt_ids(tok, text: str, chat: bool = False, system: str | None = None, thinking: bool | None = None) -> list:
+    """Prompt text -> ids with the tokenizer; when chat, a user turn (after an optional system turn) through the
+    checkpoint's chat template (plain ChatML without one), enable_thinking set when `thinking` is not None."""
     if chat:
-        text = tok.apply_chat_template(([{"role": "system", "content": system}] if system else [])
-                                       + [{"role": "user", "content": text}])
-    ids = tok.encode(text)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = tok.chat_ids(messages, **({} if thinking is None else {"enable_thinking": thinking}))
+    else:
+        ids = tok.encode(text)
     if not ids:
         raise InputError("--prompt encodes to no tokens")
     return ids
@@ -224,16 +243,18 @@ def cmd_generate(args) -> int:
     import time
 
     from .formats.tokenizer import load_tokenizer
-    from .generate import SamplingParams, generate
+    from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
     from .models.presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty).check()  # early
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
+    SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).check()  # early: before loading
     if args.input_ids is None and args.prompt is None:
         raise InputError("give the prompt as --prompt TEXT or --input-ids 1,2,3")
     if args.input_ids is not None and (args.chat or args.system):
         raise InputError("--chat and --system apply to --prompt text, not --input-ids")
-    if args.system and not args.chat:
-        raise InputError("--system needs --chat")
+    if (args.system or args.thinking is not None) and not args.chat:
+        flag = "--system" if args.system else "--thinking" if args.thinking else "--no-thinking"
+        raise InputError(f"{flag} needs --chat")
     needs_text = args.prompt is not None or args.stop or args.tokenizer
     tok = None          # ids in, ids out: the tokenizer is optional (a checkpoint directory may have none)
     if needs_text or not args.ids:
@@ -242,22 +263,25 @@ def cmd_generate(args) -> int:
         except RefimplError:
             if needs_text:
                 raise
-    ids = _prompt_ids(tok, args.prompt, args.chat, args.system) if args.prompt is not None \
+    ids = _prompt_ids(tok, args.prompt, args.chat, args.system, args.thinking) if args.prompt is not None \
         else args.input_ids[0].tolist()
     model = _load(args, source)
     eos = ()
     if not args.ignore_eos:
-        cfg_eos = model.config.eos_token_id
-        eos = sorted({*([cfg_eos] if isinstance(cfg_eos, int) else cfg_eos or []), *(tok.stop_ids() if tok else [])})
+        eos = sorted({*default_eos(model), *(tok.stop_ids() if tok else [])})
+    from_checkpoint = {k: v for k, v in checkpoint_sampling(model.generation_config).items() if sampling[k] is None}
+    sampling.update(from_checkpoint)
+    if model.generation_config and from_checkpoint:
+        print("[generation_config.json: " + ", ".join(f"{k} {v}" for k, v in from_checkpoint.items()) + "]",
+              file=sys.stderr)
     stream = tok.stream(skip_special_tokens=True) if tok is not None and not args.ids else None
 
     def show(row, token):
         sys.stdout.write(stream.step(token) if stream is not None else f"{token} ")
         sys.stdout.flush()
     start = time.perf_counter()
-    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eos_token_id=eos, min_p=args.min_p,
-                   repetition_penalty=args.repetition_penalty, stop=args.stop or (), tokenizer=tok, callback=show)
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, seed=args.seed, eos_token_id=eos,
+                   stop=args.stop or (), tokenizer=tok, callback=show, **sampling)
     seconds = time.perf_counter() - start
     n = len(out.tokens[0])
     sys.stdout.write("\n")
@@ -358,17 +382,21 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
-    gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the ChatML template "
-                                                         "and add the assistant generation prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the checkpoint's chat "
+                                                         "template (plain ChatML without one) and add the assistant "
+                                                         "generation prompt")
     gen.add_argument("--system", help="with --chat: a system message first")
+    gen.add_argument("--thinking", action=argparse.BooleanOptionalAction,
+                     help="with --chat: the template's enable_thinking (default: the template's own default)")
     gen.add_argument("--tokenizer", help="tokenizer source if not the model's: preset, qwen3 | qwen3.5, HF "
                                          "directory or tokenizer.json")
     gen.add_argument("--max-new-tokens", type=_nonnegative, default=32)
-    gen.add_argument("--temperature", type=_finite, default=0.0, help="0: greedy (default)")
-    gen.add_argument("--top-k", type=_nonnegative, default=0, help="0: off")
-    gen.add_argument("--top-p", type=_finite, default=1.0, help="1: off")
-    gen.add_argument("--min-p", type=_finite, default=0.0, help="0: off")
-    gen.add_argument("--repetition-penalty", type=_finite, default=1.0, help="1: off")
+    gen.add_argument("--temperature", type=_finite, help="0: greedy (default: the checkpoint's "
+                                                         "generation_config.json, else greedy)")
+    gen.add_argument("--top-k", type=_nonnegative, help="0: off (default: generation_config.json, else off)")
+    gen.add_argument("--top-p", type=_finite, help="1: off (default: generation_config.json, else off)")
+    gen.add_argument("--min-p", type=_finite, help="0: off (default: generation_config.json, else off)")
+    gen.add_argument("--repetition-penalty", type=_finite, help="1: off (default: generation_config.json, else off)")
     gen.add_argument("--seed", type=_nonnegative, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn / eos tokens")

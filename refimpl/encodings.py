@@ -74,6 +74,16 @@ class Encoding:
         bits = 8 if self.bitwidth <= 8 else 16 if self.bitwidth <= 16 else 32
         return np.dtype(f"{'int' if self.signed else 'uint'}{bits}")
 
+    def rows(self, index, shape: tuple) -> "Encoding":
+        """The encoding of part `index` of the leading axis of a weight of `shape` (an expert of a fused tensor,
+        rows of lm_head): per-channel and per-block scales / offsets restricted to that part's rows."""
+        def part(a):
+            return np.asarray(a).reshape(shape[0], -1)[index].reshape(-1)
+        if not np.ndim(self.scale):
+            return self
+        return dataclasses.replace(self, scale=part(self.scale),
+                                   offset=part(self.offset) if np.ndim(self.offset) else self.offset)
+
     def fake_quant(self, w: np.ndarray) -> np.ndarray:
         """A weight w [out, ...] -> (q + offset) * scale as QuantSim computes it: the device's values."""
         if self.float_dtype is not None:

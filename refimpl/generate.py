@@ -248,8 +248,9 @@ def choose(logits: np.ndarray, history, params: SamplingParams,
 
 # ---------------------------------------------------------------- the decode loop
 
-def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed=0, eos_token_id=None, *, min_p: float = 0.0, repetition_penalty: float = 1.0,
+def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed=0, eos_token_id=None, *, min_p: float | None = None,
+             repetition_penalty: float | None = None,
              stop=(), tokenizer=None, attention_mask=None, callback: Callable | None = None, use_cache: bool = True,
              return_logits: bool = False) -> Generation:
     """Generate up to max_new_tokens per row, sampling as the module doc describes (greedy at temperature 0).
@@ -257,8 +258,10 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     prompt_ids: [T], [B, T], or a list of B id lists of different lengths (left-padded here). With a [B, T] array,
       attention_mask [B, T] of 1/0 marks left padding (pads before the real tokens). A str (or a list of str) is
       encoded with `tokenizer`.
-    eos_token_id: an id or ids that end a row (kept as its last token); None: the config's eos_token_id;
-      () or []: never stop early.
+    temperature, top_k, top_p, min_p, repetition_penalty: None takes the checkpoint's generation_config.json
+      (`checkpoint_sampling`; without one: greedy, every warper off).
+    eos_token_id: an id or ids that end a row (kept as its last token); None: generation_config.json's
+      eos_token_id, else the config's; () or []: never stop early.
     stop: strings that end a row once the decoded generated text contains one (needs `tokenizer`); the token that
       completes it is kept.
     seed: int (row b uses seed + b) or one int per row.
@@ -269,8 +272,13 @@ def generate(model, prompt_ids, max_new_tokens: int = 16, temperature: float = 0
     Rows that finish leave the batch (their cache rows are dropped), so a row's tokens equal its tokens alone.
     In float32 the logits, the sampler's arithmetic and the log-probabilities are the same bits on every platform.
     """
-    return _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,
-                     repetition_penalty, stop, tokenizer, attention_mask, callback, use_cache, return_logits)
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "repetition_penalty": repetition_penalty}
+    s = {**checkpoint_sampling(getattr(model, "generation_config", {})),
+         **{k: v for k, v in given.items() if v is not None}}
+    return _generate(model, prompt_ids, max_new_tokens, s["temperature"], s["top_k"], s["top_p"], seed,
+                     eos_token_id, s["min_p"], s["repetition_penalty"], stop, tokenizer, attention_mask,
+                     callback, use_cache, return_logits)
 
 
 def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, min_p,
@@ -291,7 +299,7 @@ def _generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} "
                          f"exceeds the model's context limit (max_position_embeddings {cfg.max_position_embeddings})")
-    eos = _eos_ids(cfg.eos_token_id if eos_token_id is None else eos_token_id)
+    eos = _eos_ids(default_eos(model) if eos_token_id is None else eos_token_id)
     stop = [stop] if isinstance(stop, str) else list(stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise InputError(f"stop must be non-empty strings, got {stop!r}")
@@ -385,6 +393,24 @@ def _prompts(prompt_ids, attention_mask, vocab_size: int) -> list:
     if not out:
         raise InputError("prompt_ids is empty")
     return out
+
+
+def checkpoint_sampling(generation_config: dict) -> dict:
+    """The sampling settings a checkpoint's generation_config.json asks for, as transformers' generate reads
+    them: with do_sample, its temperature, top_k, top_p and min_p (transformers' defaults 1.0, 50, 1.0 and off
+    where it leaves them out); without, greedy. repetition_penalty either way (default 1: off)."""
+    g, off = generation_config, dataclasses.asdict(SamplingParams())
+    out = dict(off, repetition_penalty=g.get("repetition_penalty", 1.0))
+    if g.get("do_sample"):
+        out.update(temperature=g.get("temperature", 1.0), top_k=g.get("top_k", 50), top_p=g.get("top_p", 1.0),
+                   min_p=g.get("min_p", 0.0))
+    return out
+
+
+def default_eos(model) -> list:
+    """The ids that end a row by default: generation_config.json's eos_token_id, else the config's."""
+    eos = getattr(model, "generation_config", {}).get("eos_token_id", model.config.eos_token_id)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _eos_ids(eos) -> set:

@@ -192,14 +192,15 @@ def quantizable(name: str, array: np.ndarray) -> bool:
     return array.ndim >= 2 and not name.endswith("embed_tokens.weight") and not name.endswith("conv1d.weight")
 
 
-def fake_quant_weight(w: np.ndarray, spec: str) -> np.ndarray:
+def fake_quant_weight(w: np.ndarray, spec: str, tensor_range=None) -> np.ndarray:
     """w [..., out, in] -> dequantised w, by spec int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}, from
-    the weights' own ranges (per tensor, per row = output channel, or per block of N along the input axis)."""
+    the weights' own ranges (per tensor, per row = output channel, or per block of N along the input axis).
+    tensor_range: (min, max) of the whole tensor when w is a part of it (per-tensor ranges only)."""
     bits, gran, block, conv = _INT_WEIGHTS.match(spec).groups()
     bits, block = int(bits), (int(block) if block else None)
     x = w.reshape(-1, w.shape[-1]).astype(np.float32)                       # [rows, in]
     if gran == "per-tensor":
-        lo, hi, kw = x.min(), x.max(), {}
+        (lo, hi), kw = tensor_range or (x.min(), x.max()), {}
     else:
         lo, hi = quant.block_range(x, block)                                # [rows] or [rows, blocks]
         kw = {"axis": 0} if block is None else {"axis": 1, "block_size": block}
@@ -221,25 +222,42 @@ def check_encodings(p: "Policy", names, encodings: dict | None = None) -> None:
 
 
 def weight_transform(p: Policy):
-    """The per-tensor weight emulation of a policy: (name, float array) -> array, or None (nothing to do)."""
+    """The per-tensor weight emulation of a policy, or None (nothing to do):
+    (name, float array, part=None) -> array. `part` (refimpl.models.weights.Part), when given, says the array is
+    part `part.index` of the leading axis of the tensor (an expert of a fused tensor, rows of lm_head): the
+    result is that part of the emulated whole tensor."""
     fmt = p.weight_format
     if fmt in ("float32", "float64"):
         return None
     if fmt in ("bf16", "fp16"):
         r = rounder(fmt)
-        return lambda name, a: r(a)
+        return lambda name, a, part=None: r(a)
     rest = rounder(p.activations)  # tensors that are not quantised keep the activation dtype
     if fmt == "encodings":
         encs = read_encodings(p.encodings)
 
-        def from_file(name, a):
+        def from_file(name, a, part=None):
             enc = encs.get(name)
             if enc is None:
                 return rest(a)
             try:
-                return enc.fake_quant(a)
-            except InputError as e:
-                raise FormatError(f"{p.encodings}: {name} {list(a.shape)}: {e}") from None
+                return (enc if part is None else enc.rows(part.index, part.shape)).fake_quant(a)
+            except (InputError, ValueError) as e:
+                raise FormatError(f"{p.encodings}: {name} {list(part.shape if part else a.shape)}: {e}") from None
         from_file.encodings = encs   # for check_encodings: the file is read once
         return from_file
-    return lambda name, a: fake_quant_weight(a, fmt) if quantizable(name, a) else rest(a)
+    ranges = {}  # per-tensor ranges of tensors read in parts: from the whole tensor, once
+
+    def own_range(name, a, part=None):
+        if not quantizable(name, a):
+            return rest(a)
+        tensor_range = None
+        if part is not None and "per-tensor" in fmt:
+            if name not in ranges:
+                lo, hi = np.inf, -np.inf
+                for chunk in part.chunks():
+                    lo, hi = min(lo, chunk.min()), max(hi, chunk.max())
+                ranges[name] = (np.float32(lo), np.float32(hi))
+            tensor_range = ranges[name]
+        return fake_quant_weight(a, fmt, tensor_range)
+    return own_range

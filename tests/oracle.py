@@ -19,18 +19,21 @@ def case_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
-def build_hf(config_dict: dict, seed: int = 0, logit_scale: float = 1.0):
+def build_hf(config_dict: dict, seed: int = 0, logit_scale: float = 1.0, auto=None):
     """A transformers model (float32, eager attention, eager experts) with every parameter randomised:
     matrices N(0, 1/fan_in), 1-D parameters (norm weights, biases, A_log, dt_bias, ...) random too.
-    logit_scale multiplies the output projection (lm_head, or the tied embedding), setting the logits' size."""
+    logit_scale multiplies the output projection (lm_head, or the tied embedding), setting the logits' size.
+    auto: the transformers Auto class to build with (default AutoModelForCausalLM)."""
     config = transformers.AutoConfig.for_model(**config_dict)
     torch.manual_seed(seed)
     kwargs = {"attn_implementation": "eager"}
     if config_dict.get("num_experts"):
         kwargs["experts_implementation"] = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+    auto = auto or transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32, **kwargs)
     gen = torch.Generator().manual_seed(seed)
-    zero_centred = config_dict["model_type"] in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    zero_centred = config_dict["model_type"] in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
+                                                 "qwen3_5_moe")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):

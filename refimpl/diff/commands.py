@@ -73,6 +73,9 @@ def _reading_flags(p) -> None:
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
     p.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER", help="declared dump layout")
+    from ..cli import _size
+    p.add_argument("--max-resident", type=_size, metavar="SIZE", help="most converted weights held at once "
+                                                                     "(as for refimpl golden)")
 
 
 def _policy(args):
@@ -100,15 +103,17 @@ def _bundle(path):
     return read_bundle(path, verify=False)
 
 
-def _model(bundle, source=None, encodings=None):
+def _model(bundle, source=None, encodings=None, max_resident=None):
     """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
     from ..models.load import load
     from ..precision import from_manifest
     m = bundle.manifest["model"]
-    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings))
-    if model.weights.sha256() != m.get("weights_sha256"):
+    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings),
+                 max_resident_bytes=max_resident)
+    digest = model.weights.sha256()
+    if digest != m.get("weights_sha256"):
         raise InputError(f"model {source or m['source']!r}: weights differ from the bundle's "
-                         f"(sha256 {model.weights.sha256()[:12]} vs {str(m.get('weights_sha256'))[:12]}); give --model")
+                         f"(sha256 {digest[:12]} vs {str(m.get('weights_sha256'))[:12]}); give --model")
     return model
 
 
@@ -193,8 +198,8 @@ def cmd_replay(args) -> int:
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings), layer=args.layer, tensor=args.tensor,
-                  step=args.step, policy=policy)
+    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings, args.max_resident), layer=args.layer,
+                  tensor=args.tensor, step=args.step, policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
     cells, styles = [], []
@@ -225,7 +230,7 @@ def cmd_replay(args) -> int:
 def cmd_explain(args) -> int:
     from .explain import explain, parse
     bundle = _bundle(args.bundle)
-    model = _model(bundle, args.model, args.encodings)
+    model = _model(bundle, args.model, args.encodings, args.max_resident)
     device = None
     if args.device:
         name, _ = parse(args.element)

@@ -119,17 +119,19 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
                 f"y = x * rsqrt * gain = {_f(row[idx[-1]] * scale * gain)}   (float64 recomputation)"]
     if node.op == "linear" and src:
         x = values[src[0]][idx[:-1]].astype(np.float64)
-        W = np.asarray(_linear_weight(cfg, name, w), np.float64)
-        if x.shape[-1] != W.shape[1] or idx[-1] >= W.shape[0]:
+        weight = _linear_weight(cfg, name, w)
+        shape = w.shape(weight)
+        if x.shape[-1] != shape[1] or idx[-1] >= shape[0]:
             return [f"x = {src[0]}{list(idx[:-1])}, |x| = {_f(np.linalg.norm(x))}"]
-        terms = x * W[idx[-1]]
+        W = np.asarray(w.rows(weight, slice(idx[-1], idx[-1] + 1))[0], np.float64)   # the one row it reads
+        terms = x * W
         top = np.argsort(-np.abs(terms))[:5]
         head = [f"x = {src[0]}{list(idx[:-1])}: {x.size} values, |x| = {_f(np.linalg.norm(x))}",
-                "largest terms: " + ", ".join(f"i={i}: {_f(x[i])}*{_f(W[idx[-1], i])}" for i in top)]
+                "largest terms: " + ", ".join(f"i={i}: {_f(x[i])}*{_f(W[i])}" for i in top)]
         if not _float32(values, src[0], name):
             return head + [f"y = sum_i x[i] W[{idx[-1]}, i] = {_f(terms.sum())}   (float64)"]
         bias = _linear_bias(cfg, name, w)
-        lines, r = _sum_lines(f"y = sum_i x[i] W[{idx[-1]}, i]", x, W[idx[-1]], None if bias is not None
+        lines, r = _sum_lines(f"y = sum_i x[i] W[{idx[-1]}, i]", x, W, None if bias is not None
                               else values[name][idx])
         if bias is not None:
             y = np.float32(r + np.float32(bias[idx[-1]]))
@@ -261,7 +263,10 @@ def _linear_bias(cfg, name: str, w):
     return w[f"{name}.bias"]
 
 
-def _linear_weight(cfg, name: str, w):
+def _linear_weight(cfg, name: str, w) -> str:
+    """The weight a linear tap multiplies by: lm_head reads the tied embedding, unless integer weights quantise
+    it on its own (an alias of the embedding under its own name)."""
     if name == "lm_head":
-        return w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-    return w[f"{name}.weight"]
+        own = "lm_head.weight" in w.stored or "lm_head.weight" in w.aliases
+        return "lm_head.weight" if own or not cfg.tie_word_embeddings else "model.embed_tokens.weight"
+    return f"{name}.weight"

@@ -63,9 +63,13 @@ def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str
 
 def _entry(path, mm, data_start: int, data_len: int, name: str, info) -> np.ndarray:
     try:
-        dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(info["shape"]), info["data_offsets"]
+        kind, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
     except (KeyError, TypeError, ValueError):
         raise FormatError(f"{path}: tensor {name!r}: bad header entry {info!r}") from None
+    if kind not in DTYPES:
+        raise FormatError(f"{path}: tensor {name!r} has dtype {kind!r}, which refimpl cannot read "
+                          f"(readable: {', '.join(DTYPES)})")
+    dtype = DTYPES[kind]
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if end - begin != nbytes or begin < 0:
         raise FormatError(f"{path}: tensor {name!r}: header offsets [{begin}, {end}) do not fit "
@@ -76,30 +80,39 @@ def _entry(path, mm, data_start: int, data_len: int, name: str, info) -> np.ndar
     return mm[data_start + begin:data_start + end].view(dtype).reshape(shape)
 
 
-def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], list[Path]]:
-    """All tensors of an HF checkpoint directory: model.safetensors, or the shards its index names."""
+def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Path]]:
+    """All tensors of an HF checkpoint directory (model.safetensors, or the shards its index names) as memory
+    maps, and the file each is in."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            shards = {str(f) for f in weight_map.values()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise FormatError(f"{index}: corrupt index ({e!r})") from None
-        files = sorted({directory / f for f in weight_map.values()})
-        arrays = {}
-        for f in files:
-            arrays.update(read_safetensors(f))
-        for name, f in weight_map.items():
-            if name not in arrays:
-                raise FormatError(f"{directory / f}: tensor {name!r} listed in {index.name} is not in the shard")
-        return arrays, files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FormatError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-    arrays = {}
+        for f in sorted(shards):
+            path = directory / f
+            if Path(f).is_absolute() or ".." in Path(f).parts:
+                raise FormatError(f"{index}: shard {f!r} is outside the checkpoint directory")
+            if not path.is_file():
+                listed = [n for n, g in weight_map.items() if g == f]
+                raise FormatError(f"{path}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
+                                  f"{listed[0]!r}")
+        files = sorted(directory / f for f in shards)
+    else:
+        weight_map = None
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FormatError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    arrays, origins = {}, {}
     for f in files:
-        arrays.update(read_safetensors(f))
-    return arrays, files
+        for name, a in read_safetensors(f).items():
+            arrays[name], origins[name] = a, f
+    for name, f in (weight_map or {}).items():
+        if name not in arrays:
+            raise FormatError(f"{directory / f}: tensor {name!r} listed in {index.name} is not in the shard")
+    return arrays, origins
 
 
 def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata: dict | None = None) -> None:

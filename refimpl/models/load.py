@@ -4,16 +4,20 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..formats.safetensors import read_checkpoint
-from .config import load_config
+from .config import load_config, read_generation_config
 from .model import Model
 
 DTYPES = ("float32", "float64")
 
 
-def load(source: str | Path, dtype: str = "float32", precision=None, strict: bool = True) -> Model:
+def load(source: str | Path, dtype: str = "float32", precision=None, strict: bool = True,
+         max_resident_bytes: int | None = None) -> Model:
     """precision: a refimpl.precision.Policy, an activation dtype name ("bf16", "fp16", ...) or a dict of
     Policy fields; default `dtype` (float32, or the float64 oracle). Giving both must not disagree.
-    strict: a GGUF tensor of a type that cannot be read is an error here (default), else when it is read."""
+    strict: a GGUF tensor of a type that cannot be read is an error here (default), else when it is read.
+    max_resident_bytes: the most converted weight bytes held at once; tensors beyond it are converted per layer
+    (per routed expert) each time they run. Default: everything is kept when the converted model fits in half
+    of the machine's memory, else streamed under 1 GiB (refimpl/models/weights.py)."""
     from ..precision import policy
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -22,16 +26,18 @@ def load(source: str | Path, dtype: str = "float32", precision=None, strict: boo
         raise InputError(f"dtype 'float64' contradicts precision {p.activations!r}; give one of them")
     from . import presets
     if str(source) in presets.PRESETS:
-        return presets.build(str(source), precision=p)
+        return presets.build(str(source), precision=p, max_resident_bytes=max_resident_bytes)
     path = Path(source)
     if path.suffix.lower() == ".gguf":
         from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path, strict)
-        return Model.from_arrays(config, arrays, str(path), p)
+        return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes)
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
     if not path.is_dir():
         raise InputError(f"{path}: expected an HF checkpoint directory (config.json + *.safetensors)")
     config = load_config(path)
-    arrays, _ = read_checkpoint(path)
-    return Model.from_arrays(config, arrays, str(path), p)
+    arrays, origins = read_checkpoint(path)
+    model = Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, origins)
+    model.generation_config = read_generation_config(path)
+    return model

@@ -8,9 +8,9 @@ from ..encodings import read_activation_encodings
 from ..errors import InputError
 from ..kernels import products
 from ..kernels.attention import causal_mask
-from ..kernels.linear import embedding
 from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
 from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, rounder, weight_transform
+from ..progress import layer_progress
 from ..trace import tap
 from . import qwen3
 from .cache import Cache
@@ -50,11 +50,16 @@ class Model:
     def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
         self.config = config
         self.weights = weights
+        self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
         self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
         self.precision = precision or policy(weights.dtype.name)
         expected, mixer, modules = _architecture(config)
         weights.check(expected(config))
         self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
+        # what each layer reads (its experts aside: those the router picks), read ahead one layer early
+        names = expected(config)
+        self._layer_tensors = [[n for n in names if n.startswith(f"model.layers.{i}.") and ".experts." not in n]
+                               for i in range(config.num_hidden_layers)] + [["lm_head.weight", "model.norm.weight"]]
         self.modules = modules(config)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
         if self.precision.encodings is not None:
@@ -65,14 +70,18 @@ class Model:
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS
         if self._own_lm_head:
-            weights.aliases["lm_head.weight"] = "model.embed_tokens.weight"
+            weights.alias("lm_head.weight", "model.embed_tokens.weight")
         check_encodings(self.precision, [*weights.stored, *weights.aliases],
                         getattr(weights.transform, "encodings", None))
+        weights.plan()   # a resident budget too small for the largest piece fails here, not mid-forward
 
     @classmethod
-    def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy) -> "Model":
-        """A model over checkpoint arrays at precision policy p (its weight emulation applied on first use)."""
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p)), precision=p)
+    def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy,
+                    max_resident_bytes: int | None = None, origins: dict | None = None) -> "Model":
+        """A model over checkpoint arrays at precision policy p (its weight emulation applied when a tensor is
+        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights)."""
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p),
+                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p)
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -140,10 +149,14 @@ class Model:
     def _layers(self, ids: np.ndarray, ctx: Context, logits_to_keep: int) -> np.ndarray:
         cfg, w = self.config, self.weights
         ctx.precision, ctx.quant = self.precision, self.quantisers
-        x = embedding(ids, w["model.embed_tokens.weight"])                 # [B, T, H]
+        x = w.rows("model.embed_tokens.weight", ids)                        # [B, T, H]: the looked-up rows
         x = tap("model.embed_tokens", None, ctx.quant.output("model.embed_tokens", x))
-        for i, mixer in enumerate(self._mixers):
-            x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
+        w.prefetch(self._layer_tensors[0])
+        with layer_progress("forward", len(self._mixers)) as advance:
+            for i, mixer in enumerate(self._mixers):
+                w.prefetch(self._layer_tensors[i + 1])      # streamed weights: the disk reads the next layer now
+                x = qwen3.decoder_layer(w, i, x, cfg, ctx, mixer)
+                advance()
         x = qwen3.norm(w, "model.norm", x, cfg, ctx)
         x = tap("model.norm", None, x)
         if logits_to_keep:

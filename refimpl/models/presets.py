@@ -90,12 +90,15 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
     return out
 
 
-def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=None):
-    """The preset as a Model; precision: a refimpl.precision policy (default: `dtype` activations)."""
+def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=None,
+          max_resident_bytes: int | None = None):
+    """The preset as a Model; precision: a refimpl.precision policy (default: `dtype` activations);
+    max_resident_bytes: as refimpl.load."""
     from ..precision import policy
     from .model import Model
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", policy(precision or dtype))
+    return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", policy(precision or dtype),
+                             max_resident_bytes)
 
 
 def checkpoint_layout(config, arrays: dict) -> dict:
@@ -118,13 +121,17 @@ def checkpoint_layout(config, arrays: dict) -> dict:
     return out
 
 
-def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED) -> Path:
+def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED, dtype: str = "float32") -> Path:
     """Write a preset as an HF checkpoint directory (config.json + model.safetensors) in the layout the
-    released checkpoints of its architecture use."""
+    released checkpoints of its architecture use; dtype: float32, bfloat16 (rounded to nearest even) or float16."""
+    import ml_dtypes
+
     from ..formats.safetensors import write_safetensors
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    (directory / "config.json").write_text(json.dumps(PRESETS[name], indent=2))
-    write_safetensors(directory / "model.safetensors", checkpoint_layout(config, random_weights(config, seed)))
+    (directory / "config.json").write_text(json.dumps({**PRESETS[name], "dtype": dtype}, indent=2))
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    arrays = {k: a.astype(target) for k, a in checkpoint_layout(config, random_weights(config, seed)).items()}
+    write_safetensors(directory / "model.safetensors", arrays)
     return directory

@@ -2,8 +2,11 @@
 
 One pre-norm layer:  h = x + attention(input_layernorm(x));  out = h + mlp(post_attention_layernorm(h)).
 Every function reads its weights by checkpoint name under `p` (e.g. "model.layers.3.self_attn") and taps
-its intermediates under the same path. `r = ctx.round` marks each point where transformers casts to the
-activation dtype (refimpl/precision.py); it is the identity in float32 and float64.
+its intermediates under the same path. A projection (`project`) is `w.linear(x, name)`: kernels.linear.linear on
+the matrix `name`, in the row blocks refimpl/models/weights.py fixes (for one token, cache-sized blocks converted
+as they are multiplied, which is what makes a streamed decode step cost little more than reading its weights).
+`r = ctx.round` marks each point where transformers casts to the activation dtype (refimpl/precision.py); it is
+the identity in float32 and float64.
 
 AIMET activation quantisers (refimpl/models/quantisers.py): `q = ctx.quant` quantises the input of a module as that
 module consumes it (`q.input(module, x)`) and the module's output (`q.output(module, y)`), where an encodings file
@@ -35,7 +38,7 @@ def project(w, name: str, x: np.ndarray, ctx, bias: bool = False, weight: str | 
     """The nn.Linear module `name`: y = x W^T (+ b), cast to the activation dtype.  x [..., in] -> [..., out].
     weight: the matrix's checkpoint name when it is not `name.weight` (a tied lm_head)."""
     q = ctx.quant
-    y = linear(q.input(name, x), w[weight or f"{name}.weight"], w[f"{name}.bias"] if bias else None)
+    y = w.linear(q.input(name, x), weight or f"{name}.weight", f"{name}.bias" if bias else None)
     return q.output(name, ctx.round(y))
 
 
@@ -105,6 +108,7 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     xs = x.reshape(B * T, H)
     logits = tap(p, "gate", project(w, f"{p}.gate", x, ctx)).reshape(B * T, -1)          # router logits [N, E]
     probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
+    w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))
     experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
     weights = tap(p, "routing_weights", weights.reshape(B, T, -1)).reshape(B * T, -1)

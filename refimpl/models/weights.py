@@ -1,18 +1,45 @@
-"""Weights: HF checkpoint name -> array in the compute dtype, loaded lazily.
+"""Weights: HF checkpoint name -> array in the compute dtype, read from storage under a resident budget.
 
-Stored arrays (memory maps, or in-memory arrays for presets) are converted to the compute dtype on first use
-(then rounded or fake-quantised when a precision policy emulates bf16 / fp16 / integer weights) and kept; a float32 checkpoint in float32 mode is used in place, with no copy at all.
+Stored tensors stay where they are, in their stored dtype: read-only memory maps of safetensors files, GGUF
+tensors (dequantised when read), or in-memory arrays (presets). A tensor is converted when the forward pass reads
+it: bf16 by a 16-bit shift (exact; as fast as ml_dtypes' cast), other floats by a cast; then rounded or
+fake-quantised when a precision policy emulates bf16 / fp16 / integer weights (`transform`). A float32
+checkpoint in float32 mode is used in place, with no copy at all.
+
+Residency. `budget` bounds the converted bytes held at once: the tensors kept, plus the piece in use. Tensors are
+kept in the order the forward pass first reads them while they fit in the budget less `reserve` (the largest
+piece read at once); the others are converted each time they are read and dropped after use, so a model larger
+than memory runs layer by layer. Three tensors are read in parts, never converted whole unless kept: the
+embedding by the rows a call looks up, lm_head in fixed row blocks (`row_blocks`, the same blocks whatever the
+budget, so streamed and resident runs compute the same products), and fused MoE experts one routed expert at a
+time (`expert`). A budget too small for one piece is refused when the model is built.
+Default: keep everything when the converted model fits in half of the machine's memory, else stream under
+max(DEFAULT_STREAM_BUDGET, reserve).
+
+Stored tensors are numpy arrays or objects with `shape`, `dtype` (what `read` returns), `nbytes` (stored bytes),
+`read(index=None)`: the tensor, or part `index` (int, slice or int array) of its leading axis, as a float array,
+and `partial`: whether reading a part touches only that part (GGUF's LazyTensor).
+
 Names are the checkpoint's own; the multimodal prefix `model.language_model.` is mapped to `model.`, and
 `mtp.*` (multi-token prediction) and `model.visual.*` tensors are set aside, not loaded.
 """
 
+import dataclasses
 import hashlib
+import math
+import mmap
+import os
 import re
 import warnings
+from pathlib import Path
+from typing import Callable
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import WeightsError
+from ..kernels.linear import linear
+from ..progress import layer_progress
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
@@ -34,52 +61,362 @@ def warn_nonfinite(source: str, name: str, a: np.ndarray) -> None:
     warnings.warn(f"{source}: tensor {name!r} holds {counts} of {a.size} values (first at {list(map(int, where))}); "
                   f"the forward pass carries them as IEEE arithmetic does", NonFiniteWeightWarning, stacklevel=3)
 _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+ROW_BLOCK_BYTES = 64 * 2**20            # lm_head row blocks: this many converted bytes each ...
+VECTOR_BLOCK_BYTES = 4 * 2**20          # ... and every matrix's for one token (a block stays in cache for its product)
+DEFAULT_STREAM_BUDGET = 2**30           # the default budget of a model that does not fit in half of memory
+_ROW_READ = ("model.embed_tokens.weight", "lm_head.weight")   # read by rows: looked-up ids, lm_head blocks
+_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def bf16_to_float32(a: np.ndarray, block: int = 2**18) -> np.ndarray:
+    """bfloat16 -> float32, exactly: a bf16 is the high 16 bits of the float32 of the same value, so widen the
+    bits to 32 and shift them up 16 (NaN payloads and signed zeros included). Done `block` values at a time, so
+    the shift reads the widened bits from cache: one pass over memory."""
+    bits = np.ascontiguousarray(a).view(np.uint16).reshape(-1)
+    out = np.empty(bits.size, np.uint32)
+    for start in range(0, bits.size, block):
+        part = out[start:start + block]
+        np.copyto(part, bits[start:start + block])
+        part <<= 16
+    return out.view(np.float32).reshape(a.shape)
+
+
+def to_dtype(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A stored array in the compute dtype (no copy when it already is)."""
+    if a.dtype == dtype:
+        return a
+    if a.dtype == _BF16:
+        a = bf16_to_float32(a)
+        return a if a.dtype == dtype else a.astype(dtype)
+    return a.astype(dtype)
+
+
+def read(stored, index=None) -> np.ndarray:
+    """A stored tensor, or part `index` of its leading axis, in its stored dtype (a view of the map where it can be)."""
+    if isinstance(stored, np.ndarray):
+        return stored if index is None else stored[index]
+    return np.asarray(stored.read(index))
+
+
+def blocks(stored, itemsize: int):
+    """A stored tensor read leading-axis block by block (ROW_BLOCK_BYTES at `itemsize` per value each), in its
+    stored dtype; in one piece when it is 0-d, or when reading a part would compute the whole (`partial` False)."""
+    shape = tuple(stored.shape)
+    if not shape or not (isinstance(stored, np.ndarray) or getattr(stored, "partial", False)):
+        yield read(stored)
+        return
+    step = max(1, ROW_BLOCK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
+    for r in range(0, shape[0], step):
+        yield read(stored, slice(r, r + step))
+
+
+def _will_need(a: np.ndarray) -> None:
+    """madvise(WILLNEED) the pages of an array that views a memory map (else nothing)."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not isinstance(root.base, mmap.mmap) or not a.size:
+        return
+    page = mmap.PAGESIZE
+    start = a.ctypes.data - root.ctypes.data + getattr(root, "offset", 0) % mmap.ALLOCATIONGRANULARITY
+    aligned = start - start % page
+    try:
+        root.base.madvise(mmap.MADV_WILLNEED, aligned, start - aligned + a.nbytes)
+    except (OSError, ValueError):
+        pass   # a hint only
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """What a transform is given with part of a tensor: `index` into the leading axis of the tensor of `shape`,
+    and `chunks()`, the whole tensor converted block by block along that axis (for a whole-tensor statistic)."""
+    index: object
+    shape: tuple
+    chunks: Callable
+
+
+def machine_memory() -> int:
+    """Physical memory in bytes, or the cgroup's limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def size_text(n: float) -> str:
+    """Bytes as a short human size (binary units): 1.5 GiB, 64 MiB, 512 B."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
 
 
 class Weights:
-    def __init__(self, stored: dict[str, np.ndarray], dtype="float32", source: str = "<memory>", transform=None):
+    def __init__(self, stored: dict, dtype="float32", source: str = "<memory>", transform=None,
+                 max_resident_bytes: int | None = None, origins: dict | None = None):
         self.dtype = np.dtype(dtype)
         self.source = source
-        self.transform = transform  # (name, array) -> array: weight emulation of a precision policy, or None
-        self.stored: dict[str, np.ndarray] = {}
+        self.transform = transform  # (name, array, part=None) -> array: a precision policy's weight emulation
+        self.stored: dict = {}
+        self.origins: dict[str, str] = {}   # name -> the file that holds it (for error messages)
         self.set_aside: list[str] = []
         for name, array in stored.items():
             if _SET_ASIDE.match(name):
                 self.set_aside.append(name)
                 continue
+            origin = (origins or {}).get(name)
             if name.startswith("model.language_model."):
                 name = "model." + name[len("model.language_model."):]
             self.stored[name] = array
-        self._converted: dict[str, np.ndarray] = {}
+            if origin is not None:
+                self.origins[name] = str(origin)
         self.aliases: dict[str, str] = {}  # name -> stored name it reads (a tied lm_head quantised on its own)
+        self.max_resident_bytes = max_resident_bytes
+        self._kept: dict = {}               # name, or (name, expert), -> converted array
+        self._finite: set = set()           # tensors (and parts) whose values were checked for NaN / Inf
+        self.kept_nbytes = 0
+        self._plan = None                   # (budget, reserve, largest piece's name), computed on first need
+        self._ranges: dict = {}
+        self.conversions = 0                # tensors (or parts) converted, and their converted bytes
+        self.converted_bytes = 0
+        self.conversion_log: list | None = None   # a list: (name, index) of each conversion is appended
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored
 
+    # ------------------------------------------------------------------------------------------------ reading
+
     def __getitem__(self, name: str) -> np.ndarray:
-        out = self._converted.get(name)
+        """The whole tensor, converted."""
+        out = self._kept.get(name)
+        if out is not None:
+            return out
+        size = self.converted_size(name)
+        budget = self.budget
+        if size > budget:
+            raise WeightsError(f"{self.origin(name)}: tensor {name!r} ({size_text(size)} converted) does not fit the "
+                               f"resident budget of {size_text(budget)} (max_resident_bytes)")
+        out = self.convert(name)
+        if size == 0 or self._fits(size):
+            self._keep(name, out, size)
+        return out
+
+    def rows(self, name: str, index) -> np.ndarray:
+        """Part `index` (int array, slice or int) of the leading axis of tensor `name`, converted: a slice of the
+        whole when the whole is kept (or fits and is kept now), else read and converted alone (an expert of a
+        fused tensor is then kept if it fits)."""
+        whole = self._kept.get(name)
+        if whole is None and (self.converted_size(name) == 0 or self._fits(self.converted_size(name))):
+            whole = self[name]
+        if whole is not None:
+            return whole[index]
+        key = (name, index) if isinstance(index, (int, np.integer)) else None
+        out = self._kept.get(key) if key else None
         if out is None:
-            try:
-                raw = self.stored[self.aliases.get(name, name)]
-            except KeyError:
-                raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
-            if not isinstance(raw, np.ndarray):   # a lazy tensor (GGUF: dequantised / transformed on first use)
-                raw = np.asarray(raw)
-            out = raw if raw.dtype == self.dtype else raw.astype(self.dtype)
-            warn_nonfinite(self.source, name, out)
-            if self.transform is not None:
-                out = self.transform(name, out)
-            self._converted[name] = out
+            out = self.convert(name, index)
+            if key and self._fits(out.nbytes):
+                self._keep(key, out, out.nbytes)
+        return out
+
+    def row_blocks(self, name: str, tokens: int = 2) -> list[slice]:
+        """The row blocks in which a [rows, in] matrix multiplies `tokens` rows of activations: for one token,
+        VECTOR_BLOCK_BYTES converted each (a block is converted and multiplied while in cache); for several,
+        lm_head / a tied embedding in ROW_BLOCK_BYTES blocks and any other matrix whole. They depend on shapes
+        alone, never on the budget: kept and streamed tensors compute the same products."""
+        shape = self.shape(name)
+        if tokens > 1 and name not in _ROW_READ:
+            return [slice(0, shape[0])]
+        size = VECTOR_BLOCK_BYTES if tokens == 1 else ROW_BLOCK_BYTES
+        step = max(1, size // (math.prod(shape[1:]) * self.dtype.itemsize))
+        return [slice(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
+
+    def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
+        """kernels.linear.linear(x, W, b) with W the matrix `name` [out, in] and b the vector `bias` (a name, or
+        None), block by block of `row_blocks`: x [..., in] -> [..., out]."""
+        blocks = self.row_blocks(name, math.prod(x.shape[:-1]))
+        b = None if bias is None else self[bias]
+        if len(blocks) == 1:
+            return linear(x, self[name], b)
+        out = np.empty((*x.shape[:-1], self.shape(name)[0]), np.result_type(x.dtype, self.dtype))
+        for rows in blocks:
+            out[..., rows] = linear(x, self.rows(name, rows), None if b is None else b[rows])
         return out
 
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
-        from per-expert tensors or the fused gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie]."""
+        from per-expert tensors or the fused gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie] (expert e only)."""
         if f"{prefix}.{e}.gate_proj.weight" in self.stored:
             return tuple(self[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
-        gate_up = self[f"{prefix}.gate_up_proj"][e]
+        gate_up = self.rows(f"{prefix}.gate_up_proj", e)
         half = gate_up.shape[0] // 2
-        return gate_up[:half], gate_up[half:], self[f"{prefix}.down_proj"][e]
+        return gate_up[:half], gate_up[half:], self.rows(f"{prefix}.down_proj", e)
+
+    def convert(self, name: str, index=None) -> np.ndarray:
+        """Tensor `name` (or part `index` of its leading axis) read from storage and converted, transform applied;
+        not kept. Logged in `conversion_log` when that is a list."""
+        stored = self._stored(name)
+        raw = read(stored, index)
+        out = to_dtype(raw, self.dtype)
+        self._check_finite(name, index, out)
+        if self.transform is not None:
+            part = None if index is None else Part(index, tuple(stored.shape), lambda: self._chunks(name))
+            out = self.transform(name, out, part)
+        if out is not raw:
+            self.conversions += 1
+            self.converted_bytes += out.nbytes
+            if self.conversion_log is not None:
+                self.conversion_log.append((name, index))
+        return out
+
+    def _check_finite(self, name: str, index, out: np.ndarray) -> None:
+        """warn_nonfinite on a converted tensor or part, once per tensor / part (streamed tensors are converted on
+        every use: their values are checked the first time only); looked-up rows (an index array) every time."""
+        key = name if index is None else (name, int(index)) if isinstance(index, (int, np.integer)) else \
+            (name, index.start, index.stop, index.step) if isinstance(index, slice) else None
+        if key is None or key not in self._finite:
+            warn_nonfinite(self.origin(name), name, out)
+            if key is not None:
+                self._finite.add(key)
+
+    def prefetch(self, names) -> None:
+        """Ask the kernel to start reading these tensors (names, or (name, expert index) pairs) from the disk
+        while the current layer computes (madvise WILLNEED on the memory map: asynchronous, no data copied). Kept
+        tensors and tensors not memory-mapped (presets, dequantised GGUF blocks) are skipped."""
+        for item in names:
+            name, index = item if isinstance(item, tuple) else (item, None)
+            stored = self.stored.get(self.aliases.get(name, name))
+            if not isinstance(stored, np.ndarray) or name in self._kept or (name, index) in self._kept:
+                continue
+            _will_need(read(stored, index))
+
+    def prefetch_experts(self, prefix: str, experts) -> None:
+        """prefetch the routed experts' matrices under `prefix` (per-expert tensors or fused ones)."""
+        if f"{prefix}.gate_up_proj" in self.stored:
+            self.prefetch((f"{prefix}.{p}", int(e)) for e in experts for p in ("gate_up_proj", "down_proj"))
+        else:
+            self.prefetch(f"{prefix}.{int(e)}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down"))
+
+    def _chunks(self, name: str):
+        """The whole tensor converted (before any transform), leading-axis block by block."""
+        for block in blocks(self._stored(name), self.dtype.itemsize):
+            yield to_dtype(block, self.dtype)
+
+    def _stored(self, name: str):
+        try:
+            return self.stored[self.aliases.get(name, name)]
+        except KeyError:
+            raise WeightsError(f"{self.source}: missing tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple:
+        """A tensor's shape (read from the header: no data)."""
+        return tuple(self._stored(name).shape)
+
+    def origin(self, name: str) -> str:
+        return self.origins.get(self.aliases.get(name, name), self.source)
+
+    # ------------------------------------------------------------------------------------------------ residency
+
+    def converted_size(self, name: str) -> int:
+        """Bytes the tensor takes converted; 0 when it is used in place (stored in the compute dtype, no transform)."""
+        stored = self._stored(name)
+        if isinstance(stored, np.ndarray) and stored.dtype == self.dtype and self.transform is None:
+            return 0
+        return math.prod(stored.shape) * self.dtype.itemsize
+
+    def converted_nbytes(self) -> int:
+        """Bytes of the whole model converted (what keeping everything costs)."""
+        return sum(self.converted_size(n) for n in [*self.stored, *self.aliases])
+
+    def pieces(self) -> dict[str, int]:
+        """name -> the converted bytes of the largest piece of it read at once: an lm_head / embedding row block,
+        one expert of a fused tensor (with its down_proj: read together), an expert's three matrices, or the
+        whole tensor."""
+        out = {}
+        for name in [*self.stored, *self.aliases]:
+            size = self.converted_size(name)
+            if size == 0:
+                continue
+            shape = self.shape(name)
+            if name in _ROW_READ:   # its largest block, of one token's products or several's
+                rows = max(len(range(*self.row_blocks(name, tokens)[0].indices(shape[0]))) for tokens in (1, 2))
+                out[name] = rows * size // shape[0]
+            elif m := _FUSED.match(name):
+                out[name] = sum(self.converted_size(f"{m[1]}.{p}") // shape[0] for p in ("gate_up_proj", "down_proj")
+                                if f"{m[1]}.{p}" in self.stored)
+            elif m := _PER_EXPERT.match(name):
+                out[name] = sum(self.converted_size(f"{m[1]}.{p}_proj.weight") for p in ("gate", "up", "down")
+                                if f"{m[1]}.{p}_proj.weight" in self.stored)
+            else:
+                out[name] = size
+        return out
+
+    def plan(self) -> tuple[int, int, str | None]:
+        """(budget, reserve, the tensor of the largest piece): checks an explicit budget against that piece."""
+        if self._plan is None:
+            pieces = self.pieces()
+            largest = max(pieces, key=pieces.get, default=None)
+            reserve = pieces.get(largest, 0)
+            if self.max_resident_bytes is None:
+                total = self.converted_nbytes()
+                budget = math.inf if total <= machine_memory() / 2 else max(DEFAULT_STREAM_BUDGET, reserve)
+            else:
+                budget = self.max_resident_bytes
+                if not isinstance(budget, (int, np.integer)) or isinstance(budget, bool) or budget < 0:
+                    raise WeightsError(f"{self.source}: max_resident_bytes must be a number of bytes >= 0, "
+                                       f"got {budget!r}")
+                if budget < reserve:
+                    raise WeightsError(f"{self.origin(largest)}: the resident budget of {size_text(budget)} is "
+                                       f"smaller than tensor {largest!r}, which needs {size_text(reserve)} "
+                                       f"converted at once; give at least {size_text(reserve)} ({reserve} bytes)")
+            self._plan = (budget, reserve, largest)
+        return self._plan
+
+    @property
+    def budget(self) -> float:
+        return self.plan()[0]
+
+    @property
+    def resident(self) -> bool:
+        """Whether every tensor is kept once converted (else some are streamed: converted on each use)."""
+        budget, reserve, _ = self.plan()
+        return self.converted_nbytes() <= budget - reserve or budget == math.inf
+
+    def residency(self) -> str:
+        """One line: resident or streamed, and why."""
+        budget, reserve, _ = self.plan()
+        total = self.converted_nbytes()
+        why = (f"max_resident_bytes {size_text(budget)}" if self.max_resident_bytes is not None else
+               f"{'fits in' if budget == math.inf else 'exceeds'} half of {size_text(machine_memory())} memory")
+        if self.resident:
+            return f"resident ({size_text(total)} converted, {why})"
+        return (f"streamed per layer ({size_text(total)} converted, {why}; at most {size_text(budget)} held, "
+                f"largest piece {size_text(reserve)})")
+
+    def alias(self, name: str, target: str) -> None:
+        """Read stored tensor `target` under `name` too (converted and transformed on its own)."""
+        self.aliases[name] = target
+        self._plan = None
+
+    def _fits(self, size: int) -> bool:
+        budget, reserve, _ = self.plan()
+        return self.kept_nbytes + size <= budget - reserve
+
+    def _keep(self, key, array, size: int) -> None:
+        self._kept[key] = array
+        self.kept_nbytes += size
+
+    def drop(self) -> None:
+        """Forget every converted tensor (they are converted again when read)."""
+        self._kept.clear()
+        self.kept_nbytes = 0
+
+    # ------------------------------------------------------------------------------------------------ checking
 
     def check(self, expected: dict[str, tuple]) -> None:
         """Every expected tensor present, floating point, of the expected shape; fused experts may be stored
@@ -93,14 +430,15 @@ class Weights:
 
     def _check_one(self, name, shape):
         a = self.stored[name]
-        if a.dtype.name not in FLOAT_DTYPES:
-            raise WeightsError(f"{self.source}: tensor {name!r} has dtype {a.dtype.name}, expected a float type "
-                               f"(F32, F16, BF16)")
+        if np.dtype(a.dtype).name not in FLOAT_DTYPES:
+            raise WeightsError(f"{self.origin(name)}: tensor {name!r} has dtype {np.dtype(a.dtype).name}, expected a "
+                               f"float type (F32, F16, BF16)")
         if tuple(a.shape) != tuple(shape):
-            raise WeightsError(f"{self.source}: tensor {name!r} has shape {list(a.shape)}, expected {list(shape)}")
+            raise WeightsError(f"{self.origin(name)}: tensor {name!r} has shape {list(a.shape)}, expected "
+                               f"{list(shape)}")
 
     def _check_per_expert(self, name, shape) -> bool:
-        m = re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)$", name)
+        m = _FUSED.match(name)
         if not m or f"{m.group(1)}.0.gate_proj.weight" not in self.stored:
             return False
         E = shape[0]
@@ -115,12 +453,18 @@ class Weights:
         return True
 
     def sha256(self) -> str:
-        """Digest of every stored tensor (name, dtype, shape, bytes), in name order."""
+        """Digest of every stored tensor (name, dtype, shape, bytes), in name order, read leading-axis block by
+        block (a GGUF tensor: dequantised, as the model reads it); a progress bar on a terminal when it is long."""
         h = hashlib.sha256()
-        for name in sorted(self.stored):
-            a = np.ascontiguousarray(self.stored[name])
-            h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-            h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+        with layer_progress("weights sha256", max(1, self.nbytes() >> 20), "MiB") as advance:
+            for name in sorted(self.stored):
+                stored = self.stored[name]
+                dtype = np.dtype(stored.dtype)
+                h.update(f"{name}:{dtype.str}:{tuple(stored.shape)};".encode())
+                for block in blocks(stored, dtype.itemsize):
+                    a = np.ascontiguousarray(block, dtype)
+                    h.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
+                    advance(a.nbytes / 2**20)
         return h.hexdigest()
 
     def nbytes(self) -> int:

@@ -111,9 +111,14 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
 
 
 def test_gguf_sources_go_to_tokenizer_from_gguf(monkeypatch, tmp_path):
+    from refimpl.formats import gguf as G
     monkeypatch.setattr(T, "tokenizer_from_gguf", lambda path: T.qwen_tokenizer("qwen3").hf, raising=False)
+    monkeypatch.setattr(G, "GGUFFile", lambda path: path)
+    monkeypatch.setattr(G, "tokenizer_metadata", lambda g: {"tokens": ["<|im_end|>"], "eos_token_id": 0,
+                                                            "chat_template": "{{ eos_token }}"})
     tok = refimpl.load_tokenizer(tmp_path / "m.gguf")
     assert isinstance(tok, T.Tokenizer) and tok.encode("hi") == [6023]
+    assert tok.apply_chat_template("hi") == "<|im_end|>"      # the GGUF's template and special tokens
 
 
 def test_conversion_is_cached(monkeypatch, tmp_path):
