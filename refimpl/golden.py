@@ -14,8 +14,9 @@ from threadpoolctl import threadpool_info
 from . import __version__
 from .bundle import Tensor, write_bundle
 from .conventions import genie, hf, qeff
-from .errors import InputError
+from .errors import FormatError, InputError, brief
 from .generate import greedy, log_softmax_at
+from .models.config import config_from_dict
 
 CONVENTIONS = {"hf": hf, "genie": genie, "qeff": qeff}
 SCHEMA_VERSION = 1
@@ -55,9 +56,27 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
 def run_graph(model, manifest: dict, inputs: dict) -> dict:
     """One graph call of a bundle's convention on given inputs (replay, explain): the golden's own inputs
     reproduce its outputs bit for bit."""
-    conv = manifest["convention"]
-    module = CONVENTIONS[conv["name"]]
-    return module.graph(model, inputs, module.Options(**conv["params"]))
+    conv = manifest.get("convention") or {}
+    name, params = conv.get("name"), conv.get("params") or {}
+    if not isinstance(name, str) or name not in CONVENTIONS or not isinstance(params, dict):
+        raise FormatError(f"bundle manifest: convention {brief(conv)} is not one of {', '.join(CONVENTIONS)} with "
+                          f"its params (replay and explain run the bundle's graph)")
+    module = CONVENTIONS[name]
+    try:
+        opts = module.Options(**params)
+    except TypeError as e:
+        raise FormatError(f"bundle manifest: convention.params of {name}: {brief(str(e), 120)}") from None
+    if hasattr(opts, "check"):
+        opts.check(model)
+    return module.graph(model, inputs, opts)
+
+
+def manifest_config(manifest: dict):
+    """The model config a bundle's manifest records (replay, explain and the quantised diff rebuild the graph)."""
+    config = (manifest.get("model") or {}).get("config")
+    if config is None:
+        raise FormatError("bundle manifest: no model.config (a bundle refimpl golden wrote records it)")
+    return config_from_dict(config)
 
 
 def bundle_steps(result: list, codes: dict | None = None) -> list[list[Tensor]]:

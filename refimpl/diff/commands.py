@@ -107,7 +107,9 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
     """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
     from ..models.load import load
     from ..precision import from_manifest
-    m = bundle.manifest["model"]
+    m = bundle.manifest.get("model") or {}
+    if source is None and not isinstance(m.get("source"), str):
+        raise InputError(f"{bundle.path}: manifest.json records no model source; give --model")
     model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings),
                  max_resident_bytes=max_resident)
     digest = model.weights.sha256()
@@ -183,7 +185,7 @@ def _first_error(bundle, dump, report, policy):
     result = next(r for r in report.results if r.key == keys[0])
     if item is None or item.problem or item.array is None or result.metrics is None:
         return None  # unreadable: nothing to histogram
-    cands = dict(candidates(item, rec, result.layout, conv_kernel(model_config(bundle.manifest["model"].get("config")))))
+    cands = dict(candidates(item, rec, result.layout, conv_kernel(model_config((bundle.manifest.get("model") or {}).get("config")))))
     device = cands.get(result.layout)
     if device is None:
         return None

@@ -330,7 +330,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     emulated: an optional Bundle of the same case run at the device's precision (three-way judging).
     progress(i, total): called after each of the bundle's tensors."""
     policy = policy or Policy()
-    cfg = model_config(bundle.manifest["model"].get("config"))
+    cfg = model_config((bundle.manifest.get("model") or {}).get("config"))
     conv = bundle.manifest.get("convention")
     results, absent = [], 0
     skipped = check_same_case(bundle, emulated) if emulated is not None else []
@@ -361,7 +361,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
                conv_kernel(cfg))
         results.append(r)
     report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
-                    dump.unknown, absent, [], bundle.manifest["model"].get("config"), conv)
+                    dump.unknown, absent, [], (bundle.manifest.get("model") or {}).get("config"), conv)
     _localise(report)
     report.notes = _notes(report)
     if skipped:

@@ -18,10 +18,9 @@ import numpy as np
 from ..errors import InputError
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.products import exact_dot
-from ..models.config import config_from_dict
 from ..trace import trace
 from .dataflow import producer
-from ..golden import run_graph
+from ..golden import manifest_config, run_graph
 
 _SPEC = re.compile(r"\s*([A-Za-z0-9_.]+)\s*\[\s*([-\d\s,]+)\]\s*$")
 
@@ -55,7 +54,7 @@ def explain(bundle, model, spec: str, step: int | None = None, device: dict | No
     if len(idx) != x.ndim or not all(-n <= i < n for i, n in zip(idx, x.shape)):
         raise InputError(f"explain: index {list(idx)} does not fit {name} of shape {list(x.shape)}")
     idx = tuple(i % n for i, n in zip(idx, x.shape))
-    cfg = config_from_dict(bundle.manifest["model"]["config"])
+    cfg = manifest_config(bundle.manifest)
     node = producer(cfg, name)
     lines = [f"{name}{list(idx)} at step {step} ({steps[step].get('graph', '')} call), shape {list(x.shape)}",
              f"  reference value: {_f(x[idx])}" + (f"   device: {_f(device[name][idx])}   diff: "

@@ -49,10 +49,10 @@ def tap_encodings(bundle, encodings=None) -> dict:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    from ..models.config import config_from_dict
+    from ..golden import manifest_config
     from ..models.model import _architecture
     from ..models.quantisers import place
-    cfg = config_from_dict(bundle.manifest["model"]["config"])
+    cfg = manifest_config(bundle.manifest)
     placed = place(read_activation_encodings(encodings), _architecture(cfg)[2](cfg), source=str(encodings))
     return dict(placed.outputs)
 

@@ -29,8 +29,7 @@ import numpy as np
 
 from ..bundle import DTYPES, valid_mask
 from ..errors import InputError
-from ..golden import run_graph
-from ..models.config import config_from_dict
+from ..golden import manifest_config, run_graph
 from ..trace import trace
 from .compare import Policy, candidates, conv_kernel, is_integer, judge
 from .dataflow import producer
@@ -59,7 +58,7 @@ def device_tensor(bundle, dump, step: int, role: str, name: str, policy: Policy)
     if item is None or item.problem:
         return None
     rec = bundle.manifest["tensors"][item.key]
-    cands = candidates(item, rec, policy.layout(name), conv_kernel(config_from_dict(bundle.manifest["model"]["config"])))
+    cands = candidates(item, rec, policy.layout(name), conv_kernel(manifest_config(bundle.manifest)))
     return cands[0][1] if cands else None
 
 
@@ -85,7 +84,7 @@ def run_step(bundle, dump, model, step: int, policy: Policy):
 
 def layer_tensors(bundle, step: int, layer: int) -> list[tuple[str, str]]:
     """(role, name) of step's taps inside layer `layer` and the graph outputs it writes (KV, states)."""
-    cfg = config_from_dict(bundle.manifest["model"]["config"])
+    cfg = manifest_config(bundle.manifest)
     s = bundle.manifest["steps"][step]
     out = [("tap", n) for n in s["taps"] if n == f"model.layers.{layer}" or n.startswith(f"model.layers.{layer}.")]
     for n in s["outputs"]:
@@ -100,11 +99,11 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
     """Replay one layer's or one tensor's ops on the device's inputs (see the module docstring); every step
     unless `step` is given. Rows only for tensors the dump holds."""
     policy = policy or Policy()
-    cfg = config_from_dict(bundle.manifest["model"]["config"])
+    cfg = manifest_config(bundle.manifest)
     conv = bundle.manifest.get("convention")
     if (layer is None) == (tensor is None):
         raise InputError("replay: give exactly one of a layer index or a tensor name")
-    n_layers = bundle.manifest["model"]["config"]["num_hidden_layers"]
+    n_layers = cfg.num_hidden_layers
     if layer is not None and not 0 <= layer < n_layers:
         raise InputError(f"replay: layer {layer} is outside 0..{n_layers - 1}")
     steps = range(bundle.steps) if step is None else [step]

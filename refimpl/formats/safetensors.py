@@ -7,6 +7,7 @@ read from disk only when the forward pass first touches it. BF16 arrives as ml_d
 """
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import FormatError, brief
+from ..files import expect, inside, load_json, parse_json, regular_file
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -23,6 +25,8 @@ DTYPES = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
+_MAX_HEADER_DEPTH = 8      # {name: {"shape": [...]}}: three levels; __metadata__ is flat
+_MAX_DIMS = 32
 
 
 def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str, np.ndarray]:
@@ -30,8 +34,8 @@ def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str
     With a `problems` dict, a bad or truncated tensor entry is recorded there (name -> message) and the
     others are still returned (device dumps); without one it raises FormatError."""
     path = Path(path)
+    size = regular_file(path, "safetensors file")
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -40,14 +44,12 @@ def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str
             if header_len > min(size - 8, _MAX_HEADER):
                 raise FormatError(f"{path}: truncated or corrupt safetensors header "
                                   f"(header claims {header_len} bytes, file has {size})")
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise FormatError(f"{path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: corrupt safetensors header ({e})") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
+            text = f.read(header_len)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    header = parse_json(text, f"{path}: safetensors header", max_depth=_MAX_HEADER_DEPTH)
+    expect(header, dict, f"{path}: safetensors header", what="a JSON object {name: {dtype, shape, data_offsets}}")
+    expect(header.pop("__metadata__", None), (dict, type(None)), f"{path}: safetensors __metadata__")
     data_start, data_len = 8 + header_len, size - 8 - header_len
     mm = np.memmap(path, dtype=np.uint8, mode="r") if data_len > 0 else np.zeros(0, np.uint8)
     arrays = {}
@@ -62,44 +64,51 @@ def read_safetensors(path: str | Path, problems: dict | None = None) -> dict[str
 
 
 def _entry(path, mm, data_start: int, data_len: int, name: str, info) -> np.ndarray:
-    try:
-        kind, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise FormatError(f"{path}: tensor {name!r}: bad header entry {info!r}") from None
-    if kind not in DTYPES:
-        raise FormatError(f"{path}: tensor {name!r} has dtype {kind!r}, which refimpl cannot read "
-                          f"(readable: {', '.join(DTYPES)})")
+    """One header entry checked (fields, types, a dtype refimpl reads, sizes >= 0, shape x dtype size == the byte
+    span, the span inside the data section) and its view of the memory map."""
+    where = f"{path}: tensor {brief(name)}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise FormatError(f"{where}: header entry {brief(info)} is not {{dtype, shape, data_offsets}}")
+    kind, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(kind, str) or kind not in DTYPES:
+        raise FormatError(f"{where} has dtype {brief(kind)}, which refimpl cannot read (readable: {', '.join(DTYPES)})")
     dtype = DTYPES[kind]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expect(shape, list, f"{where}: shape")
+    if len(shape) > _MAX_DIMS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise FormatError(f"{where}: shape {brief(shape)} is not a list of at most {_MAX_DIMS} sizes >= 0")
+    expect(offsets, list, f"{where}: data_offsets")
+    if len(offsets) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets):
+        raise FormatError(f"{where}: data_offsets {brief(offsets)} is not [begin, end]")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes or begin < 0:
-        raise FormatError(f"{path}: tensor {name!r}: header offsets [{begin}, {end}) do not fit "
-                          f"shape {list(shape)} of {info['dtype']} ({nbytes} bytes)")
+        raise FormatError(f"{where}: header offsets [{begin}, {end}) do not fit shape {shape} of {kind} "
+                          f"({nbytes} bytes)")
     if end > data_len:
-        raise FormatError(f"{path}: truncated: tensor {name!r} needs bytes [{begin}, {end}) of the data "
+        raise FormatError(f"{path}: truncated: tensor {brief(name)} needs bytes [{begin}, {end}) of the data "
                           f"section but the file holds {data_len}")
     return mm[data_start + begin:data_start + end].view(dtype).reshape(shape)
 
 
 def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Path]]:
     """All tensors of an HF checkpoint directory (model.safetensors, or the shards its index names) as memory
-    maps, and the file each is in."""
+    maps, and the file each is in. Shards the index names must be files inside the directory."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            shards = {str(f) for f in weight_map.values()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{index}: corrupt index ({e!r})") from None
-        for f in sorted(shards):
-            path = directory / f
-            if Path(f).is_absolute() or ".." in Path(f).parts:
-                raise FormatError(f"{index}: shard {f!r} is outside the checkpoint directory")
-            if not path.is_file():
+    if index.exists() or index.is_symlink():
+        doc = load_json(index, "safetensors index")
+        expect(doc, dict, f"{index}")
+        weight_map = expect(doc.get("weight_map"), dict, f"{index}: weight_map", what="an object {tensor: shard}")
+        for name, f in weight_map.items():
+            expect(f, str, f"{index}: weight_map[{brief(name)}]", what="a shard file name")
+        shards = sorted(set(weight_map.values()))
+        for f in shards:
+            path = inside(directory, f, f"shard named in {index.name}")
+            if not path.exists() and not path.is_symlink():
                 listed = [n for n, g in weight_map.items() if g == f]
                 raise FormatError(f"{path}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
-                                  f"{listed[0]!r}")
-        files = sorted(directory / f for f in shards)
+                                  f"{brief(listed[0])}")
+        files = [directory / f for f in shards]
     else:
         weight_map = None
         files = sorted(directory.glob("*.safetensors"))
@@ -108,10 +117,12 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[
     arrays, origins = {}, {}
     for f in files:
         for name, a in read_safetensors(f).items():
+            if name in arrays:
+                raise FormatError(f"{f}: tensor {brief(name)} is also in {origins[name]}")
             arrays[name], origins[name] = a, f
     for name, f in (weight_map or {}).items():
-        if name not in arrays:
-            raise FormatError(f"{directory / f}: tensor {name!r} listed in {index.name} is not in the shard")
+        if name not in arrays or origins[name] != directory / f:
+            raise FormatError(f"{directory / f}: tensor {brief(name)} listed in {index.name} is not in the shard")
     return arrays, origins
 
 
