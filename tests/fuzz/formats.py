@@ -7,6 +7,7 @@ A target reads the case with every public reader of the format and runs what a u
 a diff); a refimpl error from one reader does not stop the others, but any other exception ends the case.
 """
 
+import functools
 import io
 import json
 import os
@@ -578,8 +579,8 @@ _COMMANDS = [
     ["generate", "--model", "model", "--input-ids", "3,17", "--max-new-tokens", "2", "--ids"],
     ["diff", "bundle", "bundle", "--top", "3", "-q", "--json", "m.json", "--policy", "policy.json"],
     ["diff", "bundle", "--rejudge", "metrics.json", "--dtype", "fp16"],
-    ["replay", "bundle", "bundle", "--layer", "0", "--step", "0", "--mapping", "mapping.json"],
-    ["explain", "bundle", "logits[0,0,0]", "--step", "0"],
+    ["replay", "bundle", "bundle", "--layer", "0", "--step", "0", "--mapping", "mapping.json", "--model", "model"],
+    ["explain", "bundle", "logits[0,0,0]", "--step", "0", "--model", "model"],
     ["reference", "--model", "model", "--text", "text.txt", "--ctx", "8", "--out", "r", "-q"],
     ["compare-logits", "reference", "reference", "--policy", "max_mean_kld=0.01", "-q"],
     ["export-kld-base", "reference", "out.kld"],
@@ -625,21 +626,25 @@ class CLI(Format):
         rng = random.Random(f"{self.name}/{seed}")
         argv = list(rng.choice(_COMMANDS))
         for _ in range(rng.randint(*self.edits)):
-            kind, i, j = rng.choice(["value", "value", "value", "drop", "double", "swap", "flag"]), \
-                rng.randrange(len(argv)), rng.randrange(len(argv))
+            kind = rng.choice(["value", "value", "value", "drop", "double", "swap", "flag"])
+            if len(argv) < 2:   # the subcommand alone: give it something
+                kind = "flag"
+            i, j = rng.randrange(1, max(2, len(argv))), rng.randrange(1, max(2, len(argv)))
             if kind == "value":
-                argv[max(i, 1)] = rng.choice(_CLI_VALUES)
-            elif kind == "drop" and len(argv) > 1:
-                del argv[max(i, 1)]
+                argv[i] = rng.choice(_CLI_VALUES)
+            elif kind == "drop":
+                del argv[i]
             elif kind == "double":
                 argv.insert(i, argv[i])
             elif kind == "swap":
-                argv[max(i, 1)], argv[max(j, 1)] = argv[max(j, 1)], argv[max(i, 1)]
-            elif kind == "flag":
+                argv[i], argv[j] = argv[j], argv[i]
+            else:
                 argv += [rng.choice(self._flags(argv[0])), rng.choice(_CLI_VALUES)]
         return [["base", "cli"], ["argv", argv]]
 
-    def _flags(self, command: str) -> list[str]:
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _flags(command: str) -> list[str]:
         """The options of a subcommand, but never --overwrite (the base files are shared between cases)."""
         from refimpl.cli import build_parser
         sub = next(a for a in build_parser()._actions if a.dest == "command")
