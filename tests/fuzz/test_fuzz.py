@@ -10,7 +10,7 @@ from .engine import Pool, table
 from .formats import FORMATS
 
 REGRESSIONS = Path(__file__).with_name("regressions.json")
-SHORT_BUDGET = 12   # seeded cases per format in `make test` (about 30 s of CPU for the seven formats)
+SHORT_BUDGET = 60   # seeded cases per format in `make test` (about 20 s of CPU for the eight formats here)
 
 
 def _run(jobs, formats):
