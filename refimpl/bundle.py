@@ -43,7 +43,7 @@ DTYPES = {n: np.dtype(n).newbyteorder("<") for n in
           ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint16", "uint8", "bool")}
 DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16).newbyteorder("<")
 EXPORTS = ("safetensors", "npz")
-_NAME = re.compile(r"[A-Za-z0-9_.]{1,256}")   # a tensor name: a file name on every system
+_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")   # a tensor name: with ".raw", a file name on every system
 _STALE = re.compile(r"\.(?P<target>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
@@ -130,7 +130,7 @@ def _check_tensor(t, k: int) -> tuple[dict, np.ndarray]:
         raise InputError(f"step {k}: expected a refimpl.bundle.Tensor, got {type(t).__name__}")
     where = f"step {k}: tensor {t.name!r}"
     if not isinstance(t.name, str) or not _NAME.fullmatch(t.name):
-        raise InputError(f"{where}: a name may hold only [A-Za-z0-9_.], 1 to 256 characters (device tools rewrite "
+        raise InputError(f"{where}: a name may hold only [A-Za-z0-9_.], 1 to 200 characters (device tools rewrite "
                          f"':', '/', '-')")
     if t.role not in ROLES:
         raise InputError(f"{where}: role {t.role!r} is not one of {', '.join(ROLES)}")
@@ -448,7 +448,7 @@ def _check_manifest_out(m, mf: Path) -> None:
         for r in ROLES:
             names = expect(s.get(ROLES[r]), list, f"{where}.{ROLES[r]}", what="a list of tensor names")
             if not all(isinstance(n, str) and _NAME.fullmatch(n) for n in names):
-                raise FormatError(f"{where}.{ROLES[r]}: tensor names hold 1 to 256 of [A-Za-z0-9_.], got {brief(names)}")
+                raise FormatError(f"{where}.{ROLES[r]}: tensor names hold 1 to 200 of [A-Za-z0-9_.], got {brief(names)}")
             if len(set(names)) != len(names):
                 raise FormatError(f"{where}.{ROLES[r]}: a name is listed twice")
             missing = [n for n in names if f"{k}/{r}/{n}" not in tensors]
@@ -480,7 +480,7 @@ def _check_record(key, rec, n_steps: int, where: str) -> None:
         raise FormatError(f"{where}: no {', '.join(missing)} (every record has {', '.join(_RECORD_FIELDS)})")
     name, step, role = rec.get("name"), rec.get("step"), rec.get("role")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise FormatError(f"{where}: name {brief(name)} is not a tensor name (1 to 256 of [A-Za-z0-9_.])")
+        raise FormatError(f"{where}: name {brief(name)} is not a tensor name (1 to 200 of [A-Za-z0-9_.])")
     integer(step, f"{where}: step", hi=n_steps - 1, lo=0)
     if not isinstance(role, str) or role not in ROLES:
         raise FormatError(f"{where}: role {brief(role)} is not one of {', '.join(ROLES)}")
@@ -534,7 +534,7 @@ def _tensor_file(root: Path, rec: dict) -> Path:
     key = _key(rec)
     path = inside(root, rec["file"], f"tensor {key}")
     nbytes = math.prod(rec["shape"]) * DTYPES[rec["dtype"]].itemsize
-    if not path.exists() and not path.is_symlink():
+    if not os.path.lexists(path):
         raise FormatError(f"{path}: missing (tensor {key})")
     size = regular_file(path, f"raw file of tensor {key}")
     if size != nbytes:

@@ -435,6 +435,10 @@ def main(argv=None) -> int:
     """Run the command line; returns the exit status: 0 done, 1 a diff found a mismatch, 2 bad input (one line
     on stderr, nothing written), 3 an internal error (one line; REFIMPL_TRACEBACK=1 prints the traceback), 130
     interrupted."""
+    bad = next((a for a in (sys.argv[1:] if argv is None else argv) if "\0" in str(a)), None)
+    if bad is not None:   # only main(argv) can pass one (a shell cannot); no path or name holds it
+        print(f"refimpl: error: argument {_one_line(repr(bad)[:80])} holds a NUL character", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     _notes_to_stderr()
     warnings.showwarning = _warning  # one line each, as errors are

@@ -6,6 +6,12 @@ import numpy as np
 from ..errors import FormatError
 
 
+def state_shapes(cfg) -> tuple:
+    """(conv, recurrent) state shapes of a linear-attention layer as graph inputs (Kc: the conv state's columns,
+    an export option)."""
+    return (1, cfg.conv_dim, "Kc"), (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+
+
 def check_inputs(inputs: dict, expected: dict, where: str) -> dict:
     """Graph inputs given from outside (a bundle's, a device's: replay, explain) against the names and shapes a
     convention's graph reads. expected: name -> shape, a size as an int, or as a letter that must agree wherever it

@@ -35,7 +35,7 @@ from ..models.cache import Cache, KVCache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
-from . import check_inputs
+from . import check_inputs, state_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +133,7 @@ def input_shapes(cfg, opts: Options) -> dict:
               "position_ids_sin": (1, 1, "AR", "R")}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            shapes[f"conv_state_{i}_in"] = (1, cfg.conv_dim, "Kc")
-            shapes[f"recurrent_state_{i}_in"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                 cfg.linear_value_head_dim)
+            shapes[f"conv_state_{i}_in"], shapes[f"recurrent_state_{i}_in"] = state_shapes(cfg)
         else:
             shapes[f"past_key_{i}_in"] = (Hkv, 1, D, "W") if opts.key_transposed else (Hkv, 1, "W", D)
             shapes[f"past_value_{i}_in"] = (Hkv, 1, "W", D)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
-from . import check_inputs
+from . import check_inputs, state_shapes
 from .genie import Call, next_token, prompt_list, tap_valid
 
 
@@ -68,9 +68,7 @@ def graph(model, inputs: dict, opts: Options | None = None) -> dict:
     shapes = {"input_ids": (1, "T"), "position_ids": (1, "T")}
     for i, kind in enumerate(cfg.layer_types):   # the cache inputs: none before the first call
         if kind == "linear_attention" and f"past_conv_state.{i}" in inputs:
-            shapes[f"past_conv_state.{i}"] = (1, cfg.conv_dim, "Kc")
-            shapes[f"past_recurrent_state.{i}"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                   cfg.linear_value_head_dim)
+            shapes[f"past_conv_state.{i}"], shapes[f"past_recurrent_state.{i}"] = state_shapes(cfg)
         elif kind != "linear_attention" and f"past_key_values.{i}.key" in inputs:
             shapes[f"past_key_values.{i}.key"] = shapes[f"past_key_values.{i}.value"] = (1, Hkv, "P", D)
     check_inputs(inputs, shapes, "hf")

@@ -25,7 +25,7 @@ from ..models.cache import Cache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
-from . import check_inputs
+from . import check_inputs, state_shapes
 from .genie import Call, _eos, check_pad_id, next_token, prompt_list, tap_valid
 
 
@@ -79,9 +79,7 @@ def input_shapes(cfg) -> dict:
     shapes = {"input_ids": (1, "S"), "position_ids": (1, "S")}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            shapes[f"conv_state.{i}"] = (1, cfg.conv_dim, "Kc")
-            shapes[f"recurrent_state.{i}"] = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                              cfg.linear_value_head_dim)
+            shapes[f"conv_state.{i}"], shapes[f"recurrent_state.{i}"] = state_shapes(cfg)
         else:
             shapes[f"past_key.{i}"] = shapes[f"past_value.{i}"] = (1, Hkv, "C", D)
     return shapes
