@@ -110,10 +110,11 @@ def sha256_file(path, what: str = "file", error=FormatError, chunk: int = 1 << 2
     return h.hexdigest(), n
 
 
-def inside(root, rel, what: str, error=FormatError) -> Path:
+def inside(root, rel, what: str, error=FormatError, links_out: bool = False) -> Path:
     """root / rel for a relative path `rel` that a file names (a bundle's tensor file, a checkpoint's shard), checked
     to stay inside root: a non-empty relative str with no '..' part and no NUL, which (symlinks followed) resolves
-    inside root. The file need not exist."""
+    inside root. links_out: a symlink may lead elsewhere (a Hugging Face cache snapshot links every file to a blob
+    outside it); the name itself must still be inside. The file need not exist."""
     root = Path(root)
     if not isinstance(rel, str) or not rel or "\0" in rel or "\\" in rel:
         raise error(f"{root}: {what}: path {brief(rel)} is not a relative file path")
@@ -121,6 +122,8 @@ def inside(root, rel, what: str, error=FormatError) -> Path:
     if Path(rel).is_absolute() or ".." in parts:
         raise error(f"{root}: {what}: path {brief(rel)} leaves the directory (absolute, or with '..')")
     path = root / rel
+    if links_out:
+        return path
     try:
         real, base = path.resolve(), root.resolve()
     except (OSError, RuntimeError) as e:   # a symlink loop

@@ -251,3 +251,38 @@ def test_dump_policy_and_mapping_json_bounded(case, tmp_path):
             with pytest.raises(InputError) as e:
                 read(tmp_path / name)
             assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+def _sharded(d, tmp_path):
+    """A two-shard HF checkpoint laid out as the Hugging Face cache does: snapshot files are links to blobs."""
+    from refimpl.formats.safetensors import write_safetensors
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    d.mkdir()
+    model = __import__("refimpl").load("tiny-qwen3")
+    names = sorted(model.weights.stored)
+    weight_map = {}
+    for i in range(2):
+        f = f"model-{i + 1:05d}-of-00002.safetensors"
+        write_safetensors(blobs / f"blob{i}", {n: np.asarray(model.weights.stored[n]) for n in names[i::2]})
+        (d / f).symlink_to(blobs / f"blob{i}")
+        weight_map.update({n: f for n in names[i::2]})
+    return weight_map
+
+
+@pytest.mark.parametrize("shard", ["../outside/x.safetensors", "/etc/passwd", "sub", ""])
+def test_shard_index_names_only_files_inside(tmp_path, shard):
+    """A shard index naming a path outside the checkpoint, an absolute path, a directory or nothing: a one-line
+    FormatError; shards that are links elsewhere (the Hugging Face cache's blobs) are read."""
+    from refimpl.formats.safetensors import read_checkpoint
+    d = tmp_path / "snapshot"
+    weight_map = _sharded(d, tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    arrays, origins = read_checkpoint(d)
+    assert set(arrays) == set(weight_map)
+    (d / "sub").mkdir()
+    weight_map[next(iter(weight_map))] = shard
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    one_line_format_error(lambda: read_checkpoint(d), tmp_path / "outside")

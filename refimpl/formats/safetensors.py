@@ -103,7 +103,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[
             expect(f, str, f"{index}: weight_map[{brief(name)}]", what="a shard file name")
         shards = sorted(set(weight_map.values()))
         for f in shards:
-            path = inside(directory, f, f"shard named in {index.name}")
+            path = inside(directory, f, f"shard named in {index.name}", links_out=True)   # HF cache: links to blobs
             if not os.path.lexists(path):   # (False also for a name too long to exist)
                 listed = [n for n, g in weight_map.items() if g == f]
                 raise FormatError(f"{path}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
