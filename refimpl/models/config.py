@@ -192,7 +192,7 @@ def _check_rope_values(rope: dict, source: str) -> None:
         integer(rope["original_max_position_embeddings"], f"{where}.original_max_position_embeddings", ConfigError,
                 lo=1, hi=MAX_SIZE)
     prf = rope.get("partial_rotary_factor")
-    if prf is not None and not 0 < number(prf, f"{where}.partial_rotary_factor", ConfigError) <= 1:
+    if "partial_rotary_factor" in rope and not 0 < number(prf, f"{where}.partial_rotary_factor", ConfigError) <= 1:
         raise ConfigError(f"{where}.partial_rotary_factor must be in (0, 1], got {prf!r}")
     for key in ("short_factor", "long_factor"):
         if rope.get(key) is not None:
