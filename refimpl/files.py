@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FormatError, brief
+from .errors import FormatError, InputError, brief
 
 MAX_JSON_DEPTH = 64            # deepest nesting any JSON refimpl reads has is ~6 (encodings, manifests)
 MAX_JSON_BYTES = 2 << 30       # a manifest of a 100-layer model with every tap is a few MB; AIMET encodings ~100 MB
@@ -108,6 +108,15 @@ def sha256_file(path, what: str = "file", error=FormatError, chunk: int = 1 << 2
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror or e})") from None
     return h.hexdigest(), n
+
+
+def output_file(path, what: str = "output", error=InputError) -> Path:
+    """A path to write a file to (atomically: a temporary file beside it, renamed into place): it must name a file,
+    not '', '.', '..' or an existing directory."""
+    path = Path(path)
+    if path.name in ("", ".", "..") or os.path.isdir(path):
+        raise error(f"{brief(str(path))}: the {what} must be a file path, not a directory")
+    return path
 
 
 def inside(root, rel, what: str, error=FormatError, links_out: bool = False) -> Path:

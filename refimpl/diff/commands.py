@@ -122,8 +122,9 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 def cmd_diff(args) -> int:
     from .compare import compare, load_metrics, rejudge, save_metrics, write_atomic
     from .report import print_report, render_html
+    from ..files import output_file
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
-        if out and not Path(out).resolve().parent.is_dir():
+        if out and not output_file(out, "--json / --html output").resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
     rows = None  # three-way rows of a quantised device (--float)
     if args.rejudge:

@@ -31,14 +31,13 @@ import json
 import math
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 
 from ..bundle import ROLES, valid_mask
 from ..conventions.genie import tap_token_axis
 from ..errors import InputError, brief
-from ..files import expect, integer, load_json, number
+from ..files import expect, integer, load_json, number, output_file
 from ..models.config import config_from_dict
 from . import hooks
 from .dataflow import producer
@@ -676,7 +675,7 @@ def save_metrics(report: Report, path) -> None:
 def write_atomic(path, content) -> None:
     """Write text, bytes or an iterable of byte chunks (a file larger than memory) to a temporary file beside
     `path` and rename it into place: `path` is either absent, the old file or the whole new one."""
-    path = Path(path)
+    path = output_file(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         if isinstance(content, str):

@@ -37,7 +37,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import ConfigError, FormatError, WeightsError, brief
-from ..files import integer, number, regular_file
+from ..files import integer, number, output_file, regular_file
 from ..kernels.elementary import log
 from ..kernels.quant import dequantize_q1_0, dequantize_q2_0
 from ..models.config import HYBRID_TYPES, config_from_dict
@@ -1039,7 +1039,7 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
     atomically: a temporary file beside `path`, renamed into place only when complete.
     tokenizer: `tokenizer_metadata()` of a GGUF (plain data) to embed; without it the file has no vocabulary."""
     import gguf
-    path = Path(path)
+    path = output_file(path, "GGUF file")
     qtype = qtype.upper()
     if qtype not in WRITE_TYPES:
         raise ConfigError(f"{path}: unsupported GGUF type {qtype!r}; supported: {', '.join(WRITE_TYPES)}")

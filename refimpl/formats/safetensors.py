@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import FormatError, brief
-from ..files import expect, inside, load_json, parse_json, regular_file
+from ..files import expect, inside, load_json, output_file, parse_json, regular_file
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -106,7 +106,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[
             path = inside(directory, f, f"shard named in {index.name}", links_out=True)   # HF cache: links to blobs
             if not os.path.lexists(path):   # (False also for a name too long to exist)
                 listed = [n for n, g in weight_map.items() if g == f]
-                raise FormatError(f"{path}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
+                raise FormatError(f"{directory}/{brief(f)}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
                                   f"{brief(listed[0])}")
         files = [directory / f for f in shards]
     else:
@@ -140,7 +140,7 @@ def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = output_file(path, "safetensors file").with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for _, a in items:
