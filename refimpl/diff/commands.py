@@ -4,7 +4,6 @@ Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unread
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
