@@ -5,13 +5,24 @@ value. The CLI prints the message on one line and exits 2.
 """
 
 
+MAX_MESSAGE = 900
+
+
 class RefimplError(Exception):
     """Base class: bad input that refimpl detected and explained. The message is one line whatever it quotes (a
-    file name or a value holding a line break is shown with the break escaped)."""
+    file name or a value holding a line break is shown with the break escaped), and at most MAX_MESSAGE characters
+    (a huge quoted value is cut in the middle: the start names the file, the end what was expected)."""
 
     def __init__(self, *args):
-        super().__init__(*(a.replace("\r", "\\r").replace("\n", "\\n") if isinstance(a, str) else a
-                           for a in args))
+        super().__init__(*(_one_line(a) if isinstance(a, str) else a for a in args))
+
+
+def _one_line(text: str) -> str:
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) <= MAX_MESSAGE:
+        return text
+    keep = (MAX_MESSAGE - 5) // 2
+    return f"{text[:keep]} ... {text[-keep:]}"
 
 
 class ConfigError(RefimplError):

@@ -171,7 +171,7 @@ def _standardize_rope(d: dict, hybrid: bool, source: str) -> dict:
         raise ConfigError(f"{source}: rope_theta must be a finite number > 1, got {brief(theta)}")
     for key in _ROPE_KEYS[kind]:
         if rope.get(key) is None:
-            raise ConfigError(f"{source}: rope_type {kind!r} needs {key!r} in rope_parameters")
+            raise ConfigError(f"{source}: rope_type {brief(kind)} needs {key!r} in rope_parameters")
     _check_rope_values(rope, source)
     return rope
 
@@ -187,13 +187,13 @@ def _check_rope_values(rope: dict, source: str) -> None:
         if rope.get(key) is not None:
             v = number(rope[key], f"{where}.{key}", ConfigError)
             if key in _POSITIVE and not v > 0:
-                raise ConfigError(f"{where}.{key} must be positive, got {v!r}")
+                raise ConfigError(f"{where}.{key} must be positive, got {brief(v)}")
     if rope.get("original_max_position_embeddings") is not None:
         integer(rope["original_max_position_embeddings"], f"{where}.original_max_position_embeddings", ConfigError,
                 lo=1, hi=MAX_SIZE)
     prf = rope.get("partial_rotary_factor")
     if "partial_rotary_factor" in rope and not 0 < number(prf, f"{where}.partial_rotary_factor", ConfigError) <= 1:
-        raise ConfigError(f"{where}.partial_rotary_factor must be in (0, 1], got {prf!r}")
+        raise ConfigError(f"{where}.partial_rotary_factor must be in (0, 1], got {brief(prf)}")
     for key in ("short_factor", "long_factor"):
         if rope.get(key) is not None:
             for v in expect(rope[key], list, f"{where}.{key}", ConfigError):
@@ -207,7 +207,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     """Build and check a ModelConfig from a config.json dict (multimodal wrappers: their text_config).
     semantics: "transformers" (an HF config) or "llama.cpp" (the dict a GGUF's metadata describes)."""
     if semantics not in ("transformers", "llama.cpp"):
-        raise ConfigError(f"{source}: semantics must be 'transformers' or 'llama.cpp', got {semantics!r}")
+        raise ConfigError(f"{source}: semantics must be 'transformers' or 'llama.cpp', got {brief(semantics)}")
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
@@ -216,14 +216,14 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     if model_type in MULTIMODAL_WRAPPERS:
         text = d.get("text_config")
         if not isinstance(text, dict):
-            raise ConfigError(f"{source}: model_type {model_type!r} needs a 'text_config' object")
+            raise ConfigError(f"{source}: model_type {brief(model_type)} needs a 'text_config' object")
         text = {**text, "model_type": text.get("model_type", MULTIMODAL_WRAPPERS[model_type])}
         # the wrapper (the checkpoint's declared architecture) ties by its own flag, not text_config's
         text["tie_word_embeddings"] = d.get("tie_word_embeddings", False)
         d = text
         model_type = d["model_type"]
     if not isinstance(model_type, str) or model_type not in SUPPORTED:
-        raise ConfigError(f"{source}: unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED)}")
+        raise ConfigError(f"{source}: unknown model_type {brief(model_type)}; supported: {', '.join(SUPPORTED)}")
     hybrid = model_type in HYBRID_TYPES
 
     def get(key, required=False, default=None):
@@ -317,7 +317,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
         raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers is {L}")
     bad = sorted(set(layer_types) - _LAYER_TYPES)
     if bad:
-        raise ConfigError(f"{source}: unknown layer type {bad[0]!r} in layer_types")
+        raise ConfigError(f"{source}: unknown layer type {brief(bad[0])} in layer_types")
     if "sliding_attention" in layer_types and sliding_window is None:
         raise ConfigError(f"{source}: layer_types has sliding_attention layers but sliding_window is not set")
     if not hybrid and "linear_attention" in layer_types:
@@ -329,7 +329,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     positive_int("max_position_embeddings", get("max_position_embeddings"))
     eps = get("rms_norm_eps")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-        raise ConfigError(f"{source}: rms_norm_eps must be a small non-negative number, got {eps!r}")
+        raise ConfigError(f"{source}: rms_norm_eps must be a small non-negative number, got {brief(eps)}")
 
     def flag_or(key, default):
         value = get(key, default=default)
