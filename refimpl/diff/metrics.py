@@ -332,6 +332,7 @@ def tensor_metrics(golden, device, valid=None, dtype="float32", atol=None, rtol=
         "max_rel_polygraphy": max_rel_polygraphy(g, t),
         "rel_p99": rel_p99(g, t),
         "mse": mse_,
+        "golden_power": float(np.mean(gs * gs)) * s * s if g.size else math.nan,   # mean golden^2
         "cosine": cosine(gs, ts),
         "sqnr_db": sqnr_db(gs, ts),
         "sqnr_qairt_db": sqnr_qairt_db(gs, ts),

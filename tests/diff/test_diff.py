@@ -5,15 +5,25 @@ import json
 import shutil
 import subprocess
 
+import faults as F
 import numpy as np
 import pytest
 
-import faults as F
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
-from refimpl.diff.compare import compare, load_metrics, load_policy, make_policy, rejudge, save_metrics
+from refimpl.diff.compare import (
+    compare,
+    judge,
+    judged_nmse,
+    load_metrics,
+    load_policy,
+    make_policy,
+    rejudge,
+    save_metrics,
+)
 from refimpl.diff.dump import read_dump
 from refimpl.diff.explain import explain
+from refimpl.diff.metrics import tensor_metrics
 from refimpl.errors import InputError
 from refimpl.golden import write_golden
 
@@ -354,3 +364,27 @@ def test_three_way_bar_and_an_explicit_rule():
     # an integer tensor three-way: equal to the golden or, element by element, to the emulation
     assert fp16.criteria("sel", True, {"equals_golden_or_emulation": True}).get("exact") is None
     assert fp16.criteria("sel", True, {"equals_golden_or_emulation": False})["exact"] is True
+
+
+def test_default_bar_judges_a_step_against_the_tensors_power_over_the_run():
+    """A decode step's one-element gate logit may sit near 0 (a cancelling sum): its honest inherited error is
+    relative to the op's usual scale, so the default bar divides by the run's power when that is larger. The
+    same absolute error on a tensor at its usual scale, and a fault's error, are judged as before; a bar a
+    policy sets is on the step's own nmse."""
+    golden, honest, faulty = np.float32([8.8e-4]), np.float32([8.8e-4 + 3.6e-6]), np.float32([8.8e-4 + 3.6e-3])
+    run_power = 0.05 ** 2                                  # the tap's mean square over every step of the run
+    policy = make_policy()
+    crit = policy.criteria("model.layers.2.mlp.shared_expert_gate", False)
+    for device, fails in ((honest, False), (faulty, True)):
+        m = tensor_metrics(golden, device)
+        assert judge(m, None, crit) != []                  # alone, the step's nmse fails (1.7e-5 > 1e-8)
+        m["run_power"] = run_power
+        assert bool(judge(m, None, crit)) is fails
+        assert judged_nmse(m) == pytest.approx(m["mse"] / run_power)
+    m = {**tensor_metrics(np.float32([0.05]), np.float32([0.05 + 3.6e-6])), "run_power": run_power}
+    assert judged_nmse(m) == m["nmse"]                     # at its usual scale: the step's own power
+    strict = make_policy({"tensors": [{"match": "gate", "max_nmse": 1e-8}]})
+    m = {**tensor_metrics(golden, honest), "run_power": run_power}
+    assert judge(m, None, strict.criteria("model.layers.2.mlp.shared_expert_gate", False)) != []
+    three_way = policy.criteria("x", False, {"nmse": 1e-9})
+    assert "run_power" not in three_way                    # three-way compares per-step nmse with per-step nmse

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import devices as D
 
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, make_policy
+from refimpl.diff.compare import compare, judged_nmse, make_policy
 from refimpl.diff.dump import read_dump
 from refimpl.golden import write_golden
 from refimpl.models.presets import PRESETS, build, save_preset
@@ -95,10 +95,12 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
     report = compare(bundle, dump, policy, emulated=emulated)
     scored = [r for r in report.results if r.metrics and not r.metrics.get("integer") and r.metrics["n"]
               and r.status != "diverged"]  # after a tie the device follows another valid path: not judged
-    worst = min(scored, key=lambda r: r.metrics["sqnr_db"])
+    def judged_sqnr(r):  # what the default bar judges: error over the tensor's power at the step or in the run
+        return -10 * math.log10(max(judged_nmse(r.metrics), 1e-300)) if emulated is None else r.metrics["sqnr_db"]
+    worst = min(scored, key=judged_sqnr)
     if emulated is None:
         bar = -10 * math.log10(policy.criteria(worst.name, False)["max_nmse"])
-        margin, where = worst.metrics["sqnr_db"] - bar, worst
+        margin, where = judged_sqnr(worst) - bar, worst
     else:  # three-way: 10 log10(k^2 NMSE_emulated / NMSE_device), the worst tensor
         def slack(r):
             limit = policy.criteria(r.name, False, r.reference)["max_nmse"]
@@ -106,7 +108,7 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
         where = min(scored, key=slack)
         margin = slack(where)
     return {"preset": preset, "runtime": runtime, "case": case, "verdict": "PASS" if report.exit_code == 0 else "FAIL",
-            "tensors": len(report.results), "failed": len(report.failed), "worst_sqnr": worst.metrics["sqnr_db"],
+            "tensors": len(report.results), "failed": len(report.failed), "worst_sqnr": judged_sqnr(worst),
             "worst": f"step {worst.step} {worst.name}", "margin": margin, "margin_at": f"step {where.step} {where.name}",
             "notes": report.notes, "seconds": seconds,
             "failures": [(r.key, r.failures) for r in report.failed][:3]}
