@@ -106,7 +106,7 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[
             path = inside(directory, f, f"shard named in {index.name}", links_out=True)   # HF cache: links to blobs
             if not os.path.lexists(path):   # (False also for a name too long to exist)
                 listed = [n for n, g in weight_map.items() if g == f]
-                raise FormatError(f"{directory}/{brief(f)}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
+                raise FormatError(f"{path}: missing shard: {index.name} lists {len(listed)} tensor(s) in it, e.g. "
                                   f"{brief(listed[0])}")
         files = [directory / f for f in shards]
     else:
