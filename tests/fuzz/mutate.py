@@ -151,6 +151,8 @@ def apply(root: Path, op: list) -> None:
     elif kind == "npy":
         if path.is_file() and not path.is_symlink():
             data = path.read_bytes()
+            if len(data) < 12:   # cut short by an earlier op: no header to replace
+                return
             major = data[6]
             hlen, start = (struct.unpack("<H", data[8:10])[0], 10) if major == 1 else (
                 struct.unpack("<I", data[8:12])[0], 12)
