@@ -151,8 +151,11 @@ def _ray(job, items, workers: int | None, address: str | None):
     started = not ray.is_initialized()
     if started:
         joining = address or os.environ.get("RAY_ADDRESS")   # an existing cluster brings its own CPUs
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 **({} if joining else {"num_cpus": workers}))
+        try:
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                     **({} if joining else {"num_cpus": workers}))
+        except (ValueError, ConnectionError, RuntimeError) as e:   # a malformed or unreachable address
+            raise InputError(f"--ray {address or joining}: cannot start or join Ray ({e})") from None
     actors = []
     try:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -77,7 +77,7 @@ def read_documents(text: str | None = None, jsonl: str | None = None, field: str
     tokenizer: a Tokenizer, or a function returning one (called only if some document is text)."""
     if (text is None) == (jsonl is None):
         raise InputError("give the data as --text FILE or --jsonl FILE")
-    path = Path(text or jsonl)
+    path = Path(text if text is not None else jsonl)
     raw = read_exact(path, regular_file(path, "dataset", InputError), InputError)
     try:
         data = raw.decode("utf-8")
