@@ -134,6 +134,9 @@ def _gguf_py_dequantises(ggml_type: int) -> bool:
 def dequantize(rows: np.ndarray, ggml_type: int) -> np.ndarray:
     """Rows of blocks of a readable block type, uint8 [..., row bytes] -> float32 [..., row values], as ggml's
     to_float computes them (bit for bit: tests/formats/test_gguf.py)."""
+    if rows.size == 0:   # an empty tensor (a zero dimension): no blocks to decode
+        _, block, nbytes = GGML_TYPES[ggml_type]
+        return np.zeros((*rows.shape[:-1], rows.shape[-1] // nbytes * block), np.float32)
     own = OWN_DEQUANTISERS.get(type_name(ggml_type))
     if own is not None:
         return own(rows)
