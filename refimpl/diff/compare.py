@@ -760,7 +760,7 @@ def _check_fields(d: dict, cls, where: str) -> None:
 
 
 # the numbers judge(), rejudge() and the report read from a result's metrics (others are recorded, not read)
-_READ_METRICS = METRIC_NAMES | {"n", "n_compared", "golden_max_abs"}
+_READ_METRICS = METRIC_NAMES | {"n", "n_compared", "golden_max_abs", "golden_power", "run_power"}
 
 
 def _result(r, where: str) -> "Result":
