@@ -185,10 +185,10 @@ def load_policy(path=None, dtype: str | None = None) -> Policy:
 
 def judged_nmse(metrics: dict) -> float:
     """The step's error power over max(the step's golden power, the tensor's golden power over the run)."""
-    power, run = metrics.get("golden_power"), metrics.get("run_power")
-    if not power or not run or not run > power or not math.isfinite(metrics["mse"]):
-        return metrics["nmse"]
-    return metrics["mse"] / run
+    power, run, mse = metrics.get("golden_power"), metrics.get("run_power"), metrics.get("mse")
+    if not power or not run or not run > power or mse is None or not math.isfinite(mse):
+        return metrics.get("nmse")   # a saved metrics file may lack them
+    return mse / run
 
 
 def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str]:
