@@ -197,7 +197,7 @@ def build_manifest(job: Job, model, windows: Windows, data: dict, bos) -> dict:
     return {
         "format": FORMAT, "version": VERSION, "refimpl_version": __version__,
         "model": {"source": job.source, "config": cfg.to_dict(), "weights_sha256": model.weights.sha256()},
-        "precision": {**model.precision.to_dict(), "blas_threads": 1},
+        "precision": model.precision.to_dict(),
         "convention": {"name": job.convention, "params": dict(job.params)},
         "data": data,
         "windows": {"count": len(windows.tokens), "ctx": int(windows.tokens.shape[1]), "stride": data.get("stride"),
