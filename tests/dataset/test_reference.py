@@ -96,7 +96,10 @@ def test_ray_identical_to_serial(ref, data):
 
 
 def _start(cmd, out, env, **kw):
-    return subprocess.Popen(cmd + ["--out", str(out)], env=env, start_new_session=True, **kw)
+    """The command in its own session, with Ctrl-C's default disposition (an xdist worker ignores SIGINT, and a
+    child inherits an ignored signal: Python then installs no KeyboardInterrupt handler)."""
+    return subprocess.Popen(cmd + ["--out", str(out)], env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
 
 
 def _first_window(p, out) -> float:
