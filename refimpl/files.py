@@ -11,11 +11,13 @@ field. The limits are far above what real files hold: they stop a damaged or hos
 recurse, allocate or read without bound, not real models.
 """
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
+import secrets
 import stat
 from pathlib import Path
 
@@ -117,6 +119,41 @@ def output_file(path, what: str = "output", error=InputError) -> Path:
     if path.name in ("", ".", "..") or os.path.isdir(path):
         raise error(f"{brief(str(path))}: the {what} must be a file path, not a directory")
     return path
+
+
+@contextlib.contextmanager
+def atomic_path(path, what: str = "output", error=InputError):
+    """A temporary path `.<name>.tmp-<pid>-<random>` beside `path` to write the whole file to; renamed over `path`
+    when the block ends without an exception, removed otherwise. So `path` is either absent, the old file or the
+    whole new one, never a part. OSError while writing or renaming: `error` naming `path`.
+
+        with atomic_path(out, "GGUF file") as tmp:
+            writer = GGUFWriter(tmp, ...); ...
+    """
+    path = output_file(path, what, error)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise error(f"{brief(str(path))}: cannot write the {what} ({e.strerror or e})") from None
+    finally:
+        if os.path.lexists(tmp):
+            tmp.unlink()
+
+
+def write_atomic(path, content, what: str = "output", error=InputError) -> None:
+    """Write text, bytes or an iterable of byte chunks (a file larger than memory) atomically (atomic_path)."""
+    with atomic_path(path, what, error) as tmp:
+        if isinstance(content, str):
+            tmp.write_text(content, encoding="utf-8")
+        else:
+            with open(tmp, "wb") as f:
+                for chunk in [content] if isinstance(content, (bytes, bytearray, memoryview)) else content:
+                    f.write(chunk)
 
 
 def inside(root, rel, what: str, error=FormatError, links_out: bool = False) -> Path:

@@ -208,7 +208,7 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         allowed = (mask1d[None, :] == 1) & (np.arange(opts.cl)[None, :] <= W + np.arange(AR)[:, None])
         mask = np.maximum(np.where(allowed, 0, np.finfo(np.float32).min), opts.mask_floor).astype(dtype)
         positions = np.clip(np.cumsum(mask1d) - 1, 0, opts.cl - 1)[-AR:].astype(np.int64)
-        cos, sin = model._rope(positions[None], None)                                             # [1, AR, rot/2]
+        cos, sin = model.rope(positions[None], None)                                             # [1, AR, rot/2]
         ids = np.full((1, AR), pad_id, np.int32)
         ids[0, lo:hi] = tokens
         inputs = {"input_ids": ids, "attention_mask": mask[None, None], "position_ids_cos": cos[None],

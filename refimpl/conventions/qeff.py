@@ -99,7 +99,7 @@ def graph(model, inputs: dict, opts: "Options | None" = None) -> dict:
     dtype = model.dtype.type
     mask = np.where(allowed, dtype(0), np.finfo(dtype).min)[None, None]
     real = positions >= 0
-    cos, sin = model._rope(np.maximum(positions, 0)[None], None)
+    cos, sin = model.rope(np.maximum(positions, 0)[None], None)
     ctx = Context(cos, sin, {"full_attention": mask}, cache, None if real.all() else real[None].astype(np.int64))
     outputs = {"logits": model.run(ids, ctx)}
     for i, kind in enumerate(cfg.layer_types):

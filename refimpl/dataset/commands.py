@@ -134,7 +134,7 @@ def _gguf_bos(path):
 
 
 def cmd_compare_logits(args) -> int:
-    from ..diff.compare import write_atomic
+    from ..files import write_atomic
     from ..diff.dump import read_mapping
     from .compare import compare_logits, judge, parse_policy
     from .reference import open_reference

@@ -26,7 +26,7 @@ def row_words(n_vocab: int) -> int:
 
 
 def write_kld_base(ref: Reference, out) -> Path:
-    from ..diff.compare import write_atomic
+    from ..files import write_atomic
     if ref.manifest["windows"]["stride"] is not None:
         raise InputError(f"{ref.path}: made with --stride; llama-perplexity's KL divergence reads only the default "
                          f"(consecutive) windows")

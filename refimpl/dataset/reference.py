@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..diff.compare import write_atomic
+from ..files import write_atomic
 from ..errors import FormatError, InputError, RefimplError
 from ..formats.safetensors import read_safetensors, write_safetensors
 from . import compact

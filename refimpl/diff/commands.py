@@ -119,7 +119,8 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 
 
 def cmd_diff(args) -> int:
-    from .compare import compare, load_metrics, rejudge, save_metrics, write_atomic
+    from ..files import write_atomic
+    from .compare import compare, load_metrics, rejudge, save_metrics
     from .report import print_report, render_html
     from ..files import output_file
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)

@@ -41,7 +41,7 @@ import numpy as np
 from ..bundle import ROLES, valid_mask
 from ..conventions.genie import tap_token_axis
 from ..errors import InputError, brief
-from ..files import expect, integer, load_json, number, output_file
+from ..files import expect, integer, load_json, number, output_file, write_atomic
 from ..models.config import config_from_dict
 from . import hooks
 from .dataflow import producer
@@ -708,24 +708,6 @@ def save_metrics(report: Report, path) -> None:
     """Raw metrics as JSON (Infinity / NaN as Python writes them), to re-judge later under another policy.
     Written to a temporary file and renamed into place."""
     write_atomic(path, json.dumps(dataclasses.asdict(report), indent=1, default=str))
-
-
-def write_atomic(path, content) -> None:
-    """Write text, bytes or an iterable of byte chunks (a file larger than memory) to a temporary file beside
-    `path` and rename it into place: `path` is either absent, the old file or the whole new one."""
-    path = output_file(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        if isinstance(content, str):
-            tmp.write_text(content)
-        else:
-            with open(tmp, "wb") as f:
-                for chunk in [content] if isinstance(content, (bytes, bytearray, memoryview)) else content:
-                    f.write(chunk)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"{path}: cannot write ({e.strerror})") from None
 
 
 def load_metrics(path) -> Report:

@@ -153,7 +153,7 @@ def _attention(cfg, i: int, what: str, norm: str) -> Node | None:
 
 def _gdn(cfg, i: int, what: str) -> Node | None:
     g, x = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
-    fused = cfg.model_type == "qwen3_next"
+    fused = cfg.fused_linear_projections
     qkv = f"{g}.in_proj_qkvz" if fused else f"{g}.in_proj_qkv"
     pads = ("attention_mask", "position_ids")  # how the graph tells pad slots (which leave the state alone)
     conv_in = f"conv_state_{i}_in", f"past_conv_state.{i}", f"conv_state.{i}", *pads

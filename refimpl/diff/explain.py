@@ -150,7 +150,7 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
             c, s = values["position_ids_cos"][b, 0, t, j], values["position_ids_sin"][b, 0, t, j]
         else:                             # hf / qeff: the tables of the positions
             pos = np.maximum(values["position_ids"], 0)
-            cos, sin = model._rope(pos, None)
+            cos, sin = model.rope(pos, None)
             c, s = cos[min(b, cos.shape[0] - 1), t, j], sin[min(b, sin.shape[0] - 1), t, j]
         sign = "-" if d < half else "+"
         return [f"x[d={d}] = {_f(x[b, t, h, d])}, partner x[d={partner}] = {_f(x[b, t, h, partner])} (half-split)",

@@ -50,10 +50,10 @@ def tap_encodings(bundle, encodings=None) -> dict:
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
     from ..golden import manifest_config
-    from ..models.model import _architecture
+    from ..models.model import expected_modules
     from ..models.quantisers import place
     cfg = manifest_config(bundle.manifest)
-    placed = place(read_activation_encodings(encodings), _architecture(cfg)[2](cfg), source=str(encodings))
+    placed = place(read_activation_encodings(encodings), expected_modules(cfg), source=str(encodings))
     return dict(placed.outputs)
 
 

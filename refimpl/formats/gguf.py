@@ -648,9 +648,9 @@ def _norm_names(cfg) -> dict:
 def read_gguf_tensors(g: GGUFFile, cfg, strict: bool = True) -> dict:
     """HF name -> array (or LazyTensor) for every tensor of the model, the conversion transforms undone.
     strict: a tensor of a type that cannot be read (`unreadable`) is an error now, naming it; else only when read."""
-    from ..models.model import _architecture
+    from ..models.model import expected_tensors
     path = g.path
-    hf_shapes = _architecture(cfg)[0](cfg)
+    hf_shapes = expected_tensors(cfg)
 
     read = set()
 

@@ -86,6 +86,18 @@ class ModelConfig:
         return self.model_type in HYBRID_TYPES
 
     @property
+    def fused_linear_projections(self) -> bool:
+        """Qwen3-Next's Gated DeltaNet projections are fused and grouped per key head (in_proj_qkvz, in_proj_ba);
+        Qwen3.5's are split (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), its value heads in their own order."""
+        return self.model_type == "qwen3_next"
+
+    @property
+    def fused_expert_checkpoint(self) -> bool:
+        """Qwen3.5-MoE checkpoints store the routed experts fused (experts.gate_up_proj [E, 2Ie, H],
+        experts.down_proj [E, H, Ie]); Qwen3-MoE and Qwen3-Next store them per expert (experts.{e}.gate_proj...)."""
+        return self.model_type == "qwen3_5_moe_text"
+
+    @property
     def conv_dim(self) -> int:
         """Channels of the Gated DeltaNet conv: [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]."""
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \

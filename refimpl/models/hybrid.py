@@ -152,7 +152,7 @@ def linear_attention_tensors(cfg, p: str) -> dict:
     key_dim, value_dim = Hk * Dk, Hv * Dv
     t = {f"{p}.conv1d.weight": (2 * key_dim + value_dim, 1, Kc), f"{p}.dt_bias": (Hv,), f"{p}.A_log": (Hv,),
          f"{p}.norm.weight": (Dv,), f"{p}.out_proj.weight": (H, value_dim)}
-    if cfg.model_type == "qwen3_next":
+    if cfg.fused_linear_projections:
         t.update({f"{p}.in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, H), f"{p}.in_proj_ba.weight": (2 * Hv, H)})
     else:
         t.update({f"{p}.in_proj_qkv.weight": (2 * key_dim + value_dim, H), f"{p}.in_proj_z.weight": (value_dim, H),
@@ -162,7 +162,7 @@ def linear_attention_tensors(cfg, p: str) -> dict:
 
 def linear_attention_modules(cfg, p: str, x: str) -> dict:
     """The Gated DeltaNet block's AIMET-quantisable modules -> their input taps (qwen3.expected_modules)."""
-    fused = ("in_proj_qkvz", "in_proj_ba") if cfg.model_type == "qwen3_next" else \
+    fused = ("in_proj_qkvz", "in_proj_ba") if cfg.fused_linear_projections else \
         ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     return {**{f"{p}.{n}": (x,) for n in fused}, f"{p}.conv1d": (f"{p}.mixed_qkv",),
             f"{p}.norm": (f"{p}.core", f"{p}.z"), f"{p}.out_proj": (f"{p}.norm",)}

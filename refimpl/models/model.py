@@ -12,7 +12,7 @@ from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
 from ..precision import FLOAT_WEIGHTS, Policy, check_encodings, policy, rounder, weight_transform
 from ..progress import layer_progress
 from ..trace import tap
-from . import qwen3
+from . import hybrid, qwen3
 from .cache import Cache
 from .config import ModelConfig
 from .quantisers import NONE as NO_QUANTISERS
@@ -38,12 +38,20 @@ class Context:
         return self.precision.round(x)
 
 
-def _architecture(cfg: ModelConfig):
-    """(expected_tensors(cfg), mixer(cfg, i), expected_modules(cfg)) of the architecture."""
-    if cfg.is_hybrid:
-        from . import hybrid
-        return hybrid.expected_tensors, hybrid.mixer, hybrid.expected_modules
-    return qwen3.expected_tensors, lambda cfg, i: qwen3.self_attention_mixer, qwen3.expected_modules
+def architecture(cfg: ModelConfig):
+    """The module of cfg's blocks: qwen3 (Qwen3, Qwen3-MoE) or hybrid (Qwen3-Next, Qwen3.5). Each has
+    expected_tensors(cfg), mixer(cfg, i) and expected_modules(cfg)."""
+    return hybrid if cfg.is_hybrid else qwen3
+
+
+def expected_tensors(cfg: ModelConfig) -> dict:
+    """Checkpoint name -> shape of every tensor cfg's forward reads."""
+    return architecture(cfg).expected_tensors(cfg)
+
+
+def expected_modules(cfg: ModelConfig) -> dict:
+    """Every module that can carry AIMET quantisers -> its input taps, in execution order."""
+    return architecture(cfg).expected_modules(cfg)
 
 
 class Model:
@@ -53,14 +61,13 @@ class Model:
         self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
         self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
         self.precision = precision or policy(weights.dtype.name)
-        expected, mixer, modules = _architecture(config)
-        weights.check(expected(config))
-        self._mixers = [mixer(config, i) for i in range(config.num_hidden_layers)]
+        names = expected_tensors(config)
+        weights.check(names)
+        self._mixers = [architecture(config).mixer(config, i) for i in range(config.num_hidden_layers)]
         # what each layer reads (its experts aside: those the router picks), read ahead one layer early
-        names = expected(config)
         self._layer_tensors = [[n for n in names if n.startswith(f"model.layers.{i}.") and ".experts." not in n]
                                for i in range(config.num_hidden_layers)] + [["lm_head.weight", "model.norm.weight"]]
-        self.modules = modules(config)            # AIMET-quantisable modules -> their input taps
+        self.modules = expected_modules(config)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
         if self.precision.encodings is not None:
             self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
@@ -124,7 +131,7 @@ class Model:
                                  f"got {positions.dtype} {list(positions.shape)}")
             positions = np.broadcast_to(positions.astype(np.int64), (B, T))
         with products.plain_blas(self.precision.fast):
-            cos, sin = self._rope(positions, cache)
+            cos, sin = self.rope(positions, cache)
         padded = not full_mask.all()
         masks = {kind: causal_mask(T, P + T, offset=P, key_valid=full_mask if padded else None,
                                       sliding_window=cfg.sliding_window if kind == "sliding_attention" else None,
@@ -195,7 +202,7 @@ class Model:
             raise InputError(f"attention_mask has shape {list(m.shape)}, expected {expected}")
         return np.concatenate([past, (m != 0).astype(np.int64)], axis=1)
 
-    def _rope(self, positions: np.ndarray, cache: Cache | None):
+    def rope(self, positions: np.ndarray, cache: Cache | None):
         """cos/sin [B, T, rot/2] for these positions. Dynamic NTK RoPE recomputes its frequencies when the
         sequence outgrows every length seen so far (kept in the cache), as transformers does."""
         cfg = self.config

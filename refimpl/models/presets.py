@@ -69,8 +69,7 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
     matrices: N(0, 1/fan_in); embeddings N(0, 1); plain norm weights 1 + N(0, 0.1^2); zero-centred norm
     weights N(0, 0.1^2); biases N(0, 0.1^2); per-model extras (A_log, dt_bias, ...) as their module says.
     """
-    from .model import _architecture
-    expected = _architecture(config)[0]
+    from .model import expected_tensors as expected
     out = {}
     for name, shape in sorted(expected(config).items()):
         r = _rng(seed, name)
@@ -104,7 +103,7 @@ def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=
 def checkpoint_layout(config, arrays: dict) -> dict:
     """The tensors as released checkpoints store them: Qwen3-MoE and Qwen3-Next keep one tensor per expert
     (`experts.{e}.gate_proj.weight`, ...); Qwen3.5-MoE keeps the fused `gate_up_proj` / `down_proj`."""
-    if config.model_type not in ("qwen3_moe", "qwen3_next"):
+    if config.fused_expert_checkpoint:
         return dict(arrays)
     out = {}
     for name, a in arrays.items():

@@ -147,6 +147,11 @@ def self_attention_mixer(w, i, x, cfg, ctx):
     return attention(w, f"model.layers.{i}.self_attn", x, cfg, ctx, i)
 
 
+def mixer(cfg, i: int):
+    """Layer i's token mixer: self-attention in every layer."""
+    return self_attention_mixer
+
+
 def attention_tensors(cfg, p: str, gated: bool = False) -> dict:
     Hq, Hkv, D, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
     t = {f"{p}.q_proj.weight": ((2 if gated else 1) * Hq * D, H), f"{p}.k_proj.weight": (Hkv * D, H),
