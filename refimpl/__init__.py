@@ -8,7 +8,7 @@ from .models.load import load
 from .models.model import Model
 from .precision import Policy
 from .trace import trace
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["load", "load_tokenizer", "generate", "Generation", "Tokenizer", "trace", "Model", "Policy", "ModelConfig",
            "config_from_dict", "load_config", "errors", "__version__"]

@@ -166,7 +166,7 @@ def _check_valid(valid, shape, where) -> list:
 
 def _check_manifest_in(manifest, plan) -> dict:
     """A copy of the caller's manifest with schema_version, refimpl_version and the step lists filled in."""
-    from . import __version__
+    from .version import __version__
     if not isinstance(manifest, dict):
         raise InputError(f"manifest must be a dict, got {type(manifest).__name__}")
     m = json.loads(_dumps(manifest, "manifest"))  # a deep copy in JSON types

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from . import __version__
+from .version import __version__
 from .bundle import Tensor, write_bundle
 from .conventions import genie, hf, qeff
 from .errors import FormatError, InputError, brief

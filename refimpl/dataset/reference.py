@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
+from ..version import __version__
 from ..files import write_atomic
 from ..errors import FormatError, InputError, RefimplError
 from ..formats.safetensors import read_safetensors, write_safetensors
