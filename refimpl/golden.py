@@ -149,7 +149,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
     if codes and not model.quantisers.outputs:
         raise InputError("--codes needs activation encodings that quantise some tap (an encodings file with "
                          "activation_encodings)")
-    return write_bundle(out_dir, manifest, bundle_steps(result, model.quantisers.outputs if codes else None),
+    return write_bundle(out_dir, manifest, bundle_steps(result, model.quantisers.output_taps() if codes else None),
                         exports=exports, aimet=aimet, overwrite=overwrite, progress=progress,
                         platform=platform_fingerprint())
 

@@ -12,13 +12,14 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """How one tensor is computed. inputs: tap or graph I/O names (a later step's graph input names the previous
-    call's output as "prev:<name>"). module: for a tensor that is the output of an HF module AIMET wraps with
+    """How one tensor is computed. shape: in symbols (B batch, T new tokens, P cached, H hidden, ...). inputs: tap
+    or graph I/O names (a later step's graph input names the previous call's output as "prev:<name>"). module: for a tensor that is the output of an HF module AIMET wraps with
     quantisers, how many of `inputs` are that module's arguments (its input quantisers act on them in that order);
     module_name: that module when it is not the tap's own name (the MoE router `mlp.gate` -> `mlp.router_logits`)."""
     op: str
     formula: str
     inputs: tuple[str, ...] = ()
+    shape: str = ""                 # in the symbols of docs/taps.md: [B, T, H], ...
     layer: int | None = None
     module: int | None = None
     module_name: str | None = None
@@ -44,6 +45,11 @@ def merge(*tables: dict) -> dict[str, Node]:
             raise AssertionError(f"graph nodes declared twice: {sorted(twice)}")
         out.update(t)
     return out
+
+
+def module_taps(nodes: dict) -> dict[str, str]:
+    """The AIMET-quantisable modules of a graph -> the tap that is the module's output."""
+    return {node.module_name or name: name for name, node in nodes.items() if node.module is not None}
 
 
 def modules(nodes: dict) -> dict[str, tuple[str, ...]]:

@@ -96,7 +96,7 @@ def _float32(values, *names) -> bool:
 
 
 def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
-    w = model.weights
+    w, module = model.weights, node.module_name or name   # the HF module whose weights it reads (router: mlp.gate)
     src = [n for n in node.inputs if n in values]
     if node.op == "rms_norm":
         x = values[src[0]] if src else None
@@ -105,10 +105,10 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         y = values[name]
         if x.size == 2 * y.size and name.endswith("q_norm"):  # gated attention: q_proj holds [q_h | gate_h]
             x = x.reshape(*y.shape[:-1], 2 * y.shape[-1])[..., :y.shape[-1]]
-        if _float32(values, src[0], name) and w[f"{name}.weight"].dtype == np.float32:
-            return _rms_norm_exact(cfg, x.reshape(y.shape)[idx[:-1]], w[f"{name}.weight"], idx[-1], y[idx])
+        if _float32(values, src[0], name) and w[f"{module}.weight"].dtype == np.float32:
+            return _rms_norm_exact(cfg, x.reshape(y.shape)[idx[:-1]], w[f"{module}.weight"], idx[-1], y[idx])
         row = x.reshape(y.shape)[idx[:-1]].astype(np.float64)
-        weight = np.asarray(w[f"{name}.weight"], np.float64)
+        weight = np.asarray(w[f"{module}.weight"], np.float64)
         ms = np.mean(row ** 2)
         scale = 1 / np.sqrt(ms + cfg.rms_norm_eps)
         gain = (1 + weight[idx[-1]]) if cfg.zero_centered_norms else weight[idx[-1]]
@@ -118,7 +118,7 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
                 f"y = x * rsqrt * gain = {_f(row[idx[-1]] * scale * gain)}   (float64 recomputation)"]
     if node.op == "linear" and src:
         x = values[src[0]][idx[:-1]].astype(np.float64)
-        weight = _linear_weight(cfg, name, w)
+        weight = _linear_weight(cfg, module, w)
         shape = w.shape(weight)
         if x.shape[-1] != shape[1] or idx[-1] >= shape[0]:
             return [f"x = {src[0]}{list(idx[:-1])}, |x| = {_f(np.linalg.norm(x))}"]
@@ -129,7 +129,7 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
                 "largest terms: " + ", ".join(f"i={i}: {_f(x[i])}*{_f(W[i])}" for i in top)]
         if not _float32(values, src[0], name):
             return head + [f"y = sum_i x[i] W[{idx[-1]}, i] = {_f(terms.sum())}   (float64)"]
-        bias = _linear_bias(cfg, name, w)
+        bias = _linear_bias(cfg, module, w)
         lines, r = _sum_lines(f"y = sum_i x[i] W[{idx[-1]}, i]", x, W, None if bias is not None
                               else values[name][idx])
         if bias is not None:

@@ -47,7 +47,7 @@ RENAMES = (
     (r"post_attention_layernorm\.input(\.0)?", "attn_residual", None),
     (r"mlp\.down_proj\.input(\.0)?", "mlp.hidden", None),
     (r"mlp\.shared_expert\.down_proj\.input(\.0)?", "mlp.shared_expert.hidden", None),
-    (r"mlp\.gate\.0", "mlp.gate", None),
+    (r"mlp\.gate(\.0)?", "mlp.router_logits", None),
     (r"mlp\.gate\.1", "mlp.routing_weights", None),
     (r"mlp\.gate\.2", "mlp.selected_experts", None),
     (r"linear_attn\.causal_conv1d_(fn|update)\.input(\.0)?", "linear_attn.mixed_qkv", "channels_first"),

@@ -50,11 +50,12 @@ def tap_encodings(bundle, encodings=None) -> dict:
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
     from ..golden import manifest_config
-    from ..models.model import expected_modules
+    from ..models.model import expected_modules, module_taps
     from ..models.quantisers import place
     cfg = manifest_config(bundle.manifest)
-    placed = place(read_activation_encodings(encodings), expected_modules(cfg), source=str(encodings))
-    return dict(placed.outputs)
+    placed = place(read_activation_encodings(encodings), expected_modules(cfg), source=str(encodings),
+                   taps=module_taps(cfg))
+    return placed.output_taps()
 
 
 def decode_codes(dump, bundle, encodings: dict) -> list[str]:

@@ -18,9 +18,10 @@ output and its silu, beta, the core output and the gated norm; g, the l2norms an
 
 import numpy as np
 
+from ..graph import Node, declare
 from ..kernels.activation import sigmoid, silu, softplus
-from ..kernels.elementary import exp
 from ..kernels.conv import causal_conv1d
+from ..kernels.elementary import exp
 from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
 from ..kernels.norm import rms_norm_gated
 from ..trace import conform, override, tap
@@ -53,7 +54,7 @@ def projections(w, p: str, x: np.ndarray, cfg, put, ctx):
 
     def proj(name):
         return put(name, qwen3.project(w, f"{p}.{name}", x, ctx))
-    if f"{p}.in_proj_qkvz.weight" in w:
+    if cfg.fused_linear_projections:
         # Qwen3-Next: rows grouped per key head kh as [q (Dk) | k (Dk) | v (n*Dv) | z (n*Dv)] and [b (n) | a (n)]
         qkvz = proj("in_proj_qkvz").reshape(B, T, Hk, 2 * Dk + 2 * n * Dv)
         ba = proj("in_proj_ba").reshape(B, T, Hk, 2 * n)
@@ -160,23 +161,56 @@ def linear_attention_tensors(cfg, p: str) -> dict:
     return t
 
 
-def linear_attention_modules(cfg, p: str, x: str) -> dict:
-    """The Gated DeltaNet block's AIMET-quantisable modules -> their input taps (qwen3.expected_modules)."""
-    fused = ("in_proj_qkvz", "in_proj_ba") if cfg.fused_linear_projections else \
-        ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-    return {**{f"{p}.{n}": (x,) for n in fused}, f"{p}.conv1d": (f"{p}.mixed_qkv",),
-            f"{p}.norm": (f"{p}.core", f"{p}.z"), f"{p}.out_proj": (f"{p}.norm",)}
+def linear_attention_nodes(cfg, i: int) -> dict:
+    """`gated_deltanet`'s taps (qwen3.py's comment on the graph says what module=k and "cache:" mean)."""
+    p, x = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
+    fused = cfg.fused_linear_projections
+    qkv = f"{p}.in_proj_qkvz" if fused else f"{p}.in_proj_qkv"
+    pads = ("attention_mask", "position_ids")  # how the graph tells pad slots (which leave the state alone)
+    conv_in = (f"cache:conv_state.{i}", *pads)
+    core_in = (f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.g", f"{p}.beta", f"cache:recurrent_state.{i}", *pads)
+    projections = {
+        "in_proj_qkvz": Node("linear", "[q | k | v | z] per key head = x W^T", (x,), shape="[B, T, 2*Hk*Dk + 2*Hv*Dv]",
+                             module=1),
+        "in_proj_ba": Node("linear", "[b | a] per key head = x W^T", (x,), shape="[B, T, 2*Hv]", module=1),
+    } if fused else {
+        "in_proj_qkv": Node("linear", "[q | k | v] = x W^T", (x,), shape="[B, T, conv_dim]", module=1),
+        "in_proj_z": Node("linear", "z = x Wz^T", (x,), shape="[B, T, Hv*Dv]", module=1),
+        "in_proj_b": Node("linear", "b = x Wb^T", (x,), shape="[B, T, Hv]", module=1),
+        "in_proj_a": Node("linear", "a = x Wa^T", (x,), shape="[B, T, Hv]", module=1),
+    }
+    return declare({
+        **projections,
+        "mixed_qkv": Node("split / concat", "channels [q | k | v], head-major", (qkv,), shape="[B, T, conv_dim]"),
+        "conv1d": Node("causal_conv1d", "y[c, t] = sum_j w[c, j] x[c, t - Kc + 1 + j] over [state | x]",
+                       (f"{p}.mixed_qkv", *conv_in), shape="[B, T, conv_dim]", module=1),
+        "conv1d_silu": Node("silu", "y = x * sigmoid(x)", (f"{p}.conv1d",), shape="[B, T, conv_dim]"),
+        "q": Node("l2_normalize", "q / sqrt(sum q^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]"),
+        "k": Node("l2_normalize", "k / sqrt(sum k^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]"),
+        "v": Node("split", "v channels of conv1d_silu", (f"{p}.conv1d_silu",), shape="[B, T, Hv, Dv]"),
+        "z": Node("split", "z = output gate", (qkv if fused else f"{p}.in_proj_z",), shape="[B, T, Hv, Dv]"),
+        "beta": Node("sigmoid", "beta = sigmoid(b)", (f"{p}.in_proj_ba" if fused else f"{p}.in_proj_b",),
+                     shape="[B, T, Hv]"),
+        "g": Node("gate", "g = -exp(A_log) * softplus(a + dt_bias)",
+                  (f"{p}.in_proj_ba" if fused else f"{p}.in_proj_a",), shape="[B, T, Hv]"),
+        "core": Node("gated delta rule", "S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)", core_in,
+                     shape="[B, T, Hv, Dv]"),
+        "norm": Node("rms_norm_gated", "y = w * x / sqrt(mean(x^2) + eps) * silu(z)", (f"{p}.core", f"{p}.z"),
+                     shape="[B, T, Hv, Dv]", module=2),
+        "out_proj": Node("linear", "y = x Wo^T", (f"{p}.norm",), shape="[B, T, H]", module=1),
+        "conv_state": Node("state update", "last Kc raw conv inputs of [state | mixed_qkv]",
+                           (f"{p}.mixed_qkv", *conv_in), shape="[B, conv_dim, Kc]"),
+        "recurrent_state": Node("state update", "S after the last real token", core_in, shape="[B, Hv, Dk, Dv]"),
+    }, p, i)
 
 
-def mixer_modules(cfg, i: int) -> dict:
-    x = f"model.layers.{i}.input_layernorm"
+def layer_nodes(cfg, i: int) -> dict:
+    """Layer i's taps: Gated DeltaNet or gated attention, in the pre-norm layer with its MLP."""
     if cfg.layer_types[i] == "linear_attention":
-        return linear_attention_modules(cfg, f"model.layers.{i}.linear_attn", x)
-    return qwen3.attention_modules(f"model.layers.{i}.self_attn", x, gated=True)
-
-
-def expected_modules(cfg) -> dict:
-    return qwen3.expected_modules(cfg, mixer_modules)
+        return qwen3.decoder_layer_nodes(cfg, i, linear_attention_nodes(cfg, i),
+                                         f"model.layers.{i}.linear_attn.out_proj")
+    return qwen3.decoder_layer_nodes(cfg, i, qwen3.attention_nodes(cfg, i, gated=True),
+                                     f"model.layers.{i}.self_attn.o_proj")
 
 
 def mixer_tensors(cfg, i: int) -> dict:

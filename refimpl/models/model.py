@@ -6,6 +6,9 @@ import numpy as np
 
 from ..encodings import read_activation_encodings
 from ..errors import InputError
+from ..graph import Node, declare, merge
+from ..graph import module_taps as graph_module_taps
+from ..graph import modules as graph_modules
 from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
@@ -40,7 +43,7 @@ class Context:
 
 def architecture(cfg: ModelConfig):
     """The module of cfg's blocks: qwen3 (Qwen3, Qwen3-MoE) or hybrid (Qwen3-Next, Qwen3.5). Each has
-    expected_tensors(cfg), mixer(cfg, i) and expected_modules(cfg)."""
+    expected_tensors(cfg), mixer(cfg, i) and layer_nodes(cfg, i)."""
     return hybrid if cfg.is_hybrid else qwen3
 
 
@@ -49,9 +52,29 @@ def expected_tensors(cfg: ModelConfig) -> dict:
     return architecture(cfg).expected_tensors(cfg)
 
 
+def graph(cfg: ModelConfig) -> dict[str, Node]:
+    """Every tap of cfg's forward -> its Node (refimpl/graph.py), in execution order: `Model._layers`' own taps
+    declared here, each block's beside its code (qwen3.py, hybrid.py)."""
+    last = cfg.num_hidden_layers - 1
+    head = "logits = x E^T (tied)" if cfg.tie_word_embeddings else "logits = x W_lm^T"
+    return merge(
+        declare({"model.embed_tokens": Node("embedding", "x[b, t] = E[input_ids[b, t]]", ("input_ids",),
+                                            shape="[B, T, H]", module=0)}),
+        *(architecture(cfg).layer_nodes(cfg, i) for i in range(cfg.num_hidden_layers)),
+        declare({"model.norm": Node("rms_norm", qwen3.norm_formula(cfg), (f"model.layers.{last}",), shape="[B, T, H]",
+                                    module=1),
+                 "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1)}))
+
+
 def expected_modules(cfg: ModelConfig) -> dict:
-    """Every module that can carry AIMET quantisers -> its input taps, in execution order."""
-    return architecture(cfg).expected_modules(cfg)
+    """Every module that can carry AIMET quantisers -> its input taps, in execution order (from the graph)."""
+    return graph_modules(graph(cfg))
+
+
+def module_taps(cfg: ModelConfig) -> dict:
+    """Every module that can carry AIMET quantisers -> the tap of its output (its own name, but for the MoE router:
+    module `mlp.gate`, tap `mlp.router_logits`)."""
+    return graph_module_taps(graph(cfg))
 
 
 class Model:
@@ -72,7 +95,7 @@ class Model:
         if self.precision.encodings is not None:
             self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
                                     rounder(self.precision.activations), self.precision.strict_encodings,
-                                    self.precision.encodings)
+                                    self.precision.encodings, taps=module_taps(config))
         # integer weights: a tied lm_head is a MatMul the device quantises on its own, while the embedding table
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS

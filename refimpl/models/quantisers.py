@@ -37,9 +37,11 @@ class Quantisers:
     to the activation dtype (`rnd`): QuantSim on a reduced-precision model quantises in float32 and returns the
     tensor's own dtype."""
 
-    def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity):
+    def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
+                 taps: dict | None = None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding] = outputs or {}
+        self.taps: dict[str, str] = taps or {}   # module -> its output's tap, where that is not the module's name
         self.unplaced: list[str] = list(unplaced)
         self._rnd = rnd
 
@@ -54,6 +56,10 @@ class Quantisers:
         enc = self.outputs.get(module) if self.outputs else None
         return y if enc is None else self._rnd(enc.apply(y))
 
+    def output_taps(self) -> dict[str, Encoding]:
+        """{tap: Encoding} of every output-quantised tap."""
+        return {self.taps.get(m, m): enc for m, enc in self.outputs.items()}
+
     def describe(self, modules: dict) -> dict:
         """The manifest record: every placed quantiser (module, input i / output, the tap it acts on, encoding)
         in execution order, and what could not be placed."""
@@ -64,7 +70,7 @@ class Quantisers:
                     placed.append({"module": module, "io": "input", "index": i, "tap": tap,
                                    **self.inputs[module, i].describe()})
             if module in self.outputs:
-                placed.append({"module": module, "io": "output", "index": 0, "tap": module,
+                placed.append({"module": module, "io": "output", "index": 0, "tap": self.taps.get(module, module),
                                **self.outputs[module].describe()})
         return {"quantisers": placed, "unplaced": list(self.unplaced)}
 
@@ -73,8 +79,9 @@ NONE = Quantisers()
 
 
 def place(entries: list[ActivationEntry], modules: dict, rnd=identity, strict: bool = False,
-          source: str = "encodings") -> Quantisers:
-    """Place a file's activation encodings at the model's declared modules (module -> input taps)."""
+          source: str = "encodings", taps: dict | None = None) -> Quantisers:
+    """Place a file's activation encodings at the model's declared modules (module -> input taps; taps: module -> its
+    output's tap where that is not the module's name)."""
     inputs, outputs, unplaced = {}, {}, []
     for e in entries:
         module, io, index = model_name(e.name), e.io, e.index
@@ -96,4 +103,4 @@ def place(entries: list[ActivationEntry], modules: dict, rnd=identity, strict: b
         if strict:
             raise InputError(message + " (--strict-encodings)")
         warnings.warn(message + "; they stay float", EncodingsWarning, stacklevel=2)
-    return Quantisers(inputs, outputs, unplaced, rnd)
+    return Quantisers(inputs, outputs, unplaced, rnd, taps)

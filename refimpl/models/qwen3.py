@@ -10,15 +10,16 @@ the identity in float32 and float64.
 
 AIMET activation quantisers (refimpl/models/quantisers.py): `q = ctx.quant` quantises the input of a module as that
 module consumes it (`q.input(module, x)`) and the module's output (`q.output(module, y)`), where an encodings file
-places them; the identity otherwise. The `*_modules(cfg, i)` tables below declare, per block, each HF module that
-can carry them and the taps that are its inputs.
+places them; the identity otherwise. The `*_nodes` declarations below (the graph, refimpl/graph.py) say, per block,
+which taps are HF modules' outputs that can carry them and which taps are those modules' inputs.
 """
 
 import numpy as np
 
+from ..graph import Node, declare, merge
 from ..kernels.activation import ACTIVATIONS, sigmoid
-from ..kernels.elementary import inverse_sqrt
 from ..kernels.attention import attend, attention_probs, attention_scores
+from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route
 from ..kernels.norm import rms_norm
@@ -106,7 +107,7 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     B, T, H = x.shape
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
-    logits = tap(p, "gate", project(w, f"{p}.gate", x, ctx)).reshape(B * T, -1)          # router logits [N, E]
+    logits = tap(p, "router_logits", project(w, f"{p}.gate", x, ctx)).reshape(B * T, -1)          # router logits [N, E]
     probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
     w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))
@@ -158,8 +159,8 @@ def attention_tensors(cfg, p: str, gated: bool = False) -> dict:
          f"{p}.v_proj.weight": (Hkv * D, H), f"{p}.o_proj.weight": (H, Hq * D),
          f"{p}.q_norm.weight": (D,), f"{p}.k_norm.weight": (D,)}
     if cfg.attention_bias:
-        t.update({f"{p}.q_proj.bias": ((2 if gated else 1) * Hq * D,), f"{p}.k_proj.bias": (Hkv * D,), f"{p}.v_proj.bias": (Hkv * D,),
-                  f"{p}.o_proj.bias": (H,)})
+        t.update({f"{p}.q_proj.bias": ((2 if gated else 1) * Hq * D,), f"{p}.k_proj.bias": (Hkv * D,),
+                  f"{p}.v_proj.bias": (Hkv * D,), f"{p}.o_proj.bias": (H,)})
     return t
 
 
@@ -181,51 +182,119 @@ def feed_forward_tensors(cfg, i: int) -> dict:
     return t
 
 
-# --- AIMET's quantisers (refimpl/models/quantisers.py) ----------------------------------------------------------
-# Each block declares the HF modules AIMET wraps with quantisers: module -> the taps that are its inputs, in the
-# module's argument order (its input i quantiser acts on the i-th, as this module consumes it); the module's output
-# is the tap of its own name. Functional ops (RoPE, the attention matmuls, softmax, residual adds, the routed
-# experts' fused matrices) have no module, so AIMET leaves them float.
+# --- The graph (refimpl/graph.py) -------------------------------------------------------------------------------
+# Each block declares its taps beside the code above that computes them, in execution order: op, shape, formula (the
+# kernel's equation) and direct inputs. A tap that is an HF module's output declares module=k: AIMET wraps that module
+# with quantisers (refimpl/models/quantisers.py), its first k inputs are the module's arguments, in order (its input
+# quantiser i acts on the i-th as this module consumes it). Functional ops (RoPE, the attention matmuls, softmax,
+# residual adds, the routed experts' fused matrices) have no module, so AIMET leaves them float. "cache:<kind>.<i>" is
+# the state a host carries between calls (each convention names its graph input: refimpl/conventions).
 
-def attention_modules(p: str, x: str, gated: bool = False) -> dict:
-    """q_norm / k_norm read q_proj / k_proj per head (gated: the query half of each head's q_proj rows)."""
-    return {f"{p}.q_proj": (x,), f"{p}.k_proj": (x,), f"{p}.v_proj": (x,), f"{p}.q_norm": (f"{p}.q_proj",),
-            f"{p}.k_norm": (f"{p}.k_proj",), f"{p}.o_proj": (f"{p}.gated_output" if gated else f"{p}.attn_output",)}
-
-
-def mlp_modules(p: str, x: str) -> dict:
-    return {f"{p}.gate_proj": (x,), f"{p}.up_proj": (x,), f"{p}.act_fn": (f"{p}.gate_proj",),
-            f"{p}.down_proj": (f"{p}.hidden",)}
+ROPE = "y1 = x1 cos - x2 sin; y2 = x2 cos + x1 sin (half-split pairs d, d + rot/2)"
 
 
-def feed_forward_modules(cfg, i: int) -> dict:
+def norm_formula(cfg) -> str:
+    return "y = x / sqrt(mean(x^2) + eps) * " + ("(1 + w)" if cfg.zero_centered_norms else "w")
+
+
+def attention_nodes(cfg, i: int, gated: bool = False) -> dict:
+    """`attention`'s taps. gated: q_proj holds [q_h | gate_h] per head, the output is gated before o_proj."""
+    p, x, norm = f"model.layers.{i}.self_attn", f"model.layers.{i}.input_layernorm", norm_formula(cfg)
+    positions = ("position_ids_cos", "position_ids_sin", "position_ids")
+    nodes = {
+        "q_proj": Node("linear", "q = x Wq^T (+ b)" + ("; rows per head [q_h | gate_h]" if gated else ""), (x,),
+                       shape="[B, T, 2*Hq*D]" if gated else "[B, T, Hq*D]", module=1),
+        "k_proj": Node("linear", "k = x Wk^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1),
+        "v_proj": Node("linear", "v = x Wv^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1),
+        **({"gate": Node("split", "gate = second half of each head's q_proj rows", (f"{p}.q_proj",),
+                         shape="[B, T, Hq*D]")} if gated else {}),
+        "q_norm": Node("rms_norm", norm + " per head over D", (f"{p}.q_proj",), shape="[B, T, Hq, D]", module=1),
+        "k_norm": Node("rms_norm", norm + " per head over D", (f"{p}.k_proj",), shape="[B, T, Hkv, D]", module=1),
+        "q_rope": Node("rope", ROPE, (f"{p}.q_norm", *positions), shape="[B, T, Hq, D]"),
+        "k_rope": Node("rope", ROPE, (f"{p}.k_norm", *positions), shape="[B, T, Hkv, D]"),
+        "attn_scores": Node("matmul + mask",
+                            "s = q k^T / sqrt(D) + max(M, floor); q head h reads kv head h // (Hq/Hkv)",
+                            (f"{p}.q_rope", f"{p}.k_rope", f"cache:past_key.{i}", "position_ids", "attention_mask"),
+                            shape="[B, Hq, T, P+T]"),
+        "attn_probs": Node("softmax", "p = exp(s - max s) / sum exp(s - max s) over keys (float32)",
+                           (f"{p}.attn_scores",), shape="[B, Hq, T, P+T]"),
+        "attn_output": Node("matmul", "o = p v, heads flattened head-major",
+                            (f"{p}.attn_probs", f"{p}.v_proj", f"cache:past_value.{i}"), shape="[B, T, Hq*D]"),
+        **({"gated_output": Node("gate", "o * sigmoid(gate)", (f"{p}.attn_output", f"{p}.gate"),
+                                 shape="[B, T, Hq*D]")} if gated else {}),
+        "o_proj": Node("linear", "y = o Wo^T (+ b)", (f"{p}.gated_output" if gated else f"{p}.attn_output",),
+                       shape="[B, T, H]", module=1),
+    }
+    return declare(nodes, p, i)
+
+
+def mlp_nodes(p: str, x: str, layer: int) -> dict:
+    """`mlp`'s taps (a dense layer's MLP, or a MoE block's shared expert)."""
+    return declare({
+        "gate_proj": Node("linear", "x Wg^T", (x,), shape="[B, T, I]", module=1),
+        "up_proj": Node("linear", "x Wu^T", (x,), shape="[B, T, I]", module=1),
+        "act_fn": Node("activation", "act(gate_proj)", (f"{p}.gate_proj",), shape="[B, T, I]", module=1),
+        "hidden": Node("mul", "act_fn * up_proj", (f"{p}.act_fn", f"{p}.up_proj"), shape="[B, T, I]"),
+        "down_proj": Node("linear", "y = hidden Wd^T", (f"{p}.hidden",), shape="[B, T, H]", module=1),
+    }, p, layer)
+
+
+def moe_nodes(cfg, i: int) -> dict:
+    """`moe`'s taps: the router (HF module `mlp.gate`, tapped as router_logits), the routed experts, and where the
+    checkpoint has one the shared expert and its gate."""
     p, x = f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm"
-    if not cfg.is_moe_layer(i):
-        return mlp_modules(p, x)
-    m = {f"{p}.gate": (x,)}  # the router: its output is the logits (AIMET quantises them before the softmax)
-    if cfg.shared_expert_intermediate_size:
-        m.update(mlp_modules(f"{p}.shared_expert", x))
-        m[f"{p}.shared_expert_gate"] = (x,)
-    return m
+    shared = cfg.shared_expert_intermediate_size
+    nodes = declare({
+        "router_logits": Node("linear", "router logits = x Wr^T", (x,), shape="[B, T, E]", module=1,
+                              module_name="gate"),
+        "router_probs": Node("softmax", "softmax over experts (float32)", (f"{p}.router_logits",), shape="[B, T, E]"),
+        "selected_experts": Node("top-k", "k experts of highest probability (ties: lower id)", (f"{p}.router_logits",),
+                                 shape="[B, T, k] int"),
+        "routing_weights": Node("top-k weights", "their probabilities, renormalised if norm_topk_prob",
+                                (f"{p}.router_logits",), shape="[B, T, k]"),
+        "experts": Node("expert mix", "sum_e w_e * down_e(act(gate_e x) * up_e x), ascending e",
+                        (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]"),
+    }, p, i)
+    if shared:
+        nodes.update(mlp_nodes(f"{p}.shared_expert", x, i))
+        nodes.update(declare({"shared_expert_gate": Node("linear", "x Wsg^T (one logit per token, before the sigmoid)",
+                                                         (x,), shape="[B, T, 1]", module=1)}, p, i))
+    out = Node("add", "experts + sigmoid(shared_expert_gate) * shared_expert",
+               (f"{p}.experts", f"{p}.shared_expert.down_proj", f"{p}.shared_expert_gate"), shape="[B, T, H]") \
+        if shared else Node("identity", "out = experts", (f"{p}.experts",), shape="[B, T, H]")
+    nodes.update(declare({"": out}, p, i))
+    return nodes
 
 
-def self_attention_modules(cfg, i: int) -> dict:
-    return attention_modules(f"model.layers.{i}.self_attn", f"model.layers.{i}.input_layernorm")
+def feed_forward_nodes(cfg, i: int) -> dict:
+    if cfg.is_moe_layer(i):
+        return moe_nodes(cfg, i)
+    return mlp_nodes(f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm", i)
 
 
-def expected_modules(cfg, mixer_modules=self_attention_modules) -> dict:
-    """Every module that can carry AIMET quantisers -> its input taps, in execution order; mixer_modules(cfg, i)
-    gives layer i's token mixer (hybrid.py passes its own)."""
-    out = {"model.embed_tokens": ()}  # its input is the token ids
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        out[f"{p}.input_layernorm"] = (f"model.layers.{i - 1}" if i else "model.embed_tokens",)
-        out.update(mixer_modules(cfg, i))
-        out[f"{p}.post_attention_layernorm"] = (f"{p}.attn_residual",)
-        out.update(feed_forward_modules(cfg, i))
-    out["model.norm"] = (f"model.layers.{cfg.num_hidden_layers - 1}",)
-    out["lm_head"] = ("model.norm",)
-    return out
+def layer_input(i: int) -> str:
+    """Layer i's input: layer i-1's output, the embedding for layer 0."""
+    return f"model.layers.{i - 1}" if i else "model.embed_tokens"
+
+
+def decoder_layer_nodes(cfg, i: int, mixer_nodes: dict, mixer_output: str) -> dict:
+    """`decoder_layer`'s taps around its token mixer's (mixer_nodes, whose output tap is mixer_output)."""
+    p, norm = f"model.layers.{i}", norm_formula(cfg)
+    ff = f"{p}.mlp" if cfg.is_moe_layer(i) else f"{p}.mlp.down_proj"
+    return merge(
+        declare({"input_layernorm": Node("rms_norm", norm, (layer_input(i),), shape="[B, T, H]", module=1)}, p, i),
+        mixer_nodes,
+        declare({"attn_residual": Node("residual add", "h = x + mixer(input_layernorm(x))",
+                                       (layer_input(i), mixer_output), shape="[B, T, H]"),
+                 "post_attention_layernorm": Node("rms_norm", norm, (f"{p}.attn_residual",), shape="[B, T, H]",
+                                                  module=1)}, p, i),
+        feed_forward_nodes(cfg, i),
+        declare({"": Node("residual add", "out = attn_residual + mlp", (f"{p}.attn_residual", ff), shape="[B, T, H]")},
+                p, i))
+
+
+def layer_nodes(cfg, i: int) -> dict:
+    return decoder_layer_nodes(cfg, i, attention_nodes(cfg, i), f"model.layers.{i}.self_attn.o_proj")
 
 
 def self_attention_tensors(cfg, i: int) -> dict:

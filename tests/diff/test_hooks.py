@@ -32,8 +32,8 @@ def _hooked(name: str, a: np.ndarray) -> dict:
         return {}
     if name.endswith("attn_residual"):
         return {f"{p}.post_attention_layernorm.input": a}
-    if what in ("gate", "routing_weights", "selected_experts") and p.endswith(".mlp"):   # the router's tuple, rows
-        return {f"{p}.gate" + {"gate": "", "routing_weights": ".1", "selected_experts": ".2"}[what]:
+    if what in ("router_logits", "routing_weights", "selected_experts"):   # the router module `mlp.gate`'s tuple, rows
+        return {f"{p}.gate" + {"router_logits": "", "routing_weights": ".1", "selected_experts": ".2"}[what]:
                 a.reshape(-1, a.shape[-1])}
     if name.endswith("mlp.shared_expert_gate"):   # the module's output, rows: the logit (the tap is the logit too)
         return {name: a.reshape(-1, 1)}

@@ -133,7 +133,7 @@ def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
     assert [(r.step, r.name, r.total, r.inherited, r.added) for r in rows[0]] == \
         [(r.step, r.name, r.total, r.inherited, r.added) for r in rows[1]]
     for spec in ("model.layers.3.self_attn.q_norm[0,1,2,5]", "model.layers.0.mlp.down_proj[0,2,7]" if "moe" not in name
-                 else "model.layers.0.mlp.gate[0,2,3]", "lm_head[0,3,151]"):
+                 else "model.layers.0.mlp.router_logits[0,2,3]", "lm_head[0,3,151]"):
         assert explain(bundle, streamed, spec) == explain(bundle, resident, spec)
     assert streamed.weights.kept_nbytes == 0
 

@@ -1,0 +1,83 @@
+"""The graph is declared once, beside the code that computes it (refimpl/graph.py): every traced tap has exactly one
+declared node, every declared node is tapped, and docs/taps.md is what the declarations say."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refimpl
+from refimpl.diff.dataflow import producer
+from refimpl.graph import Node, declare
+from refimpl.models import qwen3
+from refimpl.models.model import graph
+from refimpl.models.presets import PRESETS
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def traced_and_declared(model) -> tuple[set, set]:
+    """(tap names a forward records, node names the graph declares) over a padded two-row prefill, a cached decode
+    step and an unpadded single-row call: every path a block has (padded rows of linear attention, the one-token
+    recurrent step, the chunked core)."""
+    cache = model.new_cache(batch_size=2)
+    with refimpl.trace() as tr:
+        model.forward(np.array([[0, 5, 6, 7], [1, 2, 3, 4]]), cache=cache,
+                      attention_mask=np.array([[0, 1, 1, 1], [1, 1, 1, 1]]))
+        model.forward(np.array([[8], [9]]), cache=cache)
+        model.forward(np.array([[1, 2, 3]]))
+    return set(tr.names()), set(graph(model.config))
+
+
+def mismatch(model) -> str:
+    traced, declared = traced_and_declared(model)
+    return (f"tapped, not declared: {sorted(traced - declared)[:5]}; "
+            f"declared, never tapped: {sorted(declared - traced)[:5]}") if traced != declared else ""
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_tap_is_declared_once_and_every_declared_node_is_tapped(preset):
+    model = refimpl.load(preset)
+    assert mismatch(model) == ""
+    for name, node in graph(model.config).items():   # every input is a node, a graph input or a carried state
+        for n in node.inputs:
+            assert n in graph(model.config) or n.startswith("cache:") or \
+                n in ("input_ids", "attention_mask", "position_ids", "position_ids_cos", "position_ids_sin"), (name, n)
+        assert producer(model.config, name).op == node.op
+
+
+def test_an_undeclared_tap_fails(monkeypatch):
+    """A tap added to a block without declaring it is caught ..."""
+    mlp = qwen3.mlp
+
+    def tapping_more(w, p, x, cfg, ctx):
+        y = mlp(w, p, x, cfg, ctx)
+        return qwen3.tap(p, "extra", y)
+    monkeypatch.setattr(qwen3, "mlp", tapping_more)
+    assert "tapped, not declared: ['model.layers.0.mlp.extra'" in mismatch(refimpl.load("tiny-qwen3"))
+
+
+def test_a_declared_node_never_tapped_fails(monkeypatch):
+    """... and so is a node declared but never tapped."""
+    mlp_nodes = qwen3.mlp_nodes
+
+    def declaring_more(p, x, layer):
+        return {**mlp_nodes(p, x, layer), **declare({"extra": Node("mul", "y = 2 x", (x,))}, p, layer)}
+    monkeypatch.setattr(qwen3, "mlp_nodes", declaring_more)
+    assert "declared, never tapped: ['model.layers.0.mlp.extra'" in mismatch(refimpl.load("tiny-qwen3"))
+
+
+def test_a_node_declared_twice_fails(monkeypatch):
+    monkeypatch.setattr(qwen3, "mlp_nodes", lambda p, x, layer: declare(
+        {"input_layernorm": Node("mul", "y = x", (x,))}, p.rsplit(".", 1)[0], layer))
+    with pytest.raises(AssertionError, match="declared twice.*input_layernorm"):
+        graph(refimpl.load("tiny-qwen3").config)
+
+
+def test_docs_taps_md_is_generated_from_the_declarations():
+    spec = importlib.util.spec_from_file_location("make_taps", DOCS / "make_taps.py")
+    make_taps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_taps)
+    assert (DOCS / "taps.md").read_text() == make_taps.taps_markdown(), \
+        "docs/taps.md is stale: run `python docs/make_taps.py`"
