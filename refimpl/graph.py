@@ -12,14 +12,15 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """How one tensor is computed. shape: in symbols (B batch, T new tokens, P cached, H hidden, ...). inputs: tap
-    or graph I/O names (a later step's graph input names the previous call's output as "prev:<name>"). module: for a tensor that is the output of an HF module AIMET wraps with
-    quantisers, how many of `inputs` are that module's arguments (its input quantisers act on them in that order);
-    module_name: that module when it is not the tap's own name (the MoE router `mlp.gate` -> `mlp.router_logits`)."""
+    """How one tensor is computed: op, formula (its kernel's equation) and direct inputs (tap or graph I/O names; a
+    later step's graph input names the previous call's output "prev:<name>"); shape in the symbols of docs/taps.md.
+    module: for a tensor that is the output of an HF module AIMET wraps with quantisers, how many of `inputs` are
+    that module's arguments (its input quantisers act on them in that order); module_name: that module when it is
+    not the tap's own name (the MoE router: module `mlp.gate`, tap `mlp.router_logits`)."""
     op: str
     formula: str
     inputs: tuple[str, ...] = ()
-    shape: str = ""                 # in the symbols of docs/taps.md: [B, T, H], ...
+    shape: str = ""
     layer: int | None = None
     module: int | None = None
     module_name: str | None = None
