@@ -35,7 +35,8 @@ def to_float32(value: mpmath.mpf) -> np.float32:
         return _QNAN32
     if mpmath.isinf(value):
         return np.float32(np.inf if value > 0 else -np.inf)
-    sign, man, exp, _ = value._mpf_
+    man, exp = value.man_exp                                     # |value| = man * 2^exp exactly
+    sign, man = bool(value < 0), abs(int(man))
     top = exp + man.bit_length() - 1                             # 2^top <= |value| < 2^(top + 1)
     if man == 0 or top < -150:                                   # below half the smallest subnormal: +-0
         return np.float32(-0.0 if sign else 0.0)
