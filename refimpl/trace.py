@@ -17,6 +17,8 @@ import re
 
 import numpy as np
 
+from .errors import InputError
+
 _active: list["Trace"] = []
 
 
@@ -94,7 +96,6 @@ def override(name: str):
 def conform(name: str, given, value: np.ndarray) -> np.ndarray:
     given = np.asarray(given)
     if given.shape != value.shape:
-        from .errors import InputError
         raise InputError(f"override of tap {name!r}: shape {list(given.shape)}, the forward pass has "
                          f"{list(value.shape)}")
     return given.astype(value.dtype, copy=False)
