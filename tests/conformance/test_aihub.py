@@ -155,7 +155,7 @@ def check_host_inputs(model, b, k: int, prepared: dict, positions, exact_windows
             rec = b.manifest["tensors"][f"{k}/input/{n}"]
             assert_close(a, expected, rec["valid"], n, f"step {k}", model.config.is_hybrid)
             assert not a[~valid_mask(a.shape, rec["valid"])].any(), f"step {k} input {n}: empty slots are not zero"
-    cos, sin = model._rope(positions.numpy().astype(np.int64), None)
+    cos, sin = model.rope(positions.numpy().astype(np.int64), None)
     np.testing.assert_array_equal(cos[:, None], b.tensor(k, "input", "position_ids_cos"), err_msg=f"step {k} positions")
     np.testing.assert_array_equal(sin[:, None], b.tensor(k, "input", "position_ids_sin"), err_msg=f"step {k} positions")
 
