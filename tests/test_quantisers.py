@@ -12,6 +12,8 @@ import refimpl
 from refimpl.encodings import read_activation_encodings
 from refimpl.errors import FormatError, InputError
 from refimpl.kernels import quant
+from refimpl.kernels.linear import linear
+from refimpl.models.model import Model
 from refimpl.models.quantisers import EncodingsWarning
 from refimpl.precision import Policy
 
@@ -85,7 +87,6 @@ def test_output_quantiser_at_its_tap_input_quantiser_for_its_module_only(tmp_pat
         m.forward(IDS)
     plain = refimpl.load("tiny-qwen3")
     w, x = plain.weights, tr["model.layers.0.input_layernorm"]
-    from refimpl.kernels.linear import linear
     np.testing.assert_array_equal(tr[f"{a}.q_proj"], quant.quantsim_fake_quant(
         linear(x, w[f"{a}.q_proj.weight"]), 1e-4, -32768, 0, 65535))
     np.testing.assert_array_equal(tr[f"{a}.k_proj"], linear(quant.quantsim_fake_quant(x, 0.05, -128, 0, 255),
@@ -140,7 +141,6 @@ def test_float_activation_encoding_casts_to_float16(tmp_path):
 
 def test_no_activation_encodings_leave_the_float32_path_bit_identical(tmp_path):
     """A weights-only file: the forward is the plain float32 forward over the quantised weights, bit for bit."""
-    from refimpl.models.model import Model
     params = {"model.layers.0.mlp.down_proj.weight": [{**ENC16, "bitwidth": 8, "scale": 0.01, "offset": -128,
                                                        "is_symmetric": "True"}] * 64}
     weights_only = _load("tiny-qwen3", _file(tmp_path, {}, params))
