@@ -9,6 +9,9 @@
 Every failure is the given refimpl error (FormatError by default) whose one-line message names the file and the
 field. The limits are far above what real files hold: they stop a damaged or hostile file from making a reader
 recurse, allocate or read without bound, not real models.
+
+Writing is crash-safe: atomic_path / write_atomic (a file) and atomic_directory (a directory tree) put the whole
+new content in place, or leave what was there.
 """
 
 import contextlib
@@ -18,6 +21,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 from pathlib import Path
 
@@ -30,6 +34,8 @@ MAX_JSON_BYTES = 2 << 30       # a manifest of a 100-layer model with every tap 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)      # a JSON string literal, escapes included
 _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
+# what atomic_directory leaves beside its target while it writes: .<target>.tmp-<pid>-<hex>, .<target>.old-<pid>-<hex>
+_STALE = re.compile(r"\.(?P<target>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
 def json_depth(data: bytes) -> int:
@@ -154,6 +160,82 @@ def write_atomic(path, content, what: str = "output", error=InputError) -> None:
             with open(tmp, "wb") as f:
                 for chunk in [content] if isinstance(content, (bytes, bytearray, memoryview)) else content:
                     f.write(chunk)
+
+
+@contextlib.contextmanager
+def atomic_directory(path, overwrite: bool = False, what: str = "output", error=InputError):
+    """A temporary directory `.<name>.tmp-<pid>-<random>` beside `path` to write a whole directory tree into (each
+    file fsynced by its writer). When the block ends without an exception, every directory of the tree is fsynced
+    and the tree renamed to `path`; otherwise it is removed. So `path` is absent, the old tree or the whole new one,
+    even after a crash (SIGKILL included). An existing `path` is replaced only with overwrite (moved aside to
+    `.<name>.old-<pid>-<random>`, removed once the new tree is in place). Temporaries that dead writers left beside
+    `path` are removed first.
+
+        with atomic_directory(out, overwrite, "bundle") as tmp:
+            (tmp / "manifest.json").write_bytes(...)
+    """
+    target = Path(path)
+    if os.path.lexists(target) and not overwrite:
+        raise error(f"{target}: already exists (pass overwrite=True to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for d, _, _ in os.walk(tmp):
+            _fsync_dir(d)
+        _move_into_place(tmp, target, overwrite, what, error)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, target: Path, overwrite: bool, what: str, error) -> None:
+    if not os.path.lexists(target):
+        try:
+            os.rename(tmp, target)
+        except OSError as e:
+            raise error(f"{target}: cannot move the {what} into place ({e.strerror})") from None
+    elif not overwrite:
+        raise error(f"{target}: already exists (pass overwrite=True to replace it)")
+    else:
+        old = target.parent / f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    _fsync_dir(target.parent)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove temporaries left by writers that died: `.<name>.tmp-<pid>-<rand>` of a dead pid, and
+    `.<name>.old-<pid>-<rand>` (a replaced tree) of a dead pid once `<name>` exists again."""
+    for p in parent.iterdir():
+        m = _STALE.fullmatch(p.name)
+        if m and not _alive(int(m["pid"])) and (m["kind"] == "tmp" or (parent / m["target"]).exists()):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def inside(root, rel, what: str, error=FormatError, links_out: bool = False) -> Path:

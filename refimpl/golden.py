@@ -7,18 +7,23 @@ its threads. platform.json beside the manifest records where a bundle was made, 
 """
 
 import dataclasses
+import platform
 
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from .version import __version__
 from .bundle import Tensor, write_bundle
-from .conventions import genie, hf, qeff
+from .conventions import CONVENTIONS
 from .errors import FormatError, InputError, brief
 from .generate import greedy, log_softmax_at
 from .models.config import config_from_dict
+from .version import __version__
 
-CONVENTIONS = {"hf": hf, "genie": genie, "qeff": qeff}
+try:    # NumPy >= 2 names the CPU features it dispatches on here; older NumPy: not recorded
+    from numpy._core._multiarray_umath import __cpu_features__ as _CPU_FEATURES
+except ImportError:
+    _CPU_FEATURES = None
+
 SCHEMA_VERSION = 1
 
 
@@ -50,7 +55,7 @@ def run_convention(model, prompt_ids, convention: str = "hf", params: dict | Non
                          f"exceeds the model's context limit (max_position_embeddings {limit})")
     calls = module.run(model, prompt_ids, opts, decode_steps=decode_steps, taps=taps, decode_ids=decode_ids)
     # the options as run, model-dependent defaults (pad id, conv state length) filled in: what the manifest records
-    return calls, opts.resolved(model) if hasattr(opts, "resolved") else opts
+    return calls, opts.resolved(model)
 
 
 def run_graph(model, manifest: dict, inputs: dict) -> dict:
@@ -66,8 +71,7 @@ def run_graph(model, manifest: dict, inputs: dict) -> dict:
         opts = module.Options(**params)
     except TypeError as e:
         raise FormatError(f"bundle manifest: convention.params of {name}: {brief(str(e), 120)}") from None
-    if hasattr(opts, "check"):
-        opts.check(model)
+    opts.check(model)
     return module.graph(model, inputs, opts)
 
 
@@ -157,12 +161,7 @@ def write_golden(out_dir, model, prompt_ids, *, source: str, convention: str = "
 def platform_fingerprint() -> dict:
     """Where a bundle was made (NumPy, BLAS library and kernel, SIMD features), for information only: nothing in
     a float32 bundle depends on it."""
-    import platform
-    try:
-        from numpy._core._multiarray_umath import __cpu_features__ as features
-        simd = sorted(name for name, on in features.items() if on)
-    except ImportError:
-        simd = None
+    simd = None if _CPU_FEATURES is None else sorted(name for name, on in _CPU_FEATURES.items() if on)
     blas = [{k: lib.get(k) for k in ("internal_api", "version", "architecture", "num_threads")}
             for lib in threadpool_info() if lib.get("user_api") == "blas"]
     return {"numpy": np.__version__, "python": platform.python_version(), "machine": platform.machine(),

@@ -3,15 +3,26 @@ batch, stop strings, streaming, and clear errors."""
 
 import math
 
+import exact
 import numpy as np
 import pytest
-
-import exact
-import refimpl
 from helpers import scaled
+
+import refimpl
 from refimpl.errors import InputError
-from refimpl.generate import (SamplingParams, choose, distribution, draw, greedy, log_softmax_at, min_p_count,
-                              repetition_penalty, sample, top_k_order, top_p_count)
+from refimpl.generate import (
+    SamplingParams,
+    choose,
+    distribution,
+    draw,
+    greedy,
+    log_softmax_at,
+    min_p_count,
+    repetition_penalty,
+    sample,
+    top_k_order,
+    top_p_count,
+)
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
 from refimpl.models.presets import PRESETS, random_weights

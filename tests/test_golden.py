@@ -47,7 +47,7 @@ def test_replaying_bundle_inputs_reproduces_its_outputs(convention, params, modu
     opts = module.Options(**params)
     for k, step in enumerate(b.manifest["steps"]):
         inputs = {n: b.tensor(k, "input", n) for n in step["inputs"]}
-        outputs = module.graph(model, inputs, opts) if module is genie else module.graph(model, inputs)
+        outputs = module.graph(model, inputs, opts)
         for n in step["outputs"]:
             np.testing.assert_array_equal(outputs[n], b.tensor(k, "output", n), err_msg=f"step {k} {n}")
     assert b.manifest["generated_ids"] and len(b.manifest["steps"]) == 2 + 2
@@ -90,7 +90,8 @@ def test_cli_bundles_identical_across_runs_and_blas_threads(tmp_path):
     (["--convention", "qeff", "--pad-side", "left"], "--pad-side does not apply to --convention qeff"),
     (["--convention", "genie", "--pad-side", "middle"], "invalid choice"),
     (["--convention", "genie", "--conv-state-len", "2"], "conv_state_len must be an integer from Kc - 1 = 3 to CL"),
-    (["--convention", "genie", "--model", "tiny-qwen3", "--conv-state-len", "4"], "hybrid (Gated DeltaNet) models only"),
+    (["--convention", "genie", "--model", "tiny-qwen3", "--conv-state-len", "4"],
+     "hybrid (Gated DeltaNet) models only"),
 ])
 def test_cli_bad_arguments_exit_2(args, message, tmp_path):
     proc = _cli("golden", "--input-ids", "1,2,3,4,5,6,7,8,9,10", *args, "--out", str(tmp_path / "b"))

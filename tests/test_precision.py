@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 import refimpl
+from refimpl.encodings import Encoding, read_encodings
 from refimpl.errors import FormatError, InputError
 from refimpl.kernels import quant
-from refimpl.precision import Policy, fake_quant_weight, policy, read_encodings
+from refimpl.kernels.quant import onnx_quantize, qnn_quantize
+from refimpl.precision import Policy, fake_quant_weight, from_manifest, policy
 
 IDS = np.array([[5, 6, 7, 8, 9]])
 
@@ -198,7 +200,6 @@ def test_symmetric_encodings_with_zero_offsets_are_signed(tmp_path):
 
 
 def test_policy_round_trips_through_a_manifest(tmp_path):
-    from refimpl.precision import from_manifest
     for p in (Policy(), Policy("float64"), Policy("bf16"), Policy("fp16", "int4-block32-onnx", "int8"),
               Policy("float32", "bf16", "fp16")):
         assert from_manifest(json.loads(json.dumps(p.to_dict()))) == Policy(p.activations, p.weights, p.kv)
@@ -244,7 +245,6 @@ def test_aimet_lpbq_as_exported_float_entries_offsets_and_names(tmp_path):
     enc = read_encodings(path)
     assert set(enc) == {name, float_entry["name"]} and enc[name].bitwidth == 4 and enc[name].signed
     x = np.array([[0.95, -0.9, 0.04, 0.06]], np.float32)
-    from refimpl.precision import Encoding
     e = Encoding(4, np.float32(0.1), np.int32(0), None, True)
     np.testing.assert_allclose(e.fake_quant(x), [[0.7, -0.8, 0.0, 0.1]], rtol=1e-6)   # clipped to [-8, 7] codes
     m = refimpl.load("tiny-qwen3", precision=Policy(weights="encodings", encodings=str(path)))
@@ -264,7 +264,6 @@ def test_aimet_lpbq_as_exported_float_entries_offsets_and_names(tmp_path):
 
 
 def test_quantisation_divides_in_float32_as_onnx_runtime():
-    from refimpl.kernels.quant import onnx_quantize, qnn_quantize
     x = np.array([-0.43664998], np.float32)
     s = np.float32(0.0123)
     assert np.float32(x[0]) / s == np.float32(-35.5)                  # float64 would give -35.4999994

@@ -12,7 +12,8 @@ import refimpl
 from refimpl.encodings import read_activation_encodings
 from refimpl.errors import FormatError, InputError
 from refimpl.kernels import quant
-from refimpl.models.model import module_taps
+from refimpl.kernels.linear import linear
+from refimpl.models.model import Model, module_taps
 from refimpl.models.quantisers import EncodingsWarning
 from refimpl.precision import Policy
 
@@ -53,7 +54,8 @@ def test_both_schemas_read(tmp_path):
     legacy = _file(tmp_path, {"model.layers.0.mlp.act_fn": {"output": {"0": ENC16}, "input": {"0": [ENC16, ENC16]}},
                               "lm_head": {"output": {"0": {"bitwidth": 16, "dtype": "float"}}}})
     entries = {e.label: e.encoding for e in read_activation_encodings(legacy)}
-    assert set(entries) == {"model.layers.0.mlp.act_fn output 0", "model.layers.0.mlp.act_fn input 0", "lm_head output 0"}
+    assert set(entries) == {"model.layers.0.mlp.act_fn output 0", "model.layers.0.mlp.act_fn input 0",
+                            "lm_head output 0"}
     assert entries["model.layers.0.mlp.act_fn input 0"].scale.shape == (2,)          # per channel
     assert entries["lm_head output 0"].float_dtype is np.float16
     v1 = tmp_path / "v1.json"
@@ -86,7 +88,6 @@ def test_output_quantiser_at_its_tap_input_quantiser_for_its_module_only(tmp_pat
         m.forward(IDS)
     plain = refimpl.load("tiny-qwen3")
     w, x = plain.weights, tr["model.layers.0.input_layernorm"]
-    from refimpl.kernels.linear import linear
     np.testing.assert_array_equal(tr[f"{a}.q_proj"], quant.quantsim_fake_quant(
         linear(x, w[f"{a}.q_proj.weight"]), 1e-4, -32768, 0, 65535))
     np.testing.assert_array_equal(tr[f"{a}.k_proj"], linear(quant.quantsim_fake_quant(x, 0.05, -128, 0, 255),
@@ -97,7 +98,8 @@ def test_output_quantiser_at_its_tap_input_quantiser_for_its_module_only(tmp_pat
         (f"{a}.q_proj", "output", f"{a}.q_proj"), (f"{a}.k_proj", "input", "model.layers.0.input_layernorm")]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5",
+                                    "tiny-qwen3.5-moe"])
 def test_the_module_tables_are_what_the_code_quantises(preset, tmp_path):
     """Every declared module's inputs and output carry a quantiser when the file names them all (nothing unplaced),
     the code asks for exactly the declared ones, each input tap exists, and each output tap holds codes on its grid."""
@@ -125,7 +127,7 @@ def test_the_module_tables_are_what_the_code_quantises(preset, tmp_path):
                                                              for i in range(len(t))}
     assert asked == declared and not inner.unplaced
     assert {t for taps in q.modules.values() for t in taps} <= set(tr.names())
-    assert list(module_taps(q.config)) == list(q.modules)   # each module's output is a tap (the router's: router_logits)
+    assert list(module_taps(q.config)) == list(q.modules)   # each module's output is a tap (router: router_logits)
     for mod, tap in module_taps(q.config).items():
         codes = tr[tap].astype(np.float64) / 1e-4
         assert np.abs(codes - np.rint(codes)).max() < 1e-2, mod
@@ -142,7 +144,6 @@ def test_float_activation_encoding_casts_to_float16(tmp_path):
 
 def test_no_activation_encodings_leave_the_float32_path_bit_identical(tmp_path):
     """A weights-only file: the forward is the plain float32 forward over the quantised weights, bit for bit."""
-    from refimpl.models.model import Model
     params = {"model.layers.0.mlp.down_proj.weight": [{**ENC16, "bitwidth": 8, "scale": 0.01, "offset": -128,
                                                        "is_symmetric": "True"}] * 64}
     weights_only = _load("tiny-qwen3", _file(tmp_path, {}, params))

@@ -31,11 +31,29 @@ import math
 import numpy as np
 
 from ..errors import FormatError, InputError
+from ..graph import Node
 from ..models.cache import Cache, KVCache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
-from . import check_inputs, state_shapes
+from .common import (
+    Call,
+    cache_kinds,
+    cache_tap,
+    check_inputs,
+    check_pad_id,
+    eos_token,
+    greedy,
+    host_input,
+    logits_output,
+    next_token,
+    prompt_chunks,
+    prompt_list,
+    state_output,
+    state_shapes,
+    tap_valid,
+    token_input,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +73,7 @@ class Options:
     def resolved(self, model) -> "Options":
         """The options with the model-dependent defaults filled in (what a manifest records)."""
         cfg = model.config
-        return dataclasses.replace(self, pad_id=self.pad_id if self.pad_id is not None else _eos(cfg),
+        return dataclasses.replace(self, pad_id=self.pad_id if self.pad_id is not None else eos_token(cfg, "genie"),
                                    conv_state_len=self.conv_state_len or (cfg.linear_conv_kernel_dim
                                                                           if cfg.is_hybrid else None))
 
@@ -107,18 +125,6 @@ class Options:
                                  f"got {self.conv_state_len!r}")
 
 
-@dataclasses.dataclass
-class Call:
-    """One graph call: exactly the device's inputs and outputs, with axes and valid regions (boxes)."""
-    graph: str                   # "prompt" or "token"
-    tokens: list                 # the real token ids of this call
-    inputs: dict
-    outputs: dict
-    axes: dict
-    valid: dict                  # name -> list of boxes ([start, stop) per axis); absent = all valid
-    taps: dict = dataclasses.field(default_factory=dict)   # traced intermediates of this call, by tap name
-
-
 def _window(entries: np.ndarray, W: int) -> np.ndarray:
     """Cached entries [Hkv, cur, D] -> the left-padded window [Hkv, W, D] (empty slots are zeros)."""
     Hkv, cur, D = entries.shape
@@ -138,6 +144,34 @@ def input_shapes(cfg, opts: Options) -> dict:
             shapes[f"past_key_{i}_in"] = (Hkv, 1, D, "W") if opts.key_transposed else (Hkv, 1, "W", D)
             shapes[f"past_value_{i}_in"] = (Hkv, 1, "W", D)
     return shapes
+
+
+def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
+    """The producer of every graph input and output (refimpl.graph), in the exported graph's order. A cache input
+    is the host's window of earlier calls' outputs. params: the manifest's convention.params; with
+    kv_output="window" the KV outputs hold the cached entries too, so they read the KV inputs."""
+    window = (params or {}).get("kv_output") == "window"
+    nodes = {"input_ids": token_input(), "attention_mask": host_input(), "position_ids_cos": host_input(),
+             "position_ids_sin": host_input()}
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            nodes[f"{kind}_{i}_in"] = Node("host cache", "window of earlier calls' outputs",
+                                           (f"prev:{kind}_{i}_out", f"prev:{kind}_{i}_in"), layer=i)
+    nodes["logits"] = logits_output()
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            is_kv = kind.startswith("past_")
+            nodes[f"{kind}_{i}_out"] = _kv_output(kind, i, window) if is_kv else state_output(kind, i)
+    return nodes
+
+
+def _kv_output(kind: str, i: int, window: bool) -> Node:
+    if window:
+        return Node("graph output", "the updated window: cached entries then the new ones",
+                    (cache_tap(kind, i), f"{kind}_{i}_in"), layer=i)
+    formula = {"past_key": "new keys after RoPE (transposed [Hkv, 1, D, T] unless configured)",
+               "past_value": "new values [Hkv, 1, T, D]"}[kind]
+    return Node("graph output", formula, (cache_tap(kind, i),), layer=i)
 
 
 def graph(model, inputs: dict, opts: Options) -> dict:
@@ -238,49 +272,6 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     return calls
 
 
-def prompt_chunks(prompt: list, ar: int, pad_side: str) -> list[list]:
-    """The prompt in chunks of at most `ar` tokens, the short one where the pads go: first for left padding
-    (AI Hub's host driver slices from the prompt's end), last for right padding."""
-    first = len(prompt) % ar if pad_side == "left" and len(prompt) % ar else ar
-    return [prompt[:first]] + [prompt[s:s + ar] for s in range(first, len(prompt), ar)]
-
-
-def greedy(call: Call) -> int:
-    """The token graph's next input: the argmax of the call's logits at its last real slot."""
-    (_, _), (_, hi), _ = call.valid["logits"][0]
-    return int(np.argmax(call.outputs["logits"][0, hi - 1]))
-
-
-def next_token(choice: int, decode_ids: list | None, j: int) -> int:
-    """Decode call j's token: the host's greedy `choice`, or decode_ids[j] (teacher forcing)."""
-    return int(decode_ids[j]) if decode_ids is not None else choice
-
-
-def _eos(cfg) -> int:
-    eos = cfg.eos_token_id
-    eos = (eos[0] if eos else None) if isinstance(eos, list) else eos
-    if eos is None:
-        raise InputError("genie: the model config has no eos_token_id; give pad_id")
-    return int(eos)
-
-
-def prompt_list(prompt_ids, convention: str) -> list:
-    """A prompt as a list of ids: one sequence, [T] or [1, T]."""
-    ids = np.asarray(prompt_ids)
-    if ids.ndim == 2 and ids.shape[0] == 1:
-        ids = ids[0]
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise InputError(f"{convention}: the prompt must be one non-empty sequence of token ids, got {ids.dtype} "
-                         f"{list(ids.shape)}")
-    return [int(t) for t in ids]
-
-
-def check_pad_id(pad_id: int, cfg, convention: str) -> int:
-    if not 0 <= pad_id < cfg.vocab_size:
-        raise InputError(f"{convention}: pad id {pad_id} is outside the vocabulary [0, {cfg.vocab_size})")
-    return pad_id
-
-
 def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
     axes = {"input_ids": "b,t", "attention_mask": "b,1,t,ctx", "position_ids_cos": "b,1,t,rot_half",
             "position_ids_sin": "b,1,t,rot_half", "logits": "b,t,vocab"}
@@ -294,45 +285,6 @@ def _axes(inputs: dict, outputs: dict, opts: Options) -> dict:
         elif name.startswith("recurrent_state_"):
             axes[name] = "b,hv,dk,dv"
     return axes
-
-
-def tap_valid(taps: dict, T: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> dict:
-    """Valid regions of a call's taps: only the query rows lo..hi of the T slots are real tokens. Token axes:
-    axis 2 of attention scores/probabilities [B, H, T, S], axis 1 of every other [B, T, ...] tap; states and
-    other taps are all valid. Pad rows of a linear-attention tap hold zeros (don't-care as well).
-    allowed [T, S] (True where a query may attend): attention scores are scored there only — a masked score is
-    the mask constant plus noise, and would drown the real ones."""
-    valid = {}
-    for name, a in taps.items():
-        if allowed is not None and name.endswith("attn_scores") and a.ndim == 4 and a.shape[2:] == allowed.shape:
-            valid[name] = score_boxes(allowed, range(lo, hi), a.shape)
-            continue
-        axis = tap_token_axis(name)
-        if axis is None or a.ndim <= axis or a.shape[axis] != T or (lo, hi) == (0, T):
-            continue
-        box = [[0, s] for s in a.shape]
-        box[axis] = [lo, hi]
-        valid[name] = [box]
-    return valid
-
-
-def tap_token_axis(name: str) -> int | None:
-    """The token axis of a tap: 2 for attention scores / probabilities [B, H, T, S], none for the states (whole
-    after the call), else 1 ([B, T, ...])."""
-    if name.endswith(("conv_state", "recurrent_state")):
-        return None
-    return 2 if name.endswith(("attn_scores", "attn_probs")) else 1
-
-
-def score_boxes(allowed: np.ndarray, rows, shape) -> list:
-    """Boxes over [B, H, T, S] covering, for each query row in `rows`, the key slots allowed[row] marks."""
-    boxes = []
-    for r in rows:
-        cols = np.flatnonzero(allowed[r])
-        if cols.size:
-            for run in np.split(cols, np.flatnonzero(np.diff(cols) > 1) + 1):  # contiguous runs of slots
-                boxes.append([[0, shape[0]], [0, shape[1]], [r, r + 1], [int(run[0]), int(run[-1]) + 1]])
-    return boxes
 
 
 def _window_valid(inputs: dict, W: int, cur: int, opts: Options) -> dict:

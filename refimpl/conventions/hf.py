@@ -12,15 +12,33 @@ import dataclasses
 
 import numpy as np
 
+from ..graph import Node
 from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
-from . import check_inputs, state_shapes
-from .genie import Call, next_token, prompt_list, tap_valid
+from .common import (
+    Call,
+    cache_tap,
+    check_inputs,
+    greedy,
+    host_input,
+    logits_output,
+    next_token,
+    prompt_list,
+    state_shapes,
+    tap_valid,
+    token_input,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The dynamic convention has no options."""
+
+    def check(self, model) -> None:
+        """Nothing to check: every model runs dynamically."""
+
+    def resolved(self, model) -> "Options":
+        return self
 
 
 def _state(cache, cfg, prefix: str) -> dict:
@@ -38,12 +56,15 @@ def _state(cache, cfg, prefix: str) -> dict:
 
 def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | None = None,
         decode_ids: list | None = None) -> list[Call]:
+    """transformers' loop: the whole prompt in one call, then `decode_steps` greedy tokens one by one (or the
+    given `decode_ids`: teacher forcing), the cache passed in and out. Returns every call's inputs and outputs (and
+    the taps matching the regex `taps`)."""
+    opts.check(model)
     cfg = model.config
     prompt = prompt_list(prompt_ids, "hf")
     cache, calls = model.new_cache(), []
     for step in range(1 + decode_steps):
-        tokens = prompt if step == 0 else [next_token(int(np.argmax(calls[-1].outputs["logits"][0, -1])), decode_ids,
-                                                      step - 1)]
+        tokens = prompt if step == 0 else [next_token(greedy(calls[-1]), decode_ids, step - 1)]
         P = cache.seq_length
         inputs = {"input_ids": np.array([tokens], np.int64),
                   "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None], **_state(cache, cfg, "past")}
@@ -61,16 +82,57 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     return calls
 
 
-def graph(model, inputs: dict, opts: Options | None = None) -> dict:
-    """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
-    cfg = model.config
+def input_shapes(cfg, opts: Options) -> dict:
+    """name -> shape of a call's inputs (T: tokens, P: cached positions, Kc: conv state columns); the cache inputs
+    from the second call on."""
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     shapes = {"input_ids": (1, "T"), "position_ids": (1, "T")}
-    for i, kind in enumerate(cfg.layer_types):   # the cache inputs: none before the first call
-        if kind == "linear_attention" and f"past_conv_state.{i}" in inputs:
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
             shapes[f"past_conv_state.{i}"], shapes[f"past_recurrent_state.{i}"] = state_shapes(cfg)
-        elif kind != "linear_attention" and f"past_key_values.{i}.key" in inputs:
+        else:
             shapes[f"past_key_values.{i}.key"] = shapes[f"past_key_values.{i}.value"] = (1, Hkv, "P", D)
+    return shapes
+
+
+def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
+    """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
+    previous call's present; a present KV is the past entries then the new ones. params: none (no options)."""
+    nodes = {"input_ids": token_input(), "position_ids": host_input()}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            for state in ("conv", "recurrent"):
+                nodes[f"past_{state}_state.{i}"] = Node("host cache", "previous call's present",
+                                                        (f"prev:present_{state}_state.{i}",), layer=i)
+        else:
+            for part in ("key", "value"):
+                nodes[f"past_key_values.{i}.{part}"] = Node("host cache", "previous call's present",
+                                                            (f"prev:present.{i}.{part}",), layer=i)
+    nodes["logits"] = logits_output()
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            for state in ("conv", "recurrent"):
+                nodes[f"present_{state}_state.{i}"] = Node("graph output", "state after the call",
+                                                           (cache_tap(f"{state}_state", i),), layer=i)
+        else:
+            for part in ("key", "value"):
+                nodes[f"present.{i}.{part}"] = Node("graph output", "cache after the call (past + new)",
+                                                    (f"past_key_values.{i}.{part}", cache_tap(f"past_{part}", i)),
+                                                    layer=i)
+    return nodes
+
+
+def _given(name: str, inputs: dict) -> bool:
+    """Whether a call reads input `name`: a layer's cache inputs once its first (key, conv state) is given, from
+    the second call on."""
+    first = name.replace(".value", ".key").replace("past_recurrent_state", "past_conv_state")
+    return not name.startswith("past_") or first in inputs
+
+
+def graph(model, inputs: dict, opts: Options) -> dict:
+    """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
+    cfg = model.config
+    shapes = {name: shape for name, shape in input_shapes(cfg, opts).items() if _given(name, inputs)}
     check_inputs(inputs, shapes, "hf")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)
     cache = model.new_cache()

@@ -21,12 +21,28 @@ import dataclasses
 import numpy as np
 
 from ..errors import InputError
+from ..graph import Node
 from ..models.cache import Cache, LinearAttentionState
 from ..models.hybrid import zero_state
 from ..models.model import Context
 from ..trace import trace
-from . import check_inputs, state_shapes
-from .genie import Call, _eos, check_pad_id, next_token, prompt_list, tap_valid
+from .common import (
+    Call,
+    cache_kinds,
+    cache_tap,
+    check_inputs,
+    check_pad_id,
+    eos_token,
+    greedy,
+    host_input,
+    logits_output,
+    next_token,
+    prompt_list,
+    state_output,
+    state_shapes,
+    tap_valid,
+    token_input,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +60,9 @@ class Options:
         if self.ctx_len > model.config.max_position_embeddings:
             raise InputError(f"qeff: ctx_len {self.ctx_len} exceeds the model's context (max_position_embeddings "
                              f"{model.config.max_position_embeddings})")
-        if self.pad_id is not None and (not isinstance(self.pad_id, int) or not 0 <= self.pad_id < model.config.vocab_size):
-            raise InputError(f"qeff: pad_id {self.pad_id} is outside the vocabulary [0, {model.config.vocab_size})")
+        vocab = model.config.vocab_size
+        if self.pad_id is not None and (not isinstance(self.pad_id, int) or not 0 <= self.pad_id < vocab):
+            raise InputError(f"qeff: pad_id {self.pad_id} is outside the vocabulary [0, {vocab})")
         if "sliding_attention" in model.config.layer_types:
             raise InputError("qeff: sliding-window layers are not supported by this convention")
 
@@ -53,7 +70,7 @@ class Options:
         """The options with the model-dependent default filled in: pad id = the model's pad token, else eos."""
         cfg = model.config
         return dataclasses.replace(self, pad_id=self.pad_id if self.pad_id is not None else
-                                   cfg.pad_token_id if cfg.pad_token_id is not None else _eos(cfg))
+                                   cfg.pad_token_id if cfg.pad_token_id is not None else eos_token(cfg, "qeff"))
 
 
 class ScatterCache(Cache):
@@ -73,7 +90,7 @@ class ScatterCache(Cache):
         return k, v
 
 
-def input_shapes(cfg) -> dict:
+def input_shapes(cfg, opts: Options) -> dict:
     """name -> shape of the graph's inputs (S: token slots, C: ctx_len, Kc: conv state columns)."""
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     shapes = {"input_ids": (1, "S"), "position_ids": (1, "S")}
@@ -85,9 +102,31 @@ def input_shapes(cfg) -> dict:
     return shapes
 
 
-def graph(model, inputs: dict, opts: "Options | None" = None) -> dict:
+def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
+    """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
+    previous call's retained state; the KV outputs are the cache inputs with the new entries scattered in.
+    params: the manifest's convention.params (no option changes a producer)."""
+    nodes = {"input_ids": token_input(), "position_ids": host_input()}
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            nodes[f"{kind}.{i}"] = Node("host cache", "previous call's retained state",
+                                        (f"prev:{kind}.{i}_RetainedState",), layer=i)
+    nodes["logits"] = logits_output()
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            if kind.startswith("past_"):   # the cache input, the new entries written at their positions
+                node = Node("graph output", "scattered at the tokens' positions", (cache_tap(kind, i), f"{kind}.{i}"),
+                            layer=i)
+            else:
+                node = state_output(kind, i)
+            nodes[f"{kind}.{i}_RetainedState"] = node
+    return nodes
+
+
+def graph(model, inputs: dict, opts: Options) -> dict:
+    """One call of the graph on its inputs, as the device runs it: returns its outputs."""
     cfg = model.config
-    check_inputs(inputs, input_shapes(cfg), "qeff")
+    check_inputs(inputs, input_shapes(cfg, opts), "qeff")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"][0].astype(np.int64)
     attn = [i for i, kind in enumerate(cfg.layer_types) if kind != "linear_attention"]
     cache = ScatterCache(cfg.num_hidden_layers, {i: (inputs[f"past_key.{i}"], inputs[f"past_value.{i}"])
@@ -136,14 +175,13 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
             graph_name, tokens = chunks[step]
             S = opts.seq_len
         else:
-            last = calls[-1].outputs["logits"][0, len(calls[-1].tokens) - 1]
-            graph_name, tokens, S = "decode", [next_token(int(np.argmax(last)), decode_ids, step - len(chunks))], 1
+            graph_name, tokens, S = "decode", [next_token(greedy(calls[-1]), decode_ids, step - len(chunks))], 1
         n = len(tokens)
         positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(S - n, np.int64)])
         inputs = {"input_ids": np.array([tokens + [pad_id] * (S - n)], np.int64),
                   "position_ids": positions[None].astype(np.int64), **state}
         with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
-            outputs = graph(model, inputs)
+            outputs = graph(model, inputs, opts)
         state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
         valid = {"logits": [[[0, 1], [0, n], [0, cfg.vocab_size]]]}
         for name, a in outputs.items():   # KV slots not yet written are don't-care

@@ -39,7 +39,7 @@ import re
 import numpy as np
 
 from ..bundle import ROLES, valid_mask
-from ..conventions.genie import tap_token_axis
+from ..conventions.common import tap_token_axis
 from ..errors import InputError, brief
 from ..files import expect, integer, load_json, number, output_file, write_atomic
 from ..models.config import config_from_dict

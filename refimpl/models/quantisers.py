@@ -90,7 +90,8 @@ def place(entries: list[ActivationEntry], modules: dict, rnd=identity, strict: b
             if module not in modules and m:
                 module, index = model_name(m["path"].replace("/", ".")), int(m["index"])
             io = "output"
-        if module not in modules or (io == "output" and index != 0) or (io == "input" and index >= len(modules[module])):
+        if (module not in modules or (io == "output" and index != 0)
+                or (io == "input" and index >= len(modules[module]))):
             unplaced.append(e.label)
             continue
         if io == "input":

@@ -6,13 +6,13 @@ import math
 
 import numpy as np
 import pytest
+from helpers import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refimpl
 from refimpl.conventions import genie, qeff
 from refimpl.errors import InputError
-from helpers import scaled
 from refimpl.models.hybrid import zero_state
 
 PRESETS = ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
@@ -186,7 +186,8 @@ def test_shapes_names_and_valid_regions():
     assert first.inputs["input_ids"].dtype == np.int32
     assert first.inputs["attention_mask"].shape == (1, 1, 4, 16)
     assert first.inputs["position_ids_cos"].shape == (1, 1, 4, cfg.rotary_dim // 2)
-    assert first.inputs["past_key_3_in"].shape == (2, 1, 32, 12) and first.inputs["past_value_3_in"].shape == (2, 1, 12, 32)
+    assert first.inputs["past_key_3_in"].shape == (2, 1, 32, 12)
+    assert first.inputs["past_value_3_in"].shape == (2, 1, 12, 32)
     assert first.outputs["past_key_3_out"].shape == (2, 1, 32, 4)
     assert first.inputs["conv_state_0_in"].shape == (1, 128, 4) == first.outputs["conv_state_0_out"].shape
     assert first.inputs["recurrent_state_0_in"].shape == (1, 4, 16, 16)
@@ -269,7 +270,8 @@ def test_window_output_valid_boxes_skip_the_pads():
     np.testing.assert_array_equal(window[:, 4:8], calls[0].outputs["past_value_0_out"][:, 0][:, 8:12])
 
 
-@pytest.mark.parametrize("run,opts", [(genie.run, genie.Options(ar=4, cl=16)), (qeff.run, qeff.Options(seq_len=4, ctx_len=16))])
+@pytest.mark.parametrize("run,opts", [(genie.run, genie.Options(ar=4, cl=16)),
+                                      (qeff.run, qeff.Options(seq_len=4, ctx_len=16))])
 def test_prompt_and_pad_id_checks(run, opts):
     m = model("tiny-qwen3")
     with pytest.raises(InputError, match="one non-empty sequence"):
