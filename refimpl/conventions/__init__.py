@@ -12,6 +12,8 @@ Every convention module (hf, genie, qeff) is the same small protocol:
                                               the host loop: every call's inputs, outputs, taps and valid regions
     io_nodes(cfg, params) -> dict[str, Node]  the producer of every graph input and output (refimpl.graph.Node);
                                               params: the manifest's convention.params ({} or None: the defaults)
+    state_input(kind, i) -> str               the graph input of layer i's carried state (past_key, past_value,
+                                              conv_state, recurrent_state): what a block's "cache:<kind>.<i>" is
 
 What several conventions share lives in refimpl.conventions.common.
 """

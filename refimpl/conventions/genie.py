@@ -146,6 +146,11 @@ def input_shapes(cfg, opts: Options) -> dict:
     return shapes
 
 
+def state_input(kind: str, i: int) -> str:
+    """The graph input holding layer i's carried state `kind` (past_key, past_value, conv_state, recurrent_state)."""
+    return f"{kind}_{i}_in"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the exported graph's order. A cache input
     is the host's window of earlier calls' outputs. params: the manifest's convention.params; with
@@ -155,7 +160,7 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
              "position_ids_sin": host_input()}
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
-            nodes[f"{kind}_{i}_in"] = Node("host cache", "window of earlier calls' outputs",
+            nodes[state_input(kind, i)] = Node("host cache", "window of earlier calls' outputs",
                                            (f"prev:{kind}_{i}_out", f"prev:{kind}_{i}_in"), layer=i)
     nodes["logits"] = logits_output()
     for i, layer_type in enumerate(cfg.layer_types):
@@ -168,7 +173,7 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
 def _kv_output(kind: str, i: int, window: bool) -> Node:
     if window:
         return Node("graph output", "the updated window: cached entries then the new ones",
-                    (cache_tap(kind, i), f"{kind}_{i}_in"), layer=i)
+                    (cache_tap(kind, i), state_input(kind, i)), layer=i)
     formula = {"past_key": "new keys after RoPE (transposed [Hkv, 1, D, T] unless configured)",
                "past_value": "new values [Hkv, 1, T, D]"}[kind]
     return Node("graph output", formula, (cache_tap(kind, i),), layer=i)

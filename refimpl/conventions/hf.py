@@ -95,6 +95,13 @@ def input_shapes(cfg, opts: Options) -> dict:
     return shapes
 
 
+def state_input(kind: str, i: int) -> str:
+    """The graph input holding layer i's carried state `kind` (past_key, past_value, conv_state, recurrent_state)."""
+    if kind in ("past_key", "past_value"):
+        return f"past_key_values.{i}.{kind[len('past_'):]}"
+    return f"past_{kind}.{i}"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
     previous call's present; a present KV is the past entries then the new ones. params: none (no options)."""
@@ -102,11 +109,11 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             for state in ("conv", "recurrent"):
-                nodes[f"past_{state}_state.{i}"] = Node("host cache", "previous call's present",
+                nodes[state_input(f"{state}_state", i)] = Node("host cache", "previous call's present",
                                                         (f"prev:present_{state}_state.{i}",), layer=i)
         else:
             for part in ("key", "value"):
-                nodes[f"past_key_values.{i}.{part}"] = Node("host cache", "previous call's present",
+                nodes[state_input(f"past_{part}", i)] = Node("host cache", "previous call's present",
                                                             (f"prev:present.{i}.{part}",), layer=i)
     nodes["logits"] = logits_output()
     for i, kind in enumerate(cfg.layer_types):
@@ -117,7 +124,7 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
         else:
             for part in ("key", "value"):
                 nodes[f"present.{i}.{part}"] = Node("graph output", "cache after the call (past + new)",
-                                                    (f"past_key_values.{i}.{part}", cache_tap(f"past_{part}", i)),
+                                                    (state_input(f"past_{part}", i), cache_tap(f"past_{part}", i)),
                                                     layer=i)
     return nodes
 

@@ -102,6 +102,11 @@ def input_shapes(cfg, opts: Options) -> dict:
     return shapes
 
 
+def state_input(kind: str, i: int) -> str:
+    """The graph input holding layer i's carried state `kind` (past_key, past_value, conv_state, recurrent_state)."""
+    return f"{kind}.{i}"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
     previous call's retained state; the KV outputs are the cache inputs with the new entries scattered in.
@@ -109,14 +114,14 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     nodes = {"input_ids": token_input(), "position_ids": host_input()}
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
-            nodes[f"{kind}.{i}"] = Node("host cache", "previous call's retained state",
+            nodes[state_input(kind, i)] = Node("host cache", "previous call's retained state",
                                         (f"prev:{kind}.{i}_RetainedState",), layer=i)
     nodes["logits"] = logits_output()
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
             if kind.startswith("past_"):   # the cache input, the new entries written at their positions
-                node = Node("graph output", "scattered at the tokens' positions", (cache_tap(kind, i), f"{kind}.{i}"),
-                            layer=i)
+                node = Node("graph output", "scattered at the tokens' positions",
+                            (cache_tap(kind, i), state_input(kind, i)), layer=i)
             else:
                 node = state_output(kind, i)
             nodes[f"{kind}.{i}_RetainedState"] = node
