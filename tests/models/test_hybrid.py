@@ -10,7 +10,7 @@ import refimpl
 from helpers import scaled
 from refimpl.errors import ConfigError, WeightsError
 from refimpl.formats.safetensors import read_safetensors, write_safetensors
-from refimpl.models.presets import save_preset
+from refimpl.presets import save_preset
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 

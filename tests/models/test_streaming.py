@@ -21,7 +21,7 @@ from refimpl.formats.safetensors import write_safetensors
 from refimpl.golden import write_golden
 from refimpl.kernels import products
 from refimpl.models import weights as W
-from refimpl.models.presets import PRESETS, save_preset
+from refimpl.presets import PRESETS, save_preset
 
 ARCHS = list(PRESETS)
 PROMPT = [9707, 11, 1879, 0, 315, 3460, 13, 576, 220]
@@ -186,7 +186,7 @@ def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
            "head_dim": 64, "tie_word_embeddings": False}
     rng = np.random.default_rng(0)
     from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
+    from refimpl.presets import random_weights
     arrays = random_weights(config_from_dict(cfg), seed=1)
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
     write_safetensors(tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
@@ -417,7 +417,7 @@ def test_blocked_products_are_the_kernel_on_the_whole_matrix(tokens, monkeypatch
     monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
     cfg = {**PRESETS["tiny-qwen3"], "attention_bias": True}
     from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
+    from refimpl.presets import random_weights
     model = refimpl.models.model.Model.from_arrays(config_from_dict(cfg), random_weights(config_from_dict(cfg), 3),
                                                    "test", refimpl.Policy())
     w = model.weights
