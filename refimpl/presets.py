@@ -16,6 +16,7 @@ from .formats.safetensors import write_safetensors
 from .kernels import elementary
 from .models.config import config_from_dict
 from .models.model import Model, expected_tensors
+from .models.weights import per_expert_tensors
 from .precision import policy
 
 _QWEN3_COMMON = {
@@ -108,14 +109,9 @@ def checkpoint_layout(config, arrays: dict) -> dict:
         return dict(arrays)
     out = {}
     for name, a in arrays.items():
-        if name.endswith(".experts.gate_up_proj"):
-            p, half = name[:-len(".gate_up_proj")], a.shape[1] // 2
-            for e in range(a.shape[0]):
-                out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = a[e, :half], a[e, half:]
-        elif name.endswith(".experts.down_proj"):
-            p = name[:-len(".down_proj")]
-            for e in range(a.shape[0]):
-                out[f"{p}.{e}.down_proj.weight"] = a[e]
+        prefix, _, kind = name.rpartition(".")
+        if prefix.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
+            out.update(per_expert_tensors(prefix, **{kind: a}))
         else:
             out[name] = a
     return out

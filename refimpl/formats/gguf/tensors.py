@@ -10,6 +10,7 @@ from ...errors import WeightsError
 from ...kernels.elementary import log
 from ...models.config import config_from_dict
 from ...models.model import expected_tensors
+from ...models.weights import expert_names, split_gate_up
 from .config import config_dict, llamacpp_note, reading_notes
 from .ggml_types import FLOAT_VIEWS, type_name, unreadable
 from .names import BLOCK, norm_names, plain_names, regroup_qkvz, retile, untile_v_heads
@@ -135,14 +136,14 @@ def _experts(g, cfg, p, b, need, lazy, src) -> dict:
         out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda e=None: src(down, e), down, partial=True)
         return out
     for e in range(E):
-        q = f"{p}.mlp.experts.{e}"
+        hf_gate, hf_up, hf_down = expert_names(f"{p}.mlp.experts", e)
         if fused in g.tensors:
-            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[:Ie], fused, share=2 * E)
-            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: gate_up(e)[Ie:], fused, share=2 * E)
+            out[hf_gate] = lazy((Ie, H), lambda e=e: split_gate_up(gate_up(e))[0], fused, share=2 * E)
+            out[hf_up] = lazy((Ie, H), lambda e=e: split_gate_up(gate_up(e))[1], fused, share=2 * E)
         else:
-            out[f"{q}.gate_proj.weight"] = lazy((Ie, H), lambda e=e: src(gate, e), gate, share=E)
-            out[f"{q}.up_proj.weight"] = lazy((Ie, H), lambda e=e: src(up, e), up, share=E)
-        out[f"{q}.down_proj.weight"] = lazy((H, Ie), lambda e=e: src(down, e), down, share=E)
+            out[hf_gate] = lazy((Ie, H), lambda e=e: src(gate, e), gate, share=E)
+            out[hf_up] = lazy((Ie, H), lambda e=e: src(up, e), up, share=E)
+        out[hf_down] = lazy((H, Ie), lambda e=e: src(down, e), down, share=E)
     return out
 
 

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as qtypes
 from ...errors import ConfigError, FormatError, WeightsError
 from ...files import output_file
 from ...models.config import config_from_dict
+from ...models.weights import Weights
 from .config import MODEL_TYPE_TO_ARCH, config_dict, conversion_note
 from .names import norm_names, plain_names, retile, split_qkvz, tile_v_heads
 from .reader import GGUFFile
@@ -26,6 +27,7 @@ _FILE_TYPE = {"F32": 0, "F16": 1, "BF16": 32, "Q8_0": 7, "Q4_0": 2}     # llama_
 def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
     """GGUF name -> float32 array (torch order) in llama.cpp's layout, every conversion transform applied, as
     convert_hf_to_gguf.py writes them. `w` maps HF names to arrays (a Weights, or a dict)."""
+    w = w if isinstance(w, Weights) else Weights(w)
     f32 = lambda name: np.asarray(w[name], dtype=np.float32)
     out = {gg: f32(hf) for hf, gg in plain_names(cfg).items()}
     for hf, gg in norm_names(cfg).items():
@@ -35,7 +37,7 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}", f"blk.{i}"
         if cfg.is_moe_layer(i):
-            experts = [_expert(w, f"{p}.mlp.experts", e) for e in range(cfg.num_experts)]
+            experts = [w.expert(f"{p}.mlp.experts", e) for e in range(cfg.num_experts)]
             for k, proj in enumerate(("gate", "up", "down")):
                 out[f"{b}.ffn_{proj}_exps.weight"] = np.stack([np.asarray(x[k], np.float32) for x in experts])
             if cfg.shared_expert_intermediate_size:
@@ -62,16 +64,6 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
             out[f"{b}.ssm_beta.weight"] = tile(f32(f"{q}.in_proj_b.weight"), 0, 1)
             out[f"{b}.ssm_alpha.weight"] = tile(f32(f"{q}.in_proj_a.weight"), 0, 1)
     return out
-
-
-def _expert(w, prefix, e):
-    if hasattr(w, "expert"):
-        return w.expert(prefix, e)
-    if f"{prefix}.{e}.gate_proj.weight" in w:
-        return tuple(w[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
-    gate_up = np.asarray(w[f"{prefix}.gate_up_proj"][e])
-    half = gate_up.shape[0] // 2
-    return gate_up[:half], gate_up[half:], w[f"{prefix}.down_proj"][e]
 
 
 def _stays_f32(name: str, a: np.ndarray) -> bool:
