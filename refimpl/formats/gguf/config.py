@@ -7,7 +7,7 @@ import numpy as np
 
 from ...errors import ConfigError, WeightsError, brief
 from ...files import integer, number
-from ...models.config import HYBRID_TYPES
+from ...models.config import HYBRID_TYPES, MOE_ONLY_TYPES, MOE_TYPES, MROPE_TYPES, SHARED_EXPERT_TYPES
 from .names import BLOCK
 from .reader import GGUFFile, StringArray
 
@@ -148,17 +148,17 @@ def config_dict(g: GGUFFile) -> dict:
         if int(head_dim * prf) != rot:   # the config takes rot = int(head_dim * factor): keep that exact
             prf = math.nextafter(prf, math.inf)
         rope["partial_rotary_factor"] = prf
-    if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
+    if model_type in MOE_TYPES:
         # norm_topk_prob is not stored: llama.cpp always renormalises the top-k weights (models.md §7.2)
         d.update(num_experts=k("expert_count", kind="count"), num_experts_per_tok=k("expert_used_count", kind="count"),
                  moe_intermediate_size=k("expert_feed_forward_length"), norm_topk_prob=True)
         dense = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]
-        if model_type != "qwen3_5_moe_text":
+        if model_type not in MOE_ONLY_TYPES:
             d["mlp_only_layers"] = dense
         elif dense:
             raise WeightsError(f"{g.path}: missing tensor 'blk.{dense[0]}.ffn_gate_inp.weight' (qwen35moe layers "
                                f"are all sparse)")
-        if model_type != "qwen3_moe":
+        if model_type in SHARED_EXPERT_TYPES:
             d["shared_expert_intermediate_size"] = k("expert_shared_feed_forward_length")
     if model_type in HYBRID_TYPES:
         dt_rank = k("ssm.time_step_rank", kind="count")
@@ -170,7 +170,7 @@ def config_dict(g: GGUFFile) -> dict:
             d["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n_layers]]
         else:
             d["full_attention_interval"] = k("full_attention_interval", required=False, default=4, kind="count")
-        if model_type != "qwen3_next":   # llama.cpp requires the sections: [T, H, W, E], E (llama.cpp's) usually 0
+        if model_type in MROPE_TYPES:   # llama.cpp requires the sections: [T, H, W, E], E (llama.cpp's) usually 0
             sections = k("rope.dimension_sections", kind="ints")
             if len(sections) != 4:
                 raise ConfigError(f"{g.path}: metadata '{arch}.rope.dimension_sections' must have 4 entries, got "

@@ -131,7 +131,7 @@ def _experts(g, cfg, p, b, need, lazy, src) -> dict:
         sources = (gate, up)
         gate_up = lambda e=None: np.concatenate([src(gate, e), src(up, e)], axis=-2)
     out = {}
-    if cfg.model_type == "qwen3_5_moe_text":
+    if cfg.fused_expert_checkpoint:
         out[f"{p}.mlp.experts.gate_up_proj"] = lazy((E, 2 * Ie, H), gate_up, *sources, partial=True)
         out[f"{p}.mlp.experts.down_proj"] = lazy((E, H, Ie), lambda e=None: src(down, e), down, partial=True)
         return out
@@ -151,7 +151,7 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
     H, Hk, Hv, Dk, Dv, Kc = (cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                              cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
     r, key_dim, value_dim, conv_dim = Hv // Hk, Hk * Dk, Hv * Dv, cfg.conv_dim
-    tiled = cfg.model_type != "qwen3_next" and Hk != Hv     # Qwen3.5's value-head reorder (models.md §7.3)
+    tiled = not cfg.fused_linear_projections and Hk != Hv     # Qwen3.5's value-head reorder (models.md §7.3)
 
     def untile(a, axis, d, start=0):
         return retile(untile_v_heads, a, axis, d, start, Hk, r) if tiled else a
@@ -170,7 +170,7 @@ def _linear_attention(g, cfg, p, b, need, lazy, src, direct) -> dict:
         f"{p}.out_proj.weight": lazy((H, value_dim), lambda index: untile(src(out_proj, index), -1, Dv), out_proj,
                                      partial=True),
     }
-    if cfg.model_type == "qwen3_next":
+    if cfg.fused_linear_projections:
         if f"{b}.ssm_in.weight" in g.tensors:          # older files: the unsplit, still grouped in_proj_qkvz
             out[f"{p}.in_proj_qkvz.weight"] = direct(f"{b}.ssm_in.weight", (2 * key_dim + 2 * value_dim, H))
         else:

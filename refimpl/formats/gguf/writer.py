@@ -47,14 +47,14 @@ def hf_to_gguf_tensors(cfg, w) -> dict[str, np.ndarray]:
         q = f"{p}.linear_attn"
         r, key_dim = Hv // Hk, Hk * Dk
         tile = (lambda a, axis, d, start=0: retile(tile_v_heads, a, axis, d, start, Hk, r)) \
-            if cfg.model_type != "qwen3_next" and Hk != Hv else (lambda a, axis, d, start=0: a)
+            if not cfg.fused_linear_projections and Hk != Hv else (lambda a, axis, d, start=0: a)
         # -exp(A_log), evaluated in float64 and rounded once (within an ulp of torch's float32 exp)
         out[f"{b}.ssm_a"] = tile((-np.exp(f32(f"{q}.A_log").astype(np.float64))).astype(np.float32), 0, 1)
         out[f"{b}.ssm_dt.bias"] = tile(f32(f"{q}.dt_bias"), 0, 1)
         out[f"{b}.ssm_conv1d.weight"] = tile(f32(f"{q}.conv1d.weight")[:, 0, :], 0, Dv, 2 * key_dim)
         out[f"{b}.ssm_norm.weight"] = f32(f"{q}.norm.weight")
         out[f"{b}.ssm_out.weight"] = tile(f32(f"{q}.out_proj.weight"), 1, Dv)
-        if cfg.model_type == "qwen3_next":
+        if cfg.fused_linear_projections:
             out[f"{b}.attn_qkv.weight"], out[f"{b}.attn_gate.weight"] = split_qkvz(
                 f32(f"{q}.in_proj_qkvz.weight"), Hk, Dk, r * Dv)
             out[f"{b}.ssm_ba.weight"] = f32(f"{q}.in_proj_ba.weight")
