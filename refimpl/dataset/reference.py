@@ -254,7 +254,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
                               for p in out.iterdir()):
         raise InputError(f"{out}: exists and is not a dataset reference; give another --out")
     (out / "windows").mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(".*.tmp-*"), *(out / "windows").glob("*.tmp")]:   # left by a run that was killed
+    for stale in [*out.glob(".*.tmp-*"), *(out / "windows").glob(".*.tmp-*")]:   # left by a run that was killed
         stale.unlink(missing_ok=True)
     if not mf.is_file():
         write_safetensors(out / "tokens.safetensors",

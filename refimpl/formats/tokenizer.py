@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import hashlib
 import os
-import tempfile
 import unicodedata
 from importlib.resources import files
 from pathlib import Path
@@ -46,6 +45,7 @@ from tokenizers.decoders import DecodeStream
 
 from .. import presets
 from ..errors import ConfigError, FormatError, InputError
+from ..files import atomic_path
 from .chat_template import read_chat_templates, render, select
 from .gguf import GGUFFile, tokenizer_metadata
 
@@ -273,18 +273,16 @@ def qwen_tokenizer(name: str) -> Tokenizer:
         except Exception:
             pass  # a damaged cache file: convert again and replace it
     hf = convert_tiktoken(parse_tiktoken(data, vocab.resource), vocab.pattern, vocab.added, vocab.first_added)
-    _atomic_write(path, hf.to_str())
+    _write_cache(path, hf.to_str())
     return Tokenizer(hf, f"{name} ({path})")
 
 
-def _atomic_write(path: Path, text: str):
+def _write_cache(path: Path, text: str) -> None:
+    """A cache file written atomically (refimpl.files.atomic_path), as readable as any other file (0o644)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)      # mkstemp makes it private; the cache is as readable as any other file
-        os.replace(tmp, path)
+        with atomic_path(path, "tokenizer cache", OSError) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+            os.chmod(tmp, 0o644)   # whatever the umask: the cache is as readable as any other file
     except OSError:
         pass  # an unwritable cache only costs the conversion next time
 

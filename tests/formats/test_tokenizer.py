@@ -135,6 +135,7 @@ def test_conversion_is_cached(monkeypatch, tmp_path):
         assert T.qwen_tokenizer("small").encode("ab a<|im_end|>") == [256, 257, 258]
         files = list((tmp_path / "cache" / "tokenizers").iterdir())
         assert len(files) == 1 and files[0].name.startswith("small-") and files[0].suffix == ".json"
+        assert files[0].stat().st_mode & 0o777 == 0o644                # readable by all, whatever the umask
         T.qwen_tokenizer.cache_clear()
         assert T.qwen_tokenizer("small").encode("ab a") == [256, 257] and conversions == [1]   # read, not converted
         files[0].write_text("{broken")          # a damaged cache file is converted again and replaced
@@ -145,6 +146,10 @@ def test_conversion_is_cached(monkeypatch, tmp_path):
         monkeypatch.setitem(T.VOCABS, "small", T.Vocab("small.tiktoken", T.QWEN_PATTERN, ("<|im_end|>",), 259))
         T.qwen_tokenizer.cache_clear()
         assert T.qwen_tokenizer("small").encode("aba") == [258] and len(conversions) == 3
+        (tmp_path / "blocked").write_text("")           # a cache that cannot be written: converted, not an error
+        monkeypatch.setenv("REFIMPL_CACHE", str(tmp_path / "blocked"))
+        T.qwen_tokenizer.cache_clear()
+        assert T.qwen_tokenizer("small").encode("aba") == [258] and len(conversions) == 4
     finally:
         T.qwen_tokenizer.cache_clear()
 

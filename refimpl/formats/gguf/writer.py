@@ -2,7 +2,6 @@
 metadata keys llama.cpp's converter writes, block types quantised by gguf-py; atomically."""
 
 import logging
-import os
 from pathlib import Path
 
 import gguf
@@ -11,7 +10,7 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as qtypes
 
 from ...errors import ConfigError, FormatError, WeightsError
-from ...files import output_file
+from ...files import atomic_path, output_file
 from ...models.config import config_from_dict
 from ...models.weights import Weights
 from .config import MODEL_TYPE_TO_ARCH, config_dict, conversion_note
@@ -190,25 +189,18 @@ def write_gguf(path: str | Path, model, qtype: str = "F32", tokenizer: dict | No
         raise ConfigError(f"{path}: model_type {cfg.model_type!r} has no GGUF architecture")
     _check_tokenizer(cfg, tokenizer)
     tensors = hf_to_gguf_tensors(cfg, model.weights)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    wr = gguf.GGUFWriter(tmp, MODEL_TYPE_TO_ARCH[cfg.model_type])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_metadata(wr, cfg, name or path.stem, qtype, tokenizer)
-        for tname, a in tensors.items():
-            data, ggml_type = encode_tensor(tname, a, qtype)
-            wr.add_tensor(tname, data, raw_dtype=ggml_type)
-        wr.write_header_to_file()
-        wr.write_kv_data_to_file()
-        wr.write_tensors_to_file()
-        wr.close()
-        os.replace(tmp, path)
-    except BaseException as e:
-        wr.close()
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None
-        raise
+    with atomic_path(path, "GGUF file", FormatError) as tmp:
+        wr = gguf.GGUFWriter(tmp, MODEL_TYPE_TO_ARCH[cfg.model_type])
+        try:
+            write_metadata(wr, cfg, name or path.stem, qtype, tokenizer)
+            for tname, a in tensors.items():
+                data, ggml_type = encode_tensor(tname, a, qtype)
+                wr.add_tensor(tname, data, raw_dtype=ggml_type)
+            wr.write_header_to_file()
+            wr.write_kv_data_to_file()
+            wr.write_tensors_to_file()
+        finally:
+            wr.close()
     try:   # the file as llama.cpp's semantics read it
         back = config_from_dict(config_dict(GGUFFile(path)), str(path), "llama.cpp")
     except (ConfigError, WeightsError) as e:   # written as asked, but not a model file refimpl reads back
