@@ -52,6 +52,7 @@ def typed(g: GGUFFile, key: str, kind: str):
 
 
 def token_id(g: GGUFFile, which: str) -> int | None:
+    """Metadata tokenizer.ggml.{which}_token_id (which: bos, eos, padding, unknown), or None when absent."""
     key = f"tokenizer.ggml.{which}_token_id"
     return typed(g, key, "int") if key in g.metadata else None
 
