@@ -38,7 +38,7 @@ def checkpoint(directory: Path, layers: int) -> Path:
     import numpy as np
     from refimpl.formats.safetensors import write_safetensors
     from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
+    from refimpl.presets import random_weights
     cfg = model_config(layers)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg))

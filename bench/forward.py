@@ -3,7 +3,7 @@
 
 Workload, identical on every side: prefill 128 tokens (batch 1, logits for every position), then 32 cached
 single-token decode steps with fixed token ids. Every side runs the same seeded random weights
-(refimpl.models.presets.random_weights, copied into torch tensors), so the bench also prints how far their logits
+(refimpl.presets.random_weights, copied into torch tensors), so the bench also prints how far their logits
 are apart, and how many elements the correctly rounded path had to sum exactly (docs/numerics.md).
 
 Each side runs in its own process, so its peak memory (peak RSS minus the process's RSS before the weights
@@ -65,9 +65,9 @@ def workload(vocab: int, prompt_len: int, steps: int):
 def build_refimpl(d: dict, fast: bool = False):
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import Model
-    from refimpl.models.presets import random_weights
     from refimpl.models.weights import Weights
     from refimpl.precision import Policy
+    from refimpl.presets import random_weights
 
     cfg = config_from_dict(d, source="bench:qwen3-0.6b")
     model = Model(cfg, Weights(random_weights(cfg, SEED), "float32"), precision=Policy(fast=fast))
@@ -84,7 +84,7 @@ def build_transformers(d: dict):
     from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
     from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
+    from refimpl.presets import random_weights
 
     torch.set_num_threads(THREADS)
     hf_cfg = Qwen3Config(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})

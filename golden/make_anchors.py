@@ -13,7 +13,7 @@ from pathlib import Path
 
 import refimpl
 from refimpl.golden import write_golden
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 
 HERE = Path(__file__).parent
 PROMPT = [9707, 11, 1879]            # three tokens: a left-padded AR=2 chunk, then a full one

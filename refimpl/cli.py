@@ -174,7 +174,7 @@ def cmd_golden(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
     from .golden import write_golden
-    from .models.presets import DEFAULT_PRESET
+    from .presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
     if args.prompt is not None:
         from .formats.tokenizer import load_tokenizer
@@ -244,7 +244,7 @@ def cmd_generate(args) -> int:
 
     from .formats.tokenizer import load_tokenizer
     from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
-    from .models.presets import DEFAULT_PRESET
+    from .presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
     SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).check()  # early: before loading

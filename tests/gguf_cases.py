@@ -12,11 +12,16 @@ import hashlib
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from refimpl.formats.gguf import writer
 from refimpl.formats.safetensors import write_safetensors
 from refimpl.models.config import config_from_dict
-from refimpl.models.presets import checkpoint_layout, random_weights
+from refimpl.models.model import Model
+from refimpl.models.weights import Weights
+from refimpl.presets import checkpoint_layout, random_weights
 
 VOCAB = 320
 SEED = 6
@@ -120,7 +125,6 @@ _CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! hello, wor
 
 def tokenizer_json() -> str:
     """A Qwen2-style byte-level BPE tokenizer.json: 256 byte tokens + 44 merges, then the special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -151,8 +155,6 @@ def write_checkpoint(name: str, directory: str | Path) -> Path:
 
 def semantics_model(name: str):
     """The HF side of a SEMANTICS case: its config (transformers' semantics) over its base case's weights."""
-    from refimpl.models.model import Model
-    from refimpl.models.weights import Weights
     config, base, _ = SEMANTICS[name]
     return Model(config_from_dict(config, source=name), Weights(weights(base)))
 
@@ -160,13 +162,11 @@ def semantics_model(name: str):
 def write_gguf_with(path: str | Path, model, extra: dict | None = None, edit=None) -> Path:
     """An F32 GGUF of `model` as refimpl's writer lays it out (no vocabulary), with extra metadata
     {key: (gguf-py value type name, value)} and its llama.cpp tensors passed through `edit` first."""
-    import gguf
-    from refimpl.formats import gguf as G
-    tensors = G.hf_to_gguf_tensors(model.config, model.weights)
+    tensors = writer.hf_to_gguf_tensors(model.config, model.weights)
     if edit is not None:
         edit(tensors)
-    wr = gguf.GGUFWriter(path, G.MODEL_TYPE_TO_ARCH[model.config.model_type])
-    G._write_metadata(wr, model.config, Path(path).stem, "F32", None)
+    wr = gguf.GGUFWriter(path, writer.MODEL_TYPE_TO_ARCH[model.config.model_type])
+    writer.write_metadata(wr, model.config, Path(path).stem, "F32", None)
     for key, (vtype, value) in (extra or {}).items():
         wr.add_key_value(key, value, gguf.GGUFValueType[vtype])
     for name, a in tensors.items():

@@ -4,8 +4,8 @@ import numpy as np
 
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
+from refimpl.presets import PRESETS, random_weights
 
 
 def scaled(name: str, dtype="float32"):

@@ -40,7 +40,7 @@ def test_generate_chat_sampling_and_ids(capsys):
 
 
 def test_generate_without_a_tokenizer_prints_ids(tmp_path, capsys):
-    d = refimpl.models.presets.save_preset("tiny-qwen3", tmp_path / "ckpt")
+    d = refimpl.presets.save_preset("tiny-qwen3", tmp_path / "ckpt")
     assert main(["generate", "--model", str(d), "--input-ids", "1,2,3", "--max-new-tokens", "2"]) == 0
     assert len(capsys.readouterr().out.split()) == 2
     assert main(["generate", "--model", str(d), "--prompt", "hi"]) == 2

@@ -25,7 +25,7 @@ from refimpl.generate import (
 )
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
+from refimpl.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
 
 PROMPT = [9707, 11, 1879]

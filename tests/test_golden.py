@@ -15,7 +15,7 @@ import refimpl
 from refimpl.bundle import read_bundle
 from refimpl.conventions import genie, qeff
 from refimpl.golden import write_golden
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT / "golden"))

@@ -47,7 +47,7 @@ from pathlib import Path
 from threadpoolctl import threadpool_info, threadpool_limits
 sys.path.insert(0, sys.argv[1])
 import make_anchors
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 out, digests = Path(sys.argv[2]), {}
 for threads in (1, 2):
     with threadpool_limits(limits=threads, user_api="blas"):
@@ -61,7 +61,7 @@ print(json.dumps({"digests": digests, "blas": blas}))
 
 
 def _committed() -> dict[str, str]:
-    from refimpl.models.presets import PRESETS
+    from refimpl.presets import PRESETS
     digests = {}
     for name in PRESETS:
         root = ROOT / "golden" / name

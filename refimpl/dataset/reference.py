@@ -56,7 +56,7 @@ _MODELS = {}                      # per process: Job -> loaded model (one load p
 
 def _model(job: Job):
     if job not in _MODELS:
-        from ..models.load import load
+        from ..load import load
         _MODELS.clear()
         _MODELS[job] = load(job.source, precision=job.precision)
     return _MODELS[job]
@@ -229,7 +229,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
     """Compute every window not yet in `out` and return the summary. progress(done, total, tokens) after each
     window (done counts windows already there). ray: False/None (local), True (a local Ray instance or
     RAY_ADDRESS) or a cluster address; workers: processes or Ray actors (Ray: default one per CPU)."""
-    from ..models.load import load
+    from ..load import load
     out = Path(out)
     if model is not None and workers == 1 and not ray:
         _MODELS.clear()
@@ -254,7 +254,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
                               for p in out.iterdir()):
         raise InputError(f"{out}: exists and is not a dataset reference; give another --out")
     (out / "windows").mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(".*.tmp-*"), *(out / "windows").glob("*.tmp")]:   # left by a run that was killed
+    for stale in [*out.glob(".*.tmp-*"), *(out / "windows").glob(".*.tmp-*")]:   # left by a run that was killed
         stale.unlink(missing_ok=True)
     if not mf.is_file():
         write_safetensors(out / "tokens.safetensors",

@@ -104,7 +104,7 @@ def _bundle(path):
 
 def _model(bundle, source=None, encodings=None, max_resident=None):
     """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
-    from ..models.load import load
+    from ..load import load
     from ..precision import from_manifest
     m = bundle.manifest.get("model") or {}
     if source is None and not isinstance(m.get("source"), str):

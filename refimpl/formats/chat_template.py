@@ -96,7 +96,7 @@ def select(template, tools=None, source: str = "") -> str:
 def render(template: str, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
            special_tokens: dict | None = None, source: str = "", **variables) -> str:
     """The chat as the template writes it (see the module doc for what the template sees)."""
-    import jinja2
+    import jinja2  # lazy (heavy third-party): imported only when a checkpoint's own template is rendered
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -124,7 +124,7 @@ def render(template: str, messages, *, tools=None, documents=None, add_generatio
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str):
-    import jinja2
+    import jinja2  # lazy, as in render
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -6,6 +6,7 @@ backend has no BF16 and copies every tensor; here a tensor is a zero-copy view i
 read from disk only when the forward pass first touches it. BF16 arrives as ml_dtypes.bfloat16.
 """
 
+import itertools
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import FormatError, brief
-from ..files import expect, inside, load_json, output_file, parse_json, regular_file
+from ..files import expect, inside, load_json, parse_json, regular_file, write_atomic
 
 DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -127,7 +128,8 @@ def read_checkpoint(directory: str | Path) -> tuple[dict[str, np.ndarray], dict[
 
 
 def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata: dict | None = None) -> None:
-    """Write arrays (F32/F16/BF16/ints) as one safetensors file, atomically (temp file, then rename)."""
+    """Write arrays (F32/F16/BF16/ints) as one safetensors file, atomically (refimpl.files.write_atomic: a temporary
+    file beside it, renamed into place when whole), one tensor at a time."""
     path = Path(path)
     header, offset = {}, 0
     items = sorted(arrays.items())
@@ -140,9 +142,5 @@ def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = output_file(path, "safetensors file").with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, a in items:
-            f.write(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-    os.replace(tmp, path)
+    data = (np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for _, a in items)
+    write_atomic(path, itertools.chain([struct.pack("<Q", len(blob)) + blob], data), "safetensors file")

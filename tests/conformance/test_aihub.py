@@ -27,7 +27,7 @@ from refimpl.conventions import genie
 from refimpl.formats.safetensors import write_safetensors
 from refimpl.golden import write_golden
 from refimpl.models.config import config_from_dict
-from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights
+from refimpl.presets import PRESETS, checkpoint_layout, random_weights
 
 pytestmark = pytest.mark.oracle
 

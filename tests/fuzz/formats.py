@@ -244,6 +244,8 @@ def _golden(root: Path) -> tuple[Path, Path]:
 def _check_bundle(path: Path, model_dir: Path, same: Path):
     """Every public reading of a bundle: opening (verified and not), every tensor, the input list, hashes; a diff
     against `same` (the unmutated bundle as the device's dump), an explain and a replay of layer 0."""
+    from rich.console import Console
+
     import refimpl
     from refimpl.bundle import read_bundle, valid_mask
     from refimpl.diff.compare import compare
@@ -251,7 +253,6 @@ def _check_bundle(path: Path, model_dir: Path, same: Path):
     from refimpl.diff.explain import explain
     from refimpl.diff.replay import replay
     from refimpl.diff.report import print_report
-    from rich.console import Console
 
     def verified():
         b = read_bundle(path)
@@ -540,11 +541,12 @@ class DiffInputs(Format):
         return fs_op(rng, rel, [rel])
 
     def target(self, case, base):
+        from rich.console import Console
+
         from refimpl.bundle import read_bundle
         from refimpl.diff.compare import compare, load_metrics, load_policy, rejudge
         from refimpl.diff.dump import read_dump, read_mapping
         from refimpl.diff.report import print_report
-        from rich.console import Console
         bundle_path = self.root / "_bundle"
         b = read_bundle(bundle_path, verify=False)
         if base == "policy":

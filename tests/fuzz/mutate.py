@@ -8,7 +8,7 @@ choice of them.
                                         action: set | delete | dupkey | rename | wrap; value: a value spec)
     ["st", file, path, action, value]   the same on a safetensors file's JSON header (its length rewritten)
     ["npy", file, header]               a .npy file's header dict text replaced (the data kept)
-    ["gguf", file, edit]                a structural edit of a GGUF file (refimpl/formats/gguf.py's layout; see
+    ["gguf", file, edit]                a structural edit of a GGUF file (refimpl/formats/gguf/reader.py's layout; see
                                         gguf_edit below)
     ["symlink", file, target]           the file replaced by a symlink: "outside" (a file beside the case
                                         directory), "/dev/zero", "self" (a loop), "abs:<file>" (an absolute path to
@@ -96,8 +96,8 @@ def json_edit(text: str, path: list, action: str, value) -> str:
             elif action == "dupkey" and isinstance(parent, dict):
                 token = f"\u0001fuzz{len(raws)}\u0001"
                 # the key written twice: first the given value, then the original (json keeps the last)
-                raws[json.dumps(token) + ": null"] = f"{json.dumps(key)}: {json.dumps(put(value))}, {json.dumps(key)}: " \
-                                                      f"{json.dumps(parent[key])}"
+                raws[json.dumps(token) + ": null"] = (f"{json.dumps(key)}: {json.dumps(put(value))}, "
+                                                      f"{json.dumps(key)}: {json.dumps(parent[key])}")
                 del parent[key]
                 parent[token] = None
         except (KeyError, IndexError, TypeError):

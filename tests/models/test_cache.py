@@ -7,8 +7,8 @@ import refimpl
 from refimpl.errors import InputError
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.models.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
+from refimpl.presets import PRESETS, random_weights
 
 # HF-like scale (logits of order 1), where 1e-5 absolute is a meaningful float32 bound
 SMALL = dict(model_type="qwen3", vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -53,7 +53,8 @@ def test_presets_decode_close_in_float32():
     ids = np.random.default_rng(2).integers(0, 151936, size=(1, 9))
     full = model.forward(ids)
     cache = model.new_cache()
-    parts = [model.forward(ids[:, :5], cache=cache)] + [model.forward(ids[:, t:t + 1], cache=cache) for t in range(5, 9)]
+    parts = [model.forward(ids[:, :5], cache=cache)] + [model.forward(ids[:, t:t + 1], cache=cache)
+                                                        for t in range(5, 9)]
     got = np.concatenate(parts, axis=1)
     # preset logits reach ~40: a few float32 ulps of the largest logit
     assert np.abs(got - full).max() <= 8 * np.finfo(np.float32).eps * np.abs(full).max()

@@ -5,12 +5,13 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import scaled
 
 import refimpl
-from helpers import scaled
+from refimpl.cli import main
 from refimpl.errors import ConfigError, WeightsError
 from refimpl.formats.safetensors import read_safetensors, write_safetensors
-from refimpl.models.presets import save_preset
+from refimpl.presets import save_preset
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-qwen3.5-moe"]
 
@@ -133,7 +134,6 @@ def test_multimodal_wrapper_checkpoint_with_mtp(tmp_path):
 
 
 def test_info_notes_mtp(tmp_path, capsys):
-    from refimpl.cli import main
     src = save_preset("tiny-qwen3-next", tmp_path / "next")
     arrays = {k: np.array(v) for k, v in read_safetensors(src / "model.safetensors").items()}
     arrays["mtp.fc.weight"] = np.zeros((2, 2), np.float32)

@@ -10,7 +10,7 @@ import pytest
 import refimpl
 from refimpl.errors import ConfigError, FormatError, WeightsError
 from refimpl.formats.safetensors import read_safetensors, write_safetensors
-from refimpl.models.presets import save_preset
+from refimpl.presets import save_preset
 
 
 @pytest.fixture(scope="module")

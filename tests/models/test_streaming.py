@@ -8,20 +8,36 @@ Forward, cached decode, golden bundles in every convention, generate, replay and
 """
 
 import filecmp
+import json
 import math
+import re
+import struct
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import refimpl
+from refimpl import progress
+from refimpl.bundle import read_bundle
+from refimpl.cli import main
+from refimpl.diff.compare import load_policy
+from refimpl.diff.dump import read_dump
+from refimpl.diff.explain import explain
+from refimpl.diff.replay import replay, run_step
 from refimpl.errors import WeightsError
-from refimpl.formats.safetensors import write_safetensors
+from refimpl.formats.safetensors import read_safetensors, write_safetensors
 from refimpl.golden import write_golden
 from refimpl.kernels import products
+from refimpl.kernels.linear import linear
 from refimpl.models import weights as W
-from refimpl.models.presets import PRESETS, save_preset
+from refimpl.models.config import config_from_dict
+from refimpl.precision import Policy
+from refimpl.presets import PRESETS, random_weights, save_preset
 
 ARCHS = list(PRESETS)
 PROMPT = [9707, 11, 1879, 0, 315, 3460, 13, 576, 220]
@@ -113,11 +129,6 @@ def test_generate_streamed_equals_resident(name, bf16_dirs):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3.5"])
 def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
-    from refimpl.bundle import read_bundle
-    from refimpl.diff.compare import load_policy
-    from refimpl.diff.dump import read_dump
-    from refimpl.diff.explain import explain
-    from refimpl.diff.replay import replay, run_step
     resident, streamed = pair(bf16_dirs[name])
     path = write_golden(tmp_path / "b", resident, PROMPT[:6], source=str(bf16_dirs[name]), convention="genie",
                         params={"ar": 4, "cl": 16}, decode_steps=1, taps=".")
@@ -166,7 +177,6 @@ def test_precision_policies_streamed_equal_resident(name, precision, bf16_dirs, 
 def test_gguf_streamed_equals_resident(case):
     """GGUF tensors stay in the map: Q8_0 embedding rows and lm_head blocks are dequantised as read, stacked
     experts one expert at a time (float64 mode: the F32 tensors are converted too)."""
-    from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "fixtures" / "gguf" / f"{case}.gguf"
     resident, streamed = pair(path, dtype="float64")
     ids = np.array([[1, 2, 3, 4, 5, 6, 7]])
@@ -185,8 +195,6 @@ def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
     cfg = {**PRESETS["tiny-qwen3"], "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
            "head_dim": 64, "tie_word_embeddings": False}
     rng = np.random.default_rng(0)
-    from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
     arrays = random_weights(config_from_dict(cfg), seed=1)
     (tmp_path / "config.json").write_text(__import__("json").dumps(cfg))
     write_safetensors(tmp_path / "model.safetensors", {k: v.astype(ml_dtypes.bfloat16) for k, v in arrays.items()})
@@ -240,9 +248,6 @@ def test_default_residency_follows_half_of_memory(bf16_dirs, monkeypatch):
 def _sharded(src, dst, header_edit=None):
     """The checkpoint in two shards with an index, as released checkpoints are; header_edit(header) may change
     the second shard's header."""
-    import json
-    import struct
-    from refimpl.formats.safetensors import read_safetensors
     dst.mkdir()
     (dst / "config.json").write_text((src / "config.json").read_text())
     arrays = {k: np.array(v) for k, v in read_safetensors(src / "model.safetensors").items()}
@@ -284,10 +289,6 @@ def _f8(header):
                                 r"tensor '[\w.]+', which needs [\d.]+ [KM]iB converted at once"),
 ])
 def test_bad_checkpoints_fail_in_one_line_naming_file_and_tensor(damage, message, bf16_dirs, tmp_path):
-    import re
-    import subprocess
-    import sys
-
     def to_int32(header):
         name = next(n for n, v in sorted(header.items()) if n != "__metadata__" and len(v["shape"]) == 2)
         header[name]["dtype"] = "I32"
@@ -313,7 +314,6 @@ def test_bad_checkpoints_fail_in_one_line_naming_file_and_tensor(damage, message
 
 
 def test_info_says_resident_or_streamed(bf16_dirs, capsys):
-    from refimpl.cli import main
     assert main(["info", str(bf16_dirs["tiny-qwen3.5-moe"])]) == 0
     assert "weights      resident (" in capsys.readouterr().out
     assert main(["info", str(bf16_dirs["tiny-qwen3.5-moe"]), "--max-resident", "64MiB"]) == 0
@@ -324,8 +324,6 @@ def test_info_says_resident_or_streamed(bf16_dirs, capsys):
 def test_forward_progress_is_per_layer_and_quiet_off_a_terminal(monkeypatch, capsys):
     """A long forward draws a per-layer bar (here: DELAY 0, as a task of an attached display); off a terminal,
     with nothing attached, it draws nothing."""
-    from refimpl import progress
-
     class Display:   # records what a rich Progress is asked to draw
         def __init__(self):
             self.calls = []
@@ -353,8 +351,6 @@ def test_forward_progress_is_per_layer_and_quiet_off_a_terminal(monkeypatch, cap
 def test_encodings_on_parts_streamed_equal_resident(bf16_dirs, tmp_path, monkeypatch):
     """An AIMET 1.0.0 encodings file with per-channel scales on a fused expert tensor and on lm_head, and per-block
     scales on the fused down_proj: each expert / row block takes its own rows' scales."""
-    import json
-    from refimpl.precision import Policy
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
     monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
     d = bf16_dirs["tiny-qwen3.5-moe"]
@@ -412,12 +408,9 @@ def test_blocked_products_are_the_kernel_on_the_whole_matrix(tokens, monkeypatch
     """Weights.linear, in 4 KiB row blocks for one token and lm_head's 1 MiB blocks, computes linear(x, W, b) of
     the whole matrix (bit for bit once each product is correctly rounded, refimpl/kernels/linear.py; here within
     float32 rounding of BLAS's own order), with its bias."""
-    from refimpl.kernels.linear import linear
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
     monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
     cfg = {**PRESETS["tiny-qwen3"], "attention_bias": True}
-    from refimpl.models.config import config_from_dict
-    from refimpl.models.presets import random_weights
     model = refimpl.models.model.Model.from_arrays(config_from_dict(cfg), random_weights(config_from_dict(cfg), 3),
                                                    "test", refimpl.Policy())
     w = model.weights

@@ -9,10 +9,15 @@ import hashlib
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
-from ..kernels import elementary
-from .config import config_from_dict
+from .formats.safetensors import write_safetensors
+from .kernels import elementary
+from .models.config import config_from_dict
+from .models.model import Model, expected_tensors
+from .models.weights import per_expert_tensors
+from .precision import policy
 
 _QWEN3_COMMON = {
     "vocab_size": 151936, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -69,9 +74,8 @@ def random_weights(config, seed: int = 0, dtype=np.float32) -> dict[str, np.ndar
     matrices: N(0, 1/fan_in); embeddings N(0, 1); plain norm weights 1 + N(0, 0.1^2); zero-centred norm
     weights N(0, 0.1^2); biases N(0, 0.1^2); per-model extras (A_log, dt_bias, ...) as their module says.
     """
-    from .model import expected_tensors as expected
     out = {}
-    for name, shape in sorted(expected(config).items()):
+    for name, shape in sorted(expected_tensors(config).items()):
         r = _rng(seed, name)
         if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             a = r.standard_normal(shape, dtype=np.float32)
@@ -93,8 +97,6 @@ def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=
           max_resident_bytes: int | None = None):
     """The preset as a Model; precision: a refimpl.precision policy (default: `dtype` activations);
     max_resident_bytes: as refimpl.load."""
-    from ..precision import policy
-    from .model import Model
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
     return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", policy(precision or dtype),
                              max_resident_bytes)
@@ -107,14 +109,9 @@ def checkpoint_layout(config, arrays: dict) -> dict:
         return dict(arrays)
     out = {}
     for name, a in arrays.items():
-        if name.endswith(".experts.gate_up_proj"):
-            p, half = name[:-len(".gate_up_proj")], a.shape[1] // 2
-            for e in range(a.shape[0]):
-                out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = a[e, :half], a[e, half:]
-        elif name.endswith(".experts.down_proj"):
-            p = name[:-len(".down_proj")]
-            for e in range(a.shape[0]):
-                out[f"{p}.{e}.down_proj.weight"] = a[e]
+        prefix, _, kind = name.rpartition(".")
+        if prefix.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
+            out.update(per_expert_tensors(prefix, **{kind: a}))
         else:
             out[name] = a
     return out
@@ -123,9 +120,6 @@ def checkpoint_layout(config, arrays: dict) -> dict:
 def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED, dtype: str = "float32") -> Path:
     """Write a preset as an HF checkpoint directory (config.json + model.safetensors) in the layout the
     released checkpoints of its architecture use; dtype: float32, bfloat16 (rounded to nearest even) or float16."""
-    import ml_dtypes
-
-    from ..formats.safetensors import write_safetensors
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")

@@ -2,10 +2,13 @@
 
 from pathlib import Path
 
-from ..errors import InputError
-from ..formats.safetensors import read_checkpoint
-from .config import load_config, read_generation_config
-from .model import Model
+from . import presets
+from .errors import InputError
+from .formats.gguf import load_gguf
+from .formats.safetensors import read_checkpoint
+from .models.config import load_config, read_generation_config
+from .models.model import Model
+from .precision import policy
 
 DTYPES = ("float32", "float64")
 
@@ -18,18 +21,15 @@ def load(source: str | Path, dtype: str = "float32", precision=None, strict: boo
     max_resident_bytes: the most converted weight bytes held at once; tensors beyond it are converted per layer
     (per routed expert) each time they run. Default: everything is kept when the converted model fits in half
     of the machine's memory, else streamed under 1 GiB (refimpl/models/weights.py)."""
-    from ..precision import policy
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     p = policy(precision if precision is not None else dtype)
     if dtype == "float64" and p.dtype != "float64":
         raise InputError(f"dtype 'float64' contradicts precision {p.activations!r}; give one of them")
-    from . import presets
     if str(source) in presets.PRESETS:
         return presets.build(str(source), precision=p, max_resident_bytes=max_resident_bytes)
     path = Path(source)
     if path.suffix.lower() == ".gguf":
-        from ..formats.gguf import load_gguf
         config, arrays = load_gguf(path, strict)
         return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes)
     if not path.exists():
