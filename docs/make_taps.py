@@ -11,7 +11,7 @@ from pathlib import Path
 
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import graph
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 
 HERE = Path(__file__).parent
 ARCHITECTURES = {"tiny-qwen3": "Qwen3", "tiny-qwen3-moe": "Qwen3-MoE", "tiny-qwen3-next": "Qwen3-Next",

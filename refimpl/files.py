@@ -145,7 +145,7 @@ def atomic_path(path, what: str = "output", error=InputError):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise error(f"{brief(str(path))}: cannot write the {what} ({e.strerror or e})") from None
+        raise error(f"{path}: cannot write the {what} ({e.strerror or e})") from None
     finally:
         if os.path.lexists(tmp):
             tmp.unlink()

@@ -12,7 +12,7 @@ from refimpl.diff.dataflow import producer
 from refimpl.graph import Node, declare
 from refimpl.models import qwen3
 from refimpl.models.model import graph
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 
 DOCS = Path(__file__).parent.parent / "docs"
 

@@ -9,7 +9,7 @@ import pytest
 import refimpl
 from refimpl.conventions import CONVENTIONS
 from refimpl.diff.dataflow import producer
-from refimpl.models.presets import PRESETS
+from refimpl.presets import PRESETS
 
 PARAMS = [("hf", {}), ("genie", {"ar": 4, "cl": 16}), ("genie", {"ar": 4, "cl": 16, "kv_output": "window"}),
           ("qeff", {"seq_len": 4, "ctx_len": 16})]
