@@ -78,7 +78,7 @@ def _reading_flags(p) -> None:
 
 
 def _policy(args):
-    from .compare import load_policy, make_policy
+    from .policy import load_policy, make_policy
     policy = load_policy(args.policy, args.dtype)
     for item in args.layout:
         pattern, sep, adapter = item.rpartition("=")
@@ -120,7 +120,8 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 
 def cmd_diff(args) -> int:
     from ..files import write_atomic
-    from .compare import compare, load_metrics, rejudge, save_metrics
+    from .compare import compare
+    from .saved import load_metrics, rejudge, save_metrics
     from .report import print_report, render_html
     from ..files import output_file
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
@@ -177,7 +178,8 @@ def cmd_diff(args) -> int:
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
     from ..bundle import valid_mask
-    from .compare import candidates, conv_kernel, model_config
+    from .divergence import model_config
+    from .layouts import candidates, conv_kernel
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None

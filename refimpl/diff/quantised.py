@@ -33,7 +33,8 @@ from ..bundle import valid_mask
 from ..encodings import Encoding, read_activation_encodings
 from ..errors import InputError
 from ..files import sha256_file
-from .compare import Policy, compare, make_policy
+from .compare import compare
+from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
 

@@ -31,7 +31,9 @@ from ..bundle import DTYPES, valid_mask
 from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
-from .compare import Policy, candidates, conv_kernel, is_integer, judge
+from .compare import is_integer
+from .layouts import candidates, conv_kernel
+from .policy import Policy, judge
 from .dataflow import producer
 from .metrics import tensor_metrics
 

@@ -14,7 +14,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from .compare import FAILING, Report, layer_curve, position_curve, step_curve
+from .curves import layer_curve, position_curve, step_curve
+from .results import FAILING, Report
 
 _COLUMNS = ("sqnr_db", "nmse", "cosine", "max_abs", "rel_p99", "not_close_frac", "ulp_max")
 

@@ -11,19 +11,12 @@ import pytest
 
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
-from refimpl.diff.compare import (
-    compare,
-    judge,
-    judged_nmse,
-    load_metrics,
-    load_policy,
-    make_policy,
-    rejudge,
-    save_metrics,
-)
+from refimpl.diff.compare import check_same_case, compare
 from refimpl.diff.dump import read_dump
 from refimpl.diff.explain import explain
 from refimpl.diff.metrics import tensor_metrics
+from refimpl.diff.policy import judge, judged_nmse, load_policy, make_policy
+from refimpl.diff.saved import load_metrics, rejudge, save_metrics
 from refimpl.errors import InputError
 from refimpl.golden import write_golden
 
@@ -196,7 +189,6 @@ def test_three_way_judging(case, tmp_path):
                                      params=PARAMS, decode_steps=1, taps="."))
     with pytest.raises(InputError, match="prompt differ"):
         compare(bundle, read_dump(honest, bundle), emulated=other)
-    from refimpl.diff.compare import check_same_case
     flipped = read_bundle(emulated.path)
     flipped.manifest["steps"][-1]["tokens"] = [int(flipped.manifest["steps"][-1]["tokens"][0]) + 1]
     assert check_same_case(bundle, flipped) == [bundle.steps - 1]
@@ -314,8 +306,6 @@ def test_policy_mistakes_are_errors(tmp_path):
 
 
 def test_atol_floor_only_for_a_golden_near_zero():
-    from refimpl.diff.compare import judge
-    from refimpl.diff.metrics import tensor_metrics
     rng = np.random.default_rng(0)
     g = rng.normal(0, 0.02, 1000)                                   # small but not ~0: NMSE decides
     m = tensor_metrics(g, g + rng.normal(0, 0.003, 1000), dtype="bf16")

@@ -6,8 +6,9 @@ import pytest
 
 import faults as F
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, load_policy
+from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
+from refimpl.diff.policy import load_policy
 from refimpl.diff.replay import replay
 from refimpl.golden import write_golden
 

@@ -114,7 +114,7 @@ def test_generate_streamed_equals_resident(name, bf16_dirs):
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3.5"])
 def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
     from refimpl.bundle import read_bundle
-    from refimpl.diff.compare import load_policy
+    from refimpl.diff import load_policy
     from refimpl.diff.dump import read_dump
     from refimpl.diff.explain import explain
     from refimpl.diff.replay import replay, run_step
