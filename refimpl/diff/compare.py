@@ -201,7 +201,8 @@ def _integer_reference(emulated, rec, golden, device) -> dict | None:
             if p is not None and max(dev, emu) < p.size and abs(p[dev] - p[emu]) <= 2 * np.spacing(np.float32(p[emu])):
                 explained[idx] = True
                 ties.append(f"token {row[-1]}: expert {dev} where the emulation took {emu} (p = {p[emu]:.6g} both)")
-    out = {"equals_golden_or_emulation": bool(explained[mask].all()), "emulation_differs": int((e != golden)[mask].sum())}
+    out = {"equals_golden_or_emulation": bool(explained[mask].all()),
+           "emulation_differs": int((e != golden)[mask].sum())}
     if ties and out["equals_golden_or_emulation"]:
         out["tie"] = "; ".join(ties)
     return out

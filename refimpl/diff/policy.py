@@ -33,7 +33,6 @@ from . import hooks
 from .dump import read_json
 from .layouts import ADAPTERS
 
-
 DEFAULTS = {
     "float32": {"max_nmse": 1e-8, "atol": 1e-6},   # calibrated on independent runtimes: docs/diff.md
     "float16": {"max_nmse": 1e-5, "atol": 1e-3},
@@ -112,8 +111,9 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
          "tensors": [{"match": "mlp\\\\.down_proj$", "max_nmse": 1e-4, "min_cosine": 0.999}, ...],
          "layouts": {"past_key_.*_out": "transposed"}, "ignore": ["attn_scores$"]}"""
     spec = dict(spec or {})
+    ignore = spec.get("ignore", [])
     if not isinstance(spec.get("tensors", []), list) or not isinstance(spec.get("layouts", {}), dict) \
-            or not isinstance(spec.get("ignore", []), list) or not all(isinstance(p, str) for p in spec.get("ignore", [])):
+            or not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         raise InputError(f"{where}: 'tensors' must be a list, 'layouts' an object {{regex: adapter}}, 'ignore' a "
                          f"list of regexes")
     three_way_k = spec.get("three_way_k", 4.0)
@@ -188,7 +188,8 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
             failed.append(f"exact: values differ (max abs {metrics['max_abs']:.3g})")
         return failed
     floor = criteria.get("atol")  # a golden that is itself ~0 (within atol) passes when the device is within atol
-    within_floor = (floor is not None and metrics["max_abs"] <= floor and metrics.get("golden_max_abs", math.inf) <= floor
+    within_floor = (floor is not None and metrics["max_abs"] <= floor
+                    and metrics.get("golden_max_abs", math.inf) <= floor
                     and not metrics["n_nan"] and not metrics["n_inf"])
     for key, limit in criteria.items():
         if key in ("exact", "atol", "run_power"):

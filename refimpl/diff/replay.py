@@ -32,10 +32,10 @@ from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
 from .compare import is_integer
-from .layouts import candidates, conv_kernel
-from .policy import Policy, judge
 from .dataflow import producer
+from .layouts import candidates, conv_kernel
 from .metrics import tensor_metrics
+from .policy import Policy, judge
 
 
 @dataclasses.dataclass
