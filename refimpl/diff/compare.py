@@ -5,7 +5,9 @@
     report.results                        # every compared tensor in execution order, with metrics and status
 
 The judging is policy.py's, the readings of a dumped array layouts.py's, the first divergence divergence.py's;
-three-way judging (an emulated-precision bundle of the same case) is here.
+three-way judging (an emulated-precision bundle of the same case) is here. Each golden tensor is read once: a
+float tensor's bar depends on its golden power over the whole run, so the verdicts are given after the last step
+(only a tensor whose reading is decided by that power and fails it is read again, to try its other readings).
 """
 
 import math
@@ -32,10 +34,9 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     policy = policy or Policy()
     cfg = model_config((bundle.manifest.get("model") or {}).get("config"))
     conv = bundle.manifest.get("convention")
-    results, absent = [], 0
+    results, absent, scored, powers = [], 0, [], {}
     skipped = check_same_case(bundle, emulated) if emulated is not None else []
     starts = _step_starts(bundle.manifest)
-    powers = _run_powers(bundle, dump, policy)
     total = len(bundle.manifest["tensors"])
     for i, rec in enumerate(bundle.records()):
         if progress is not None:
@@ -54,13 +55,18 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
                 absent += 1
             continue
         r.source = item.source
+        golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
+        _add_power(powers, rec, golden)
+        results.append(r)
         if item.problem:
             r.status, r.problem = "error", item.problem
-            results.append(r)
             continue
-        _score(r, rec, item, bundle, policy, None if rec["step"] in skipped else emulated, starts[rec["step"]],
-               conv_kernel(cfg), powers.get((rec["role"], rec["name"])))
-        results.append(r)
+        scored.append((r, _score(r, rec, item, golden, bundle, policy, None if rec["step"] in skipped else emulated,
+                                 starts[rec["step"]], conv_kernel(cfg))))
+    run_power = _run_power(powers)   # a float tensor's bar depends on its golden power over every step: judge now
+    for r, scoring in scored:
+        if scoring is not None:
+            _verdict(r, scoring, policy.layout(r.name), run_power.get((r.role, r.name)))
     report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
                     dump.unknown, absent, [], (bundle.manifest.get("model") or {}).get("config"), conv)
     localise(report)
@@ -85,26 +91,29 @@ def _step_starts(manifest) -> list[int]:
     return starts
 
 
-def _run_powers(bundle, dump, policy: Policy) -> dict:
-    """{(role, name): mean golden^2 over the valid, finite elements of every step} of the dumped float tensors."""
-    sums = {}
-    for rec in bundle.records():
-        if f"{rec['step']}/{rec['role']}/{rec['name']}" not in dump.items or policy.ignored(rec["name"]):
-            continue
-        g = bundle.tensor(rec["step"], rec["role"], rec["name"])
-        if is_integer(g.dtype):
-            continue
-        v = np.asarray(g, np.float64)[valid_mask(g.shape, rec["valid"])]
-        v = v[np.isfinite(v)]
-        total, n = sums.get((rec["role"], rec["name"]), (0.0, 0))
-        with np.errstate(over="ignore"):
-            sums[(rec["role"], rec["name"])] = (total + float(np.sum(v * v)), n + v.size)
-    return {k: total / n for k, (total, n) in sums.items() if n and math.isfinite(total)}
+def _add_power(powers: dict, rec: dict, golden) -> None:
+    """Add a dumped float tensor's golden^2 over its valid, finite elements to powers[(role, name)] = (sum, count)."""
+    if is_integer(golden.dtype):
+        return
+    v = np.asarray(golden, np.float64)[valid_mask(golden.shape, rec["valid"])]
+    v = v[np.isfinite(v)]
+    total, n = powers.get((rec["role"], rec["name"]), (0.0, 0))
+    with np.errstate(over="ignore"):
+        powers[(rec["role"], rec["name"])] = (total + float(np.sum(v * v)), n + v.size)
 
 
-def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: int, kernel: int | None,
-           run_power: float | None = None) -> None:
-    golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
+def _run_power(powers: dict) -> dict:
+    """{(role, name): mean golden^2 over every step} (policy.judged_nmse's run power) from _add_power's sums."""
+    return {k: total / n for k, (total, n) in powers.items() if n and math.isfinite(total)}
+
+
+def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated, start: int,
+           kernel: int | None) -> tuple | None:
+    """Score the readings of a dumped tensor (layouts.candidates) in order until one may pass: whether it does
+    depends on the run's golden power, known once every step is read, and _verdict judges it then. Returns
+    (criteria, the readings scored as (adapter, metrics, logits metrics), {adapter: positions} of the first and the
+    last, rest), rest(run_power) scoring the readings after them (it reads the golden again); None when no reading
+    fits (r is then an error)."""
     integer = is_integer(golden.dtype)
     if emulated is not None and not integer:
         r.reference = _emulated_metrics(emulated, rec, golden, policy)
@@ -114,33 +123,63 @@ def _score(r: Result, rec: dict, item, bundle, policy: Policy, emulated, start: 
         r.status = "error"
         r.problem = (f"shape {list(item.array.shape)} where the bundle has {rec['shape']}"
                      + (f" (declared layout {declared})" if declared else ""))
-        return
+        return None
     if emulated is not None and integer:  # e.g. chosen experts: a near tie the device's precision decides too
         r.reference = _integer_reference(emulated, rec, golden, found[0][1])
     criteria = policy.criteria(rec["name"], integer, r.reference)
-    best = None
-    for adapter, device in found:
+
+    def score(adapter, device, golden):
         m, lm = _metrics(golden, device, rec, policy.dtype)
+        if integer:
+            m["integer"] = True
+        return adapter, m, lm
+
+    readings = []
+    for adapter, device in found:
+        readings.append(score(adapter, device, golden))
+        # the nmse judged is lowest when the run's golden power is largest (policy.judged_nmse)
+        if not judge({**readings[-1][1], "run_power": math.inf}, readings[-1][2], criteria):
+            break
+    kept = dict((found[0], found[len(readings) - 1]))   # the readings _verdict may keep
+    positions = {a: _positions(rec, golden, d, bundle, start) for a, d in kept.items()}
+
+    def rest(run_power):
+        """The first reading after those scored that passes at the run's golden power, with its positions."""
+        if len(readings) == len(found):
+            return None
+        golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
+        for adapter, device in candidates(item, rec, declared, kernel)[len(readings):]:
+            _, m, lm = score(adapter, device, golden)
+            if run_power is not None:
+                m["run_power"] = run_power
+            if not judge(m, lm, criteria):
+                return adapter, m, lm, _positions(rec, golden, device, bundle, start)
+        return None
+    return criteria, readings, positions, rest
+
+
+def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | None) -> None:
+    """Judge a tensor's scored readings at the run's golden power: it is read as the first reading that passes
+    (status layout when that is a layout mix-up the policy does not declare), else as the first (status fail).
+    Of the readings _score kept only the last can pass: the others fail at any run power."""
+    criteria, readings, positions, rest = scored
+    for _, m, _ in readings:
         if run_power is not None:
             m["run_power"] = run_power
-        failures = judge(m, lm, criteria)
-        if best is None:
-            best = (adapter, device, m, lm, failures)
-        if not failures:
-            best = (adapter, device, m, lm, failures)
-            break
-    adapter, device, r.metrics, r.logits, r.failures = best
-    r.layout = adapter
-    if r.failures:
-        r.status = "fail"
-    elif adapter in ADAPTERS and adapter != declared:
+    adapter, m, lm = readings[-1]
+    passing = rest(run_power) if judge(m, lm, criteria) else (adapter, m, lm, positions[adapter])
+    if passing is None:
+        adapter, m, lm = readings[0]
+        r.layout, r.metrics, r.logits, r.positions = adapter, m, lm, positions[adapter]
+        r.failures, r.status = judge(m, lm, criteria), "fail"
+        return
+    r.layout, r.metrics, r.logits, r.positions = passing
+    r.failures = []
+    if r.layout in ADAPTERS and r.layout != declared:
         r.status = "layout"
-        r.problem = f"matches the golden only when read as '{adapter}': {ADAPTERS[adapter][2]}"
+        r.problem = f"matches the golden only when read as '{r.layout}': {ADAPTERS[r.layout][2]}"
     else:
         r.status = "pass"
-    if integer:
-        r.metrics["integer"] = True
-    r.positions = _positions(rec, golden, device, bundle, start)
 
 
 def _metrics(golden, device, rec, dtype):
