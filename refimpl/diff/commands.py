@@ -97,13 +97,13 @@ def _policy(args):
 
 
 def _dump(args, bundle):
-    from .dump import read_dump, read_mapping  # lazy
+    from .dump import read_dump, read_mapping  # lazy (module docstring)
     return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
                      dtype=args.dump_dtype)
 
 
 def _bundle(path):
-    from ..bundle import read_bundle  # lazy
+    from ..bundle import read_bundle  # lazy (module docstring)
     return read_bundle(path, verify=False)
 
 
