@@ -1,24 +1,31 @@
 """refimpl command line: `refimpl info MODEL`, `refimpl run MODEL --input-ids 1,2,3`, `refimpl golden ...`,
-`refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`, `refimpl diff BUNDLE DUMP`,
-`refimpl replay`, `refimpl explain`, `refimpl reference --model M --text F --out REF`, `refimpl compare-logits REF DUMP`,
-`refimpl export-kld-base REF F.kld`.
+`refimpl generate --prompt TEXT ...`, `refimpl convert MODEL --to gguf --out F --type q8_0`,
+`refimpl diff BUNDLE DUMP`, `refimpl replay`, `refimpl explain`, `refimpl reference --model M --text F --out REF`,
+`refimpl compare-logits REF DUMP`, `refimpl export-kld-base REF F.kld`.
 
 Bad arguments and bad files print one line, `refimpl: error: ...`, and exit with status 2.
 """
 
 import argparse
 import logging
-import math
 import os
-import re
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from .arguments import finite, load_model, nonnegative, positive, precision_flags, regex, token_ids
+from .dataset.commands import add_commands as add_dataset_commands
+from .diff.commands import add_commands as add_diff_commands
 from .errors import InputError, RefimplError
+from .formats.tokenizer import load_tokenizer
+from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
+from .load import load
+from .presets import DEFAULT_PRESET
+from .progress import attach
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,98 +33,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"refimpl: error: {message}\n")
 
 
-def _ids(text: str) -> np.ndarray:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--input-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--input-ids is empty")
-    if any(not 0 <= t < 2**31 for t in ids):
-        raise argparse.ArgumentTypeError(f"--input-ids must be token ids in [0, 2^31), got {text!r}")
-    return np.array([ids], dtype=np.int64)
-
-
-def _regex(text: str) -> str:
-    """A user-given regular expression, compiled once here so a bad one is an argument error."""
-    try:
-        re.compile(text)
-    except (re.error, RecursionError, OverflowError) as e:
-        raise argparse.ArgumentTypeError(f"invalid regular expression {text!r} ({e})") from None
-    return text
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _size(text: str) -> int:
-    """A byte count: 1073741824, 512MiB, 1.5GiB, 2G (binary units; B, K/KiB, M/MiB, G/GiB, T/TiB)."""
-    import re
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or a number of bytes, got {text!r}")
-    return int(float(m[1]) * 1024 ** ("KMGT".find(m[2].upper()) + 1) if m[2] else float(m[1]))
-
-
-def _load(args, source=None, strict=True):
-    """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings and the
-    resident budget of --max-resident."""
-    from . import load
-    from .precision import Policy
-    fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv,
-              "fast": args.fast}
-    if args.encodings:
-        if args.weights not in (None, "encodings"):
-            raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
-        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
-    elif args.strict_encodings:
-        raise InputError("--strict-encodings needs --encodings")
-    return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict,
-                max_resident_bytes=args.max_resident)
-
-
-def _precision_flags(p) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--precision", choices=["float32", "float64", "bf16", "fp16"],
-                   help="activation precision; bf16 / fp16 are emulated by rounding at transformers' cast points")
-    p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
-                                     "{qnn|onnx} (default: the activation precision)")
-    p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
-    p.add_argument("--fast", action="store_true",
-                   help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
-                        "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
-    p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its activations "
-                                       "quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
-    p.add_argument("--strict-encodings", action="store_true",
-                   help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
-    p.add_argument("--max-resident", type=_size, metavar="SIZE",
-                   help="most converted weights held at once, e.g. 2GiB; the rest are converted per layer as they "
-                        "run (default: keep all when the converted model fits in half of memory, else 1GiB)")
-
-
 def _mib(n) -> str:
     return "size unknown" if n is None else f"{n / 2**20:.1f} MiB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KiB"
 
 
 def cmd_info(args) -> int:
-    model = _load(args, strict=False)   # a tensor of a type that cannot be read is listed, not refused
+    model = load_model(args, strict=False)   # a tensor of a type that cannot be read is listed, not refused
     cfg, w = model.config, model.weights
     n_params = sum(int(np.prod(a.shape)) for a in w.stored.values())
     print(f"model        {args.model}")
@@ -131,11 +52,12 @@ def cmd_info(args) -> int:
     if cfg.num_experts:
         print(f"experts      {cfg.num_experts} x {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}, "
               f"renormalised: {cfg.norm_topk_prob}"
-              + (f", shared expert {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""))
-    print(f"parameters   {n_params:,} ({_mib(w.nbytes())} stored, {_mib(n_params * w.dtype.itemsize)} as {w.dtype.name})"
-          f"{', tied embeddings' if cfg.tie_word_embeddings else ''}")
+              + (f", shared expert {cfg.shared_expert_intermediate_size}"
+                 if cfg.shared_expert_intermediate_size else ""))
+    print(f"parameters   {n_params:,} ({_mib(w.nbytes())} stored, {_mib(n_params * w.dtype.itemsize)} as "
+          f"{w.dtype.name}){', tied embeddings' if cfg.tie_word_embeddings else ''}")
     if str(args.model).lower().endswith(".gguf"):
-        from .formats.gguf import GGUFFile, unreadable
+        from .formats.gguf import GGUFFile, unreadable  # lazy: only for a .gguf (refimpl --help stays fast)
         g = GGUFFile(args.model)
         print(f"file         {_mib(Path(args.model).stat().st_size)}; tensors by type: " + ", ".join(
             f"{kind} {_mib(size)} ({n})" for kind, n, size in g.storage()))
@@ -159,7 +81,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_run(args) -> int:
-    model = _load(args)
+    model = load_model(args)
     logits = model.forward(args.input_ids, logits_to_keep=1)[0, -1].astype(np.float64)
     p = np.exp(logits - logits.max())
     p /= p.sum()
@@ -171,13 +93,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_golden(args) -> int:
+    # lazy: what only this command runs (refimpl --help stays fast)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
+    from .bundle import read_bundle
     from .golden import write_golden
-    from .presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
     if args.prompt is not None:
-        from .formats.tokenizer import load_tokenizer
         args.input_ids = np.array([_prompt_ids(load_tokenizer(source), args.prompt)], dtype=np.int64)
     if args.input_ids is None:
         raise InputError("give the prompt as --prompt TEXT or --input-ids 1,2,3")
@@ -199,15 +121,13 @@ def cmd_golden(args) -> int:
         params[flags[flag]] = value == "transposed" if flag == "key_layout" else value
     decode_ids = None
     if args.follow:
-        from .bundle import read_bundle
         followed = read_bundle(args.follow, verify=False).manifest
         if followed.get("prompt_ids") != [int(t) for t in args.input_ids[0]]:
             raise InputError(f"--follow {args.follow}: its prompt differs from this one")
         decode_ids = followed.get("generated_ids") or []
         args.decode_steps = args.decode_steps or len(decode_ids)
-    model = _load(args, source)
+    model = load_model(args, source)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    from .progress import attach
     # a bar only on a terminal: rich ends even a hidden one with a newline, output that a pipe or file would keep
     with Progress(*columns, transient=True, disable=args.quiet or not sys.stdout.isatty()) as bar, \
             attach(bar):   # forward bars join it
@@ -240,11 +160,6 @@ def _prompt_ids(tok, text: str, chat: bool = False, system: str | None = None, t
 
 
 def cmd_generate(args) -> int:
-    import time
-
-    from .formats.tokenizer import load_tokenizer
-    from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
-    from .presets import DEFAULT_PRESET
     source = args.model or DEFAULT_PRESET
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")}
     SamplingParams(**{k: v for k, v in sampling.items() if v is not None}).check()  # early: before loading
@@ -265,7 +180,7 @@ def cmd_generate(args) -> int:
                 raise
     ids = _prompt_ids(tok, args.prompt, args.chat, args.system, args.thinking) if args.prompt is not None \
         else args.input_ids[0].tolist()
-    model = _load(args, source)
+    model = load_model(args, source)
     eos = ()
     if not args.ignore_eos:
         eos = sorted({*default_eos(model), *(tok.stop_ids() if tok else [])})
@@ -290,19 +205,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _nonnegative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
 def cmd_convert(args) -> int:
-    from . import load
-    from .formats.gguf import GGUFFile, tokenizer_metadata, write_gguf
+    from .formats.gguf import GGUFFile, tokenizer_metadata, write_gguf  # lazy: refimpl --help stays fast
     model = load(args.model)
     tokenizer = None
     if str(args.model).lower().endswith(".gguf") and "tokenizer.ggml.model" in (g := GGUFFile(args.model)).metadata:
@@ -318,14 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     info = sub.add_parser("info", help="print a model's config and parameter count")
     info.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
-    _precision_flags(info)
+    precision_flags(info)
     info.add_argument("-v", "--verbose", action="store_true", help="print every config field")
     info.set_defaults(func=cmd_info)
     run = sub.add_parser("run", help="one forward pass; print the top next tokens")
     run.add_argument("model", help="preset name, HF checkpoint directory or .gguf file")
-    run.add_argument("--input-ids", type=_ids, required=True, help="comma-separated token ids, e.g. 1,2,3")
-    run.add_argument("--top", type=_positive, default=5)
-    _precision_flags(run)
+    run.add_argument("--input-ids", type=token_ids, required=True, help="comma-separated token ids, e.g. 1,2,3")
+    run.add_argument("--top", type=positive, default=5)
+    precision_flags(run)
     run.set_defaults(func=cmd_run)
 
     conv = sub.add_parser("convert", help="write a model as a llama.cpp GGUF file")
@@ -340,34 +244,34 @@ def build_parser() -> argparse.ArgumentParser:
                                    "hybrid preset tiny-qwen3.5)")
     prompt = g.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
-    prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--input-ids", type=token_ids, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("--convention", default="hf", choices=["hf", "genie", "qeff"])
-    g.add_argument("--ar", type=_positive, help="genie: token slots per call (AR, default 128); qeff: seq_len "
+    g.add_argument("--ar", type=positive, help="genie: token slots per call (AR, default 128); qeff: seq_len "
                                                 "(default 32)")
-    g.add_argument("--cl", type=_positive, help="genie: context length (CL, default 4096; a multiple of AR and of the "
+    g.add_argument("--cl", type=positive, help="genie: context length (CL, default 4096; a multiple of AR and of the "
                                                 "decode AR); qeff: ctx_len (default 128)")
-    g.add_argument("--decode-ar", type=_positive, help="genie: token slots of the token graph (default 1; at most AR)")
-    g.add_argument("--mask-floor", type=_finite, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
+    g.add_argument("--decode-ar", type=positive, help="genie: token slots of the token graph (default 1; at most AR)")
+    g.add_argument("--mask-floor", type=finite, help="genie: lower clamp of the additive mask (default -100, AI Hub's "
                                                     "host driver; Genie's fp16 runtime uses -1000, quantised -50)")
     g.add_argument("--pad-id", type=int, help="pad token id (default: eos; qeff: pad, else eos)")
     g.add_argument("--pad-side", choices=["left", "right"],
                    help="genie: left (default; AI Hub's host driver: the pads lead the first prompt chunk) or right "
                         "(the Genie runtime: the pads trail the last chunk)")
-    g.add_argument("--conv-state-len", type=_positive,
+    g.add_argument("--conv-state-len", type=positive,
                    help="genie, hybrid models: columns of conv_state_{i} (default Kc, as AI Hub exports it)")
     g.add_argument("--key-layout", choices=["transposed", "plain"],
                    help="genie: past_key as [kvh, 1, D, T] (transposed) or [kvh, 1, T, D]")
     g.add_argument("--kv-output", choices=["new", "window"],
                    help="genie: past_key/value outputs hold the AR new entries or the updated window")
     g.add_argument("--k-prescale", action="store_true", help="genie: scores as q . (k / sqrt(D))")
-    g.add_argument("--decode-steps", type=_nonnegative, default=0, help="greedy tokens after the prompt")
+    g.add_argument("--decode-steps", type=nonnegative, default=0, help="greedy tokens after the prompt")
     g.add_argument("--follow", metavar="BUNDLE", help="decode the tokens that bundle generated (teacher forcing) "
                                                      "instead of greedy ones: an emulated-precision bundle for "
                                                      "three-way judging that stays on the golden's tokens")
-    g.add_argument("--taps", type=_regex, default=".", help="regex of the trace taps to record per step (default: all of "
-                                               "them; e.g. 'layers\\.0\\.'); see docs/taps.md")
+    g.add_argument("--taps", type=regex, default=".", help="regex of the trace taps to record per step (default: all "
+                                                           "of them; e.g. 'layers\\.0\\.'); see docs/taps.md")
     g.add_argument("--no-taps", dest="taps", action="store_const", const=None, help="record no taps")
-    _precision_flags(g)
+    precision_flags(g)
     g.add_argument("--export", default="", help="comma-separated extra exports: safetensors,npz")
     g.add_argument("--aimet", action="store_true", help="also write the AIMET layer-output layout")
     g.add_argument("--codes", action="store_true", help="with --encodings: also write each quantised tap's integer "
@@ -381,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="preset name, HF checkpoint directory or .gguf file (default: tiny-qwen3.5)")
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--input-ids", type=_ids, help="prompt token ids, e.g. 1,2,3")
+    prompt.add_argument("--input-ids", type=token_ids, help="prompt token ids, e.g. 1,2,3")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the checkpoint's chat "
                                                          "template (plain ChatML without one) and add the assistant "
                                                          "generation prompt")
@@ -390,24 +294,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --chat: the template's enable_thinking (default: the template's own default)")
     gen.add_argument("--tokenizer", help="tokenizer source if not the model's: preset, qwen3 | qwen3.5, HF "
                                          "directory or tokenizer.json")
-    gen.add_argument("--max-new-tokens", type=_nonnegative, default=32)
-    gen.add_argument("--temperature", type=_finite, help="0: greedy (default: the checkpoint's "
+    gen.add_argument("--max-new-tokens", type=nonnegative, default=32)
+    gen.add_argument("--temperature", type=finite, help="0: greedy (default: the checkpoint's "
                                                          "generation_config.json, else greedy)")
-    gen.add_argument("--top-k", type=_nonnegative, help="0: off (default: generation_config.json, else off)")
-    gen.add_argument("--top-p", type=_finite, help="1: off (default: generation_config.json, else off)")
-    gen.add_argument("--min-p", type=_finite, help="0: off (default: generation_config.json, else off)")
-    gen.add_argument("--repetition-penalty", type=_finite, help="1: off (default: generation_config.json, else off)")
-    gen.add_argument("--seed", type=_nonnegative, default=0)
+    gen.add_argument("--top-k", type=nonnegative, help="0: off (default: generation_config.json, else off)")
+    gen.add_argument("--top-p", type=finite, help="1: off (default: generation_config.json, else off)")
+    gen.add_argument("--min-p", type=finite, help="0: off (default: generation_config.json, else off)")
+    gen.add_argument("--repetition-penalty", type=finite, help="1: off (default: generation_config.json, else off)")
+    gen.add_argument("--seed", type=nonnegative, default=0)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-turn / eos tokens")
     gen.add_argument("--ids", action="store_true", help="print token ids instead of text")
-    _precision_flags(gen)
+    precision_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from .diff.commands import add_commands
-    add_commands(sub)
-    from .dataset.commands import add_commands as add_dataset_commands
-    add_dataset_commands(sub, _positive, _precision_flags, _load)
+    add_diff_commands(sub)
+    add_dataset_commands(sub)
     return parser
 
 

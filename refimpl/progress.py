@@ -57,6 +57,7 @@ def layer_progress(description: str, total: int, unit: str = "layers"):
 
 
 def _open(description: str, total: int):
+    # lazy: rich only once a bar is drawn, so `import refimpl` (which the models' progress reaches) does not load it
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     if _parent:

@@ -64,7 +64,7 @@ def test_three_way_diff_of_quantsim_explains_it_and_finds_a_planted_fault(arch, 
     from aimet_oracle import three_way_case
 
     from refimpl.bundle import read_bundle
-    from refimpl.diff.compare import make_policy
+    from refimpl.diff import make_policy
     from refimpl.diff.dump import read_dump
     from refimpl.diff.quantised import compare_three_way, decode_codes, tap_encodings
     policy = make_policy({"ignore": ["^present"]})   # the KV outputs: QuantSim's run keeps no cache to dump

@@ -1,11 +1,17 @@
 """The CLI: useful output, and one-line errors with exit status 2."""
 
+import json
 import subprocess
 import sys
 
+import ml_dtypes
+import numpy as np
 import pytest
 
+import refimpl
+from refimpl.bundle import read_bundle
 from refimpl.cli import main
+from refimpl.golden import write_golden
 
 
 def test_info(capsys):
@@ -42,12 +48,6 @@ def test_bad_arguments_exit_2_with_one_line(argv, message):
 
 
 def test_golden_records_the_precision_policy(tmp_path, capsys):
-    import json
-
-    import ml_dtypes
-    import numpy as np
-
-    from refimpl.bundle import read_bundle
     out = tmp_path / "b"
     assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--precision", "bf16", "--kv", "int8",
                  "--weights", "int8-per-channel-qnn", "--out", str(out), "--no-taps", "-q"]) == 0
@@ -64,9 +64,6 @@ def test_golden_records_the_precision_policy(tmp_path, capsys):
 def test_golden_follow_decodes_the_followed_bundles_tokens(tmp_path, capsys):
     """An emulated-precision bundle for three-way judging follows the golden's generated tokens (teacher forcing):
     its decode calls feed them, whatever its own greedy choices, and its generation record says so."""
-    import refimpl
-    from refimpl.bundle import read_bundle
-    from refimpl.golden import write_golden
     followed = write_golden(tmp_path / "g", refimpl.load("tiny-qwen3"), [1, 2, 3], source="tiny-qwen3",
                             decode_steps=2, decode_ids=[5, 6])          # not what greedy decoding picks
     assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "--follow", str(followed), "--out",

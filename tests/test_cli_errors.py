@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from refimpl.cli import build_parser, main
+
 # {b}: a golden bundle; {deep}: JSON nested 100,000 levels; {fifo}: a named pipe (reading it would block forever);
 # {bad}: truncated JSON; {list}: a JSON list where an object belongs; {text}: a small text file
 CASES = {
@@ -107,7 +109,6 @@ def _tree(root) -> dict:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from refimpl.cli import main
     root = tmp_path_factory.mktemp("cli-inputs")
     assert main(["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3,4,5", "--convention", "genie", "--ar", "4",
                  "--cl", "16", "--taps", r"layers\.0\.mlp", "--out", str(root / "bundle"), "-q"]) == 0
@@ -122,7 +123,6 @@ def inputs(tmp_path_factory):
 
 
 def test_every_subcommand_is_listed():
-    from refimpl.cli import build_parser
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert set(sub.choices) == set(CASES)
 

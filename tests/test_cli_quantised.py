@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import refimpl
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
 
@@ -19,7 +20,6 @@ IDS = "5,6,7,8"
 def case(tmp_path_factory):
     """tiny-qwen3's float golden, an encodings file quantising every module's output (16 bit) and input_layernorm's
     consumers' inputs (8 bit), and the quantised golden with its codes."""
-    import refimpl
     d = tmp_path_factory.mktemp("quantised")
     model = refimpl.load("tiny-qwen3")
     with refimpl.trace() as tr:
@@ -45,9 +45,9 @@ def test_quantised_golden_records_its_quantisers_and_codes(case):
     b = read_bundle(d / "quantised")
     q = b.manifest["quantisation"]
     assert q["unplaced"] == ["model.layers.0.mlp.experts.3.act_fn output 0"]
+    where = [(x["module"], x["io"]) for x in q["quantisers"]].index(("model.layers.1.self_attn.q_proj", "input"))
     assert {"module": "model.layers.1.self_attn.q_proj", "io": "input", "index": 0,
-            "tap": "model.layers.1.input_layernorm"}.items() <= q["quantisers"][[
-                (x["module"], x["io"]) for x in q["quantisers"]].index(("model.layers.1.self_attn.q_proj", "input"))].items()
+            "tap": "model.layers.1.input_layernorm"}.items() <= q["quantisers"][where].items()
     codes = b.tensor(0, "tap", "model.norm.codes")
     assert codes.dtype == np.uint16
     enc = next(x for x in q["quantisers"] if x["module"] == "model.norm" and x["io"] == "output")

@@ -240,7 +240,7 @@ def test_npy_headers_checked_before_allocating(case, header):
 
 def test_dump_policy_and_mapping_json_bounded(case, tmp_path):
     """--policy / --mapping / --rejudge files: deep nesting, a FIFO, wrong types are one-line InputErrors."""
-    from refimpl.diff.compare import load_metrics, load_policy
+    from refimpl.diff import load_metrics, load_policy
     from refimpl.diff.dump import read_mapping
     from refimpl.errors import InputError
     (tmp_path / "deep.json").write_text("[" * 50_000 + "]" * 50_000)

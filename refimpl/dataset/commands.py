@@ -2,6 +2,9 @@
 
 Exit codes: 0 done (compare-logits: every --policy bar met), 1 a bar missed, 2 bad input, 130 interrupted
 (a reference run resumes where it stopped when the same command runs again).
+
+The dataset's modules are imported by the function that runs a command (marked "lazy"): `refimpl --help` builds
+every parser, and should not load them and rich for it.
 """
 
 import json
@@ -9,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+from ..arguments import load_model, positive, precision_flags
 from ..errors import InputError
+from ..files import write_atomic
+from ..formats.tokenizer import load_tokenizer
 
 
-def add_commands(sub, positive, precision_flags, load) -> None:
-    """positive: the CLI's positive-integer type; precision_flags(parser) adds --dtype / --precision / ...;
-    load(args) is the model those flags describe."""
+def add_commands(sub) -> None:
     r = sub.add_parser("reference", help="the reference's compact log-softmax and NLL over a dataset's windows "
                                          "(resumable; local processes or Ray)")
     r.add_argument("--model", required=True, help="preset name, HF checkpoint directory or .gguf file (workers "
@@ -39,7 +43,7 @@ def add_commands(sub, positive, precision_flags, load) -> None:
     r.add_argument("--out", required=True, help="reference directory (resumed if it exists with the same settings)")
     r.add_argument("--overwrite", action="store_true", help="replace a reference made with other settings")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    r.set_defaults(func=cmd_reference, load=load)
+    r.set_defaults(func=cmd_reference)
 
     c = sub.add_parser("compare-logits", help="KLD, top-1 agreement and perplexity of the device's logits against "
                                               "a dataset reference")
@@ -63,16 +67,23 @@ def add_commands(sub, positive, precision_flags, load) -> None:
 
 
 def _progress_bar(quiet: bool, what: str, unit: str):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    # lazy (module docstring)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TextColumn(
         "{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         disable=quiet or not sys.stdout.isatty())  # on a terminal only: rich ends even a hidden bar with a newline
 
 
 def cmd_reference(args) -> int:
-    from ..formats.tokenizer import load_tokenizer
-    from .reference import Job, write_reference
+    # lazy (module docstring)
+    from .reference import Job, open_reference, write_reference
     from .windows import cut, read_documents
     if args.stride is not None and args.stride >= args.ctx:
         raise InputError(f"--stride must be smaller than --ctx ({args.ctx}), got {args.stride}")
@@ -81,7 +92,7 @@ def cmd_reference(args) -> int:
         raise InputError("--ar / --cl apply to --convention genie or qeff")
     if args.convention == "qeff":
         params = {{"ar": "seq_len", "cl": "ctx_len"}[k]: v for k, v in params.items()}
-    model = args.load(args)
+    model = load_model(args)
     used = []                           # the tokenizer, loaded only if some document is text
 
     def tokenizer():
@@ -114,7 +125,6 @@ def cmd_reference(args) -> int:
                                       model=model if args.workers == 1 and not args.ray else None)
         except KeyboardInterrupt:
             bar.stop()
-            from .reference import open_reference
             done = len(open_reference(args.out).finished())
             print(f"refimpl: interrupted: {done} of {len(windows.tokens)} windows are in {args.out}; run the same "
                   f"command again to resume")
@@ -126,7 +136,7 @@ def cmd_reference(args) -> int:
 
 def _gguf_bos(path):
     """The BOS id llama-perplexity puts first in each window, if the GGUF's vocabulary asks for one."""
-    from ..formats.gguf import GGUFFile
+    from ..formats.gguf import GGUFFile  # lazy (module docstring)
     meta = GGUFFile(path).metadata
     if meta.get("tokenizer.ggml.add_bos_token") and meta.get("tokenizer.ggml.bos_token_id") is not None:
         return int(meta["tokenizer.ggml.bos_token_id"])
@@ -134,7 +144,7 @@ def _gguf_bos(path):
 
 
 def cmd_compare_logits(args) -> int:
-    from ..files import write_atomic
+    # lazy (module docstring)
     from ..diff.dump import read_mapping
     from .compare import compare_logits, judge, parse_policy
     from .reference import open_reference
@@ -161,6 +171,7 @@ def cmd_compare_logits(args) -> int:
 
 
 def cmd_export_kld_base(args) -> int:
+    # lazy (module docstring)
     from .llama import write_kld_base
     from .reference import open_reference
     path = write_kld_base(open_reference(args.reference), args.out)

@@ -8,9 +8,11 @@ the toolchain's sanitising, or through a --mapping {golden name: device name} fi
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 
+from ..diff.dump import match_dump, read_json
 from ..errors import FormatError, InputError, brief
 from ..files import number
 from . import compact, stats
@@ -39,7 +41,6 @@ class _Windows:
 
 def device_windows(ref: Reference, path, *, mapping: dict | None = None, dtype: str | None = None) -> dict:
     """{window: load()} for every window the device dump holds (load() -> array, or FormatError)."""
-    from ..diff.dump import match_dump
     matched, _ = match_dump(path, _Windows(ref), mapping=mapping, dtype=dtype)
     return {int(key.split("/")[0]): load for key, (_, load) in matched.items()}
 
@@ -167,9 +168,7 @@ def _notes(report: dict) -> list[str]:
 
 def parse_policy(text: str) -> dict:
     """--policy: a JSON file {bar: value} or inline 'max_mean_kld=0.01,min_top1=0.9'."""
-    from pathlib import Path
     if Path(text).is_file():
-        from ..diff.dump import read_json
         bars = read_json(text, "policy")
         if not isinstance(bars, dict):
             raise InputError(f"{text}: policy must be a JSON object {{bar: value}}")

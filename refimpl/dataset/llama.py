@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..files import write_atomic
 from .reference import Reference
 
 MAGIC = b"_logits_"
@@ -26,7 +27,6 @@ def row_words(n_vocab: int) -> int:
 
 
 def write_kld_base(ref: Reference, out) -> Path:
-    from ..files import write_atomic
     if ref.manifest["windows"]["stride"] is not None:
         raise InputError(f"{ref.path}: made with --stride; llama-perplexity's KL divergence reads only the default "
                          f"(consecutive) windows")

@@ -21,16 +21,21 @@ load per actor, the model read from a path every node sees).
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import numpy as np
 
-from ..version import __version__
-from ..files import write_atomic
+from ..diff.dump import read_json
 from ..errors import FormatError, InputError, RefimplError
+from ..files import write_atomic
 from ..formats.safetensors import read_safetensors, write_safetensors
+from ..golden import run_convention
+from ..load import load
+from ..version import __version__
 from . import compact
 from .windows import Windows
 
@@ -56,7 +61,6 @@ _MODELS = {}                      # per process: Job -> loaded model (one load p
 
 def _model(job: Job):
     if job not in _MODELS:
-        from ..load import load
         _MODELS.clear()
         _MODELS[job] = load(job.source, precision=job.precision)
     return _MODELS[job]
@@ -65,7 +69,6 @@ def _model(job: Job):
 def window_logits(model, tokens: np.ndarray, convention: str = "hf", params: dict | None = None) -> np.ndarray:
     """The reference logits [ctx, V] of one window through a device convention: the valid logits rows of each
     of its prompt calls, in order (hf: one call; genie / qeff: AR-token chunks, padded rows dropped)."""
-    from ..golden import run_convention
     calls, _ = run_convention(model, np.asarray(tokens, dtype=np.int64), convention, params or {})
     rows = []
     for c in calls:
@@ -122,7 +125,6 @@ def _serial(job, items):
 
 
 def _processes(job, items, workers: int):
-    import multiprocessing
     pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_sigint)
     try:
         yield from pool.imap_unordered(_pool_task, [(job, k, t, g) for k, t, g in items], chunksize=1)
@@ -145,7 +147,7 @@ class _Actor:
 
 def _ray(job, items, workers: int | None, address: str | None):
     try:
-        import ray
+        import ray  # lazy: optional, the [scale] extra
     except ImportError:
         raise InputError("--ray needs Ray: pip install 'refimpl[scale]'") from None
     started = not ray.is_initialized()
@@ -229,7 +231,6 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
     """Compute every window not yet in `out` and return the summary. progress(done, total, tokens) after each
     window (done counts windows already there). ray: False/None (local), True (a local Ray instance or
     RAY_ADDRESS) or a cluster address; workers: processes or Ray actors (Ray: default one per CPU)."""
-    from ..load import load
     out = Path(out)
     if model is not None and workers == 1 and not ray:
         _MODELS.clear()
@@ -248,7 +249,6 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
                 key = next((k for k in manifest if not isinstance(old, dict) or old.get(k) != manifest[k]), "?")
                 raise InputError(f"{out}: holds a reference made with other settings ({key} differs); "
                                  f"give another --out or --overwrite")
-            import shutil
             shutil.rmtree(out)
     elif out.exists() and any(p.name not in ("tokens.safetensors", "windows") and not p.name.startswith(".")
                               for p in out.iterdir()):
@@ -320,7 +320,6 @@ class Reference:
 
 
 def open_reference(path) -> Reference:
-    from ..diff.dump import read_json
     path = Path(path)
     mf = path / "manifest.json"
     manifest = read_json(mf, "dataset reference manifest (written by `refimpl reference`)")

@@ -7,6 +7,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ..diff.report import figure_png
+
 
 def _pm(d: dict, scale: float = 1.0, fmt: str = ".6f", unit: str = "") -> str:
     return f"{scale * d['value']:{fmt}} ± {scale * d['uncertainty']:{fmt}}{unit}"
@@ -63,10 +65,9 @@ def print_report(report: dict, failures: list, console: Console | None = None, w
 
 
 def plots(report: dict) -> dict:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy, and only the HTML report draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from ..diff.report import figure_png
     out = {}
     kld = np.asarray(report["kld_values"], dtype=np.float64)
     kld = kld[np.isfinite(kld)]

@@ -1,17 +1,23 @@
 """CLI commands of the diff tool: `refimpl diff`, `refimpl replay`, `refimpl explain`.
 
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
+
+The diff's modules are imported by the function that runs a command (marked "lazy"): `refimpl --help` builds every
+parser, and should not load the diff, the bundle reader and rich for it.
 """
 
 import sys
 
 import numpy as np
 
+from ..arguments import nonnegative, size
 from ..errors import InputError
+from ..files import output_file, write_atomic
+from ..load import load
+from ..precision import from_manifest
 
 
 def add_commands(sub) -> None:
-    from ..cli import _nonnegative
     d = sub.add_parser("diff", help="compare a device dump with a golden bundle: metrics, first divergence, report")
     d.add_argument("bundle", help="golden bundle directory")
     d.add_argument("device", nargs="?", help="device dump: qnn-net-run output dir, dir of .raw/.npy, .npz or "
@@ -38,7 +44,7 @@ def add_commands(sub) -> None:
     d.add_argument("--json", help="write raw metrics (re-judge later with --rejudge)")
     d.add_argument("--html", help="write the HTML report with plots")
     d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
-    d.add_argument("--top", type=_nonnegative, default=20, help="rows of the terminal table (0: all)")
+    d.add_argument("--top", type=nonnegative, default=20, help="rows of the terminal table (0: all)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_diff)
 
@@ -72,13 +78,12 @@ def _reading_flags(p) -> None:
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
     p.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER", help="declared dump layout")
-    from ..cli import _size
-    p.add_argument("--max-resident", type=_size, metavar="SIZE", help="most converted weights held at once "
+    p.add_argument("--max-resident", type=size, metavar="SIZE", help="most converted weights held at once "
                                                                      "(as for refimpl golden)")
 
 
 def _policy(args):
-    from .compare import load_policy, make_policy
+    from .policy import load_policy, make_policy  # lazy (module docstring)
     policy = load_policy(args.policy, args.dtype)
     for item in args.layout:
         pattern, sep, adapter = item.rpartition("=")
@@ -92,20 +97,18 @@ def _policy(args):
 
 
 def _dump(args, bundle):
-    from .dump import read_dump, read_mapping
+    from .dump import read_dump, read_mapping  # lazy (module docstring)
     return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
                      dtype=args.dump_dtype)
 
 
 def _bundle(path):
-    from ..bundle import read_bundle
+    from ..bundle import read_bundle  # lazy (module docstring)
     return read_bundle(path, verify=False)
 
 
 def _model(bundle, source=None, encodings=None, max_resident=None):
     """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
-    from ..load import load
-    from ..precision import from_manifest
     m = bundle.manifest.get("model") or {}
     if source is None and not isinstance(m.get("source"), str):
         raise InputError(f"{bundle.path}: manifest.json records no model source; give --model")
@@ -119,10 +122,13 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 
 
 def cmd_diff(args) -> int:
-    from ..files import write_atomic
-    from .compare import compare, load_metrics, rejudge, save_metrics
+    # lazy (module docstring)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .compare import compare
+    from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
     from .report import print_report, render_html
-    from ..files import output_file
+    from .saved import load_metrics, rejudge, save_metrics
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
         if out and not output_file(out, "--json / --html output").resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
@@ -144,10 +150,8 @@ def cmd_diff(args) -> int:
         if args.excess is not None and not args.float_bundle:
             raise InputError("--excess applies to --float")
         if args.encodings:
-            from .quantised import decode_codes, tap_encodings
             decode_codes(dump, bundle, tap_encodings(bundle, args.encodings))
         emulated = _bundle(args.emulated) if args.emulated else None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
                       disable=args.quiet or not sys.stdout.isatty()) as bar:  # a hidden bar still ends with a newline
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))
@@ -155,14 +159,12 @@ def cmd_diff(args) -> int:
             def tick(i, total):
                 bar.update(task, completed=i + 1)
             if args.float_bundle:
-                from .quantised import EXCESS, compare_three_way
                 report, rows = compare_three_way(_bundle(args.float_bundle), bundle, dump, policy,
                                                  EXCESS if args.excess is None else args.excess, progress=tick)
             else:
                 report = compare(bundle, dump, policy, emulated, progress=tick)
         first_error = _first_error(bundle, dump, report, policy)
     if rows is not None:
-        from .quantised import print_three_way
         print_three_way(report, rows, top=args.top)
     else:
         print_report(report, top=args.top)
@@ -176,8 +178,10 @@ def cmd_diff(args) -> int:
 
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
+    # lazy (module docstring)
     from ..bundle import valid_mask
-    from .compare import candidates, conv_kernel, model_config
+    from .divergence import model_config
+    from .layouts import candidates, conv_kernel
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None
@@ -186,7 +190,8 @@ def _first_error(bundle, dump, report, policy):
     result = next(r for r in report.results if r.key == keys[0])
     if item is None or item.problem or item.array is None or result.metrics is None:
         return None  # unreadable: nothing to histogram
-    cands = dict(candidates(item, rec, result.layout, conv_kernel(model_config((bundle.manifest.get("model") or {}).get("config")))))
+    kernel = conv_kernel(model_config((bundle.manifest.get("model") or {}).get("config")))
+    cands = dict(candidates(item, rec, result.layout, kernel))
     device = cands.get(result.layout)
     if device is None:
         return None
@@ -196,6 +201,7 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
+    # lazy (module docstring)
     from .replay import replay
     from .report import fmt, print_table, terminal
     bundle = _bundle(args.bundle)
@@ -231,14 +237,15 @@ def cmd_replay(args) -> int:
 
 
 def cmd_explain(args) -> int:
+    # lazy (module docstring)
     from .explain import explain, parse
+    from .replay import device_tensor
     bundle = _bundle(args.bundle)
     model = _model(bundle, args.model, args.encodings, args.max_resident)
     device = None
     if args.device:
         name, _ = parse(args.element)
         dump = _dump(args, bundle)
-        from .replay import device_tensor
         policy = _policy(args)   # declared --layout readings
         steps = [args.step] if args.step is not None else range(bundle.steps)
         for k in steps:

@@ -14,7 +14,7 @@ Accepted layouts:
 
 Raw files are headerless: float32 unless told (qnn-net-run writes dequantised float32; pass dtype="native" for
 --use_native_output_files, or a dtype name). Their shape is the bundle's; layout adapters (transposed key
-cache, NHWC, AIMET) are tried by refimpl.diff.compare so a layout mix-up is reported as one.
+cache, NHWC, AIMET) are tried by refimpl.diff.layouts so a layout mix-up is reported as one.
 
 Names: the device toolchain rewrites ':', '/' and '-' to '_'; some also '.'. A name is matched exactly, then
 after that rewriting, then as a module-hook name (`model.layers.3.self_attn.1`, `...o_proj.input`: refimpl.diff.hooks),

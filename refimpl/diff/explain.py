@@ -16,11 +16,11 @@ import re
 import numpy as np
 
 from ..errors import InputError
+from ..golden import manifest_config, run_graph
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.products import exact_dot
 from ..trace import trace
 from .dataflow import producer
-from ..golden import manifest_config, run_graph
 
 _SPEC = re.compile(r"\s*([A-Za-z0-9_.]+)\s*\[\s*([-\d\s,]+)\]\s*$")
 
@@ -114,7 +114,8 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
         gain = (1 + weight[idx[-1]]) if cfg.zero_centered_norms else weight[idx[-1]]
         return [f"x = {src[0]}{list(idx[:-1])}[{idx[-1]}] = {_f(row[idx[-1]])}",
                 f"mean(x^2) over {row.size} = {_f(ms)};  eps = {cfg.rms_norm_eps:g};  1/sqrt(. + eps) = {_f(scale)}",
-                f"w[{idx[-1]}] = {_f(weight[idx[-1]])}" + ("  (zero-centred: gain 1 + w)" if cfg.zero_centered_norms else ""),
+                f"w[{idx[-1]}] = {_f(weight[idx[-1]])}"
+                + ("  (zero-centred: gain 1 + w)" if cfg.zero_centered_norms else ""),
                 f"y = x * rsqrt * gain = {_f(row[idx[-1]] * scale * gain)}   (float64 recomputation)"]
     if node.op == "linear" and src:
         x = values[src[0]][idx[:-1]].astype(np.float64)
@@ -167,7 +168,8 @@ def _detail(cfg, model, name, node, idx, values, device) -> list[str]:
                f"key slot {j}"]
         if mask is not None:  # genie: the additive mask is a graph input
             m = mask[b if mask.shape[0] > 1 else 0, 0, i, j]
-            out.append(f"mask[{i},{j}] = {_f(m)};  q.k / sqrt({cfg.head_dim}) = score - mask = {_f(values[name][idx] - m)}")
+            out.append(f"mask[{i},{j}] = {_f(m)};  q.k / sqrt({cfg.head_dim}) = score - mask = "
+                       f"{_f(values[name][idx] - m)}")
         else:
             out.append(f"score = q.k / sqrt({cfg.head_dim}) + mask (0 where allowed, finfo.min where masked)")
         keys = _keys(values, a, b, h // rep, values[name].shape[-1])

@@ -23,7 +23,7 @@ by shape:
     padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1] for the conv1d tap: its first T columns
 
 Readings apply to taps only: a tap has no device contract, so reading it in its module's layout is not a mix-up.
-Graph inputs and outputs keep their contract, and the layout adapters of refimpl.diff.compare flag mix-ups there.
+Graph inputs and outputs keep their contract, and the layout adapters of refimpl.diff.layouts flag mix-ups there.
 The taps themselves are the modules' outputs (docs/taps.md: conv1d before its silu, shared_expert_gate's logit),
 so no reading changes a value; declaring `--layout hf-hooks` only makes the hook readings win over an as-is
 reading where both fit.

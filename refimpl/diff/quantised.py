@@ -25,15 +25,22 @@ Q are not the same computation and are judged by the plain bar (a note says so).
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from ..bundle import valid_mask
 from ..encodings import Encoding, read_activation_encodings
 from ..errors import InputError
 from ..files import sha256_file
-from .compare import Policy, compare, make_policy
+from ..golden import manifest_config
+from ..models.model import expected_modules, module_taps
+from ..models.quantisers import place
+from .compare import compare
+from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
 
@@ -49,9 +56,6 @@ def tap_encodings(bundle, encodings=None) -> dict:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    from ..golden import manifest_config
-    from ..models.model import expected_modules, module_taps
-    from ..models.quantisers import place
     cfg = manifest_config(bundle.manifest)
     placed = place(read_activation_encodings(encodings), expected_modules(cfg), source=str(encodings),
                    taps=module_taps(cfg))
@@ -159,18 +163,14 @@ def _codes(bundle, item, result, enc: Encoding):
 
 def print_three_way(report, rows, console=None, top: int = 20) -> None:
     """Worst excess first: per tensor the quantisation's SQNR next to the device's, their RMS ratio, codes."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
     console = console or Console(width=None if sys.stdout.isatty() else 200)
     first = set(report.first_divergence.values())
     t = Table(title=f"refimpl diff (three-way): {report.dump} vs {report.bundle}")
     for col in ("step", "tensor", "quantisation SQNR dB (Q vs F)", "device SQNR dB (D vs Q)", "excess RMS ratio",
                 "codes identical", "max code step", "verdict"):
         t.add_column(col, overflow="fold")
-    order = sorted(rows, key=lambda r: (r.key not in first, r.status == "pass", -(r.excess if r.excess is not None
-                                                                                  and math.isfinite(r.excess) else 1e9)))
+    order = sorted(rows, key=lambda r: (r.key not in first, r.status == "pass",
+                                        -(r.excess if r.excess is not None and math.isfinite(r.excess) else 1e9)))
     for r in order[:top] if top else order:
         style = "bold red" if r.key in first else ("red" if r.status != "pass" else None)
         t.add_row(str(r.step), ("* " if r.key in first else "") + r.name, _db(r.quantisation_sqnr_db),

@@ -31,9 +31,11 @@ from ..bundle import DTYPES, valid_mask
 from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
-from .compare import Policy, candidates, conv_kernel, is_integer, judge
+from .compare import is_integer
 from .dataflow import producer
+from .layouts import candidates, conv_kernel
 from .metrics import tensor_metrics
+from .policy import Policy, judge
 
 
 @dataclasses.dataclass

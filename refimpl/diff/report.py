@@ -1,6 +1,7 @@
 """The diff's two faces: a terminal table (worst first, first divergence highlighted) and a self-contained
-HTML report (render_html; the CLI writes it atomically) with plots (error vs layer, vs token position, vs decode step; histogram of the first failing
-tensor's error). Plots are PNGs rendered with matplotlib (Agg) and embedded as data URIs: one file to mail.
+HTML report (render_html; the CLI writes it atomically) with plots (error vs layer, vs token position, vs decode
+step; histogram of the first failing tensor's error). Plots are PNGs rendered with matplotlib (Agg) and embedded
+as data URIs: one file to mail.
 """
 
 import base64
@@ -14,7 +15,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from .compare import FAILING, Report, layer_curve, position_curve, step_curve
+from .curves import layer_curve, position_curve, step_curve
+from .results import FAILING, Report
 
 _COLUMNS = ("sqnr_db", "nmse", "cosine", "max_abs", "rel_p99", "not_close_frac", "ulp_max")
 
@@ -157,7 +159,7 @@ def _verdict(report: Report, bad: str, good: str) -> str:
 def figure_png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy, and only the HTML report draws
     plt.close(fig)
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
@@ -168,7 +170,7 @@ def _clip(v):
 
 def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
     """title -> PNG data URI."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy, and only the HTML report draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -228,12 +230,14 @@ def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
              f"<code>{html.escape(report.bundle)}</code>; device dtype {report.policy['dtype']}</p>"]
     verdict = _verdict(report, "<b class='bad'>{}</b>", "<b class='pass'>{}</b>")
     parts.append(f"<p>Verdict: {verdict}. {len(report.results)} tensors compared, {len(report.failed)} failing, "
-                 f"{report.absent} not in the dump, {len(report.unknown)} unknown files.</p><h2>First divergence</h2><ul>")
+                 f"{report.absent} not in the dump, {len(report.unknown)} unknown files.</p>"
+                 f"<h2>First divergence</h2><ul>")
     for k, key in report.first_divergence.items():
         if key:
             r = by_key[key]
             parts.append(f"<li>step {k}: <b>{html.escape(r.name)}</b> ({r.role}, layer {r.layer}, op "
-                         f"{html.escape(op_name(r.name, r.op))}): {html.escape(r.problem or '; '.join(r.failures))}</li>")
+                         f"{html.escape(op_name(r.name, r.op))}): "
+                         f"{html.escape(r.problem or '; '.join(r.failures))}</li>")
     if not any(report.first_divergence.values()):
         parts.append("<li>none</li>")
     parts.append("</ul>")

@@ -58,7 +58,8 @@ def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = Non
     n_rep = Hq // Hkv
     scale = elementary.inverse_sqrt(D) if scale is None else scale
     qg = q.reshape(B, Hkv, n_rep, Lq, D)
-    scores = rnd(rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))) * q.dtype.type(scale))  # [B, Hkv, n_rep, Lq, Lk]
+    # [B, Hkv, n_rep, Lq, Lk]
+    scores = rnd(rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))) * q.dtype.type(scale))
     if mask is not None:
         if mask_floor is not None:
             mask = np.maximum(mask, mask.dtype.type(mask_floor))

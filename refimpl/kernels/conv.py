@@ -21,7 +21,6 @@ from ..errors import InputError
 from .activation import identity, silu
 
 
-
 def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=identity):
     """Causal depthwise conv1d + activation over T new tokens, continuing from `state`.
 

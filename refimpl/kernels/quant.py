@@ -220,7 +220,8 @@ def dequantize_q1_0(rows: np.ndarray) -> np.ndarray:
 
 def dequantize_q2_0(rows: np.ndarray) -> np.ndarray:
     """ggml Q2_0 (block_q2_0: f16 d, 16 bytes of 2-bit codes; 64 values): code j is bits 2(j % 4) .. 2(j % 4) + 1
-    of byte j // 4, and x_j = (code_j - 1) * d, i.e. one of -d, 0, d, 2d.   uint8 [..., nb * 18] -> float32 [..., nb * 64]"""
+    of byte j // 4, and x_j = (code_j - 1) * d, i.e. one of -d, 0, d, 2d.
+    uint8 [..., nb * 18] -> float32 [..., nb * 64]"""
     d, qs = _ggml_blocks(rows, 18)
     codes = (qs[..., :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3      # [..., nb, 16, 4]: code 4*byte + k
     x = (codes.reshape(*codes.shape[:-2], 64).astype(np.float32) - np.float32(1)) * d

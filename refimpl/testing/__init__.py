@@ -12,8 +12,18 @@ The strategies are importable from here too (lazily: hypothesis is loaded on fir
 it is missing).
 """
 
-from .cases import (MASK_FLOORS, Case, Output, check_routing, make_conv1d_case, make_gated_delta_case,
-                    make_moe_routing_case, make_rms_norm_case, make_rope_case, make_sdpa_case)
+from .cases import (
+    MASK_FLOORS,
+    Case,
+    Output,
+    check_routing,
+    make_conv1d_case,
+    make_gated_delta_case,
+    make_moe_routing_case,
+    make_rms_norm_case,
+    make_rope_case,
+    make_sdpa_case,
+)
 from .tolerance import GROWTH, Tolerance, assert_close, compare, dtype_of, rel_rmse, tolerance, unit_roundoff
 
 _STRATEGIES = ("rope_cases", "sdpa_cases", "rms_norm_cases", "gated_delta_cases", "conv1d_cases",

@@ -19,8 +19,15 @@ except ImportError as e:  # hypothesis is optional for refimpl.testing: assert_c
     raise ImportError("refimpl.testing.strategies needs hypothesis: pip install 'refimpl[testing]' "
                       "(or pip install 'hypothesis>=6.100')") from e
 
-from .cases import (MASK_FLOORS, make_conv1d_case, make_gated_delta_case, make_moe_routing_case, make_rms_norm_case,
-                    make_rope_case, make_sdpa_case)
+from .cases import (
+    MASK_FLOORS,
+    make_conv1d_case,
+    make_gated_delta_case,
+    make_moe_routing_case,
+    make_rms_norm_case,
+    make_rope_case,
+    make_sdpa_case,
+)
 
 _SEEDS = st.integers(0, 2**32 - 1)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..diff.metrics import _ALIASES, cosine, sqnr_db, ulp_distance
+from ..metrics import DTYPE_ALIASES, cosine, sqnr_db, ulp_distance
 
 # (G, F) per op: G roundings to the device dtype on an output element's longest path, times 2; F the growth of
 # the float32 accumulations. The tests in tests/testing check honest fp16 / bf16 / fp32 kernels stay below them.
@@ -65,9 +65,8 @@ class Tolerance:
 
 def dtype_of(dtype) -> np.dtype:
     """np.dtype of a name or type: float32 / float16 / bfloat16 / float64 (aliases fp32, fp16, half, bf16, f64)."""
-    names = {**_ALIASES, "fp64": "float64", "f64": "float64"}   # the diff's names, and float64
     if isinstance(dtype, str):
-        dtype = names.get(dtype.lower(), dtype.lower())
+        dtype = DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
         if dtype == "bfloat16":
             return np.dtype(ml_dtypes.bfloat16)
     d = np.dtype(dtype)

@@ -5,21 +5,32 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import gguf_cases
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-import gguf_cases
 import refimpl
+from refimpl.bundle import read_bundle
 from refimpl.cli import main
-from refimpl.dataset import compact, compare_logits, cut, open_reference, read_kld_base, stats, write_kld_base
-from refimpl.dataset.reference import Job, write_reference
+from refimpl.dataset import (
+    compact,
+    compare_logits,
+    cut,
+    open_reference,
+    read_documents,
+    read_kld_base,
+    stats,
+    write_kld_base,
+)
+from refimpl.dataset.reference import Job, window_logits, write_reference
 
 CTX = 32
 
@@ -215,7 +226,6 @@ def test_compare_against_float64(ref, data, tmp_path):
     args = shlex.split(worst["drill_down"])
     args[args.index("--out") + 1] = str(tmp_path / "drill")
     assert args[:2] == ["refimpl", "golden"] and main(args[1:] + ["--no-taps", "-q"]) == 0
-    from refimpl.bundle import read_bundle
     logits = read_bundle(tmp_path / "drill").tensor(0, "output", "logits")[0, -1]
     assert -compact.log_softmax64(logits)[worst["target"]] == pytest.approx(worst["nll_reference"], rel=1e-6)
 
@@ -263,7 +273,6 @@ def test_export_kld_base_round_trip(ref, data, tmp_path):
 
 def test_genie_convention_reference(data, tmp_path):
     """Any convention: genie's AR-chunked calls give the hf logits rows to float32 rounding."""
-    from refimpl.dataset.reference import window_logits
     model = refimpl.load(str(data / "qwen3"))
     ids = np.arange(CTX) + 7
     hf = window_logits(model, ids)
@@ -305,7 +314,6 @@ def test_damaged_window_is_recomputed_and_jsonl_text(ref, data, tmp_path):
     """A window file that is not whole (a disk that lied about a write) is computed again on resume, and
     compare-logits refuses an unfinished reference; --jsonl text records are tokenised with the model's
     tokenizer."""
-    import shutil
     shutil.copytree(data / "ref", tmp_path / "r")
     path = tmp_path / "r" / "windows" / "000007.safetensors"
     path.write_bytes(path.read_bytes()[:100])
@@ -314,7 +322,6 @@ def test_damaged_window_is_recomputed_and_jsonl_text(ref, data, tmp_path):
         compare_logits(open_reference(tmp_path / "r"), tmp_path / "none.npz")
     assert _run(data, tmp_path / "r") == 0
     assert _files(tmp_path / "r") == _files(data / "ref")
-    from refimpl.dataset import read_documents
     text = "Hello world, again and again. " * 20
     (tmp_path / "t.jsonl").write_text(json.dumps({"body": text}) + "\n")
     tok = refimpl.load_tokenizer(str(data / "qwen3"))

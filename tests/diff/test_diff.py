@@ -11,21 +11,16 @@ import pytest
 
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
-from refimpl.diff.compare import (
-    compare,
-    judge,
-    judged_nmse,
-    load_metrics,
-    load_policy,
-    make_policy,
-    rejudge,
-    save_metrics,
-)
-from refimpl.diff.dump import read_dump
+from refimpl.diff.compare import check_same_case, compare
+from refimpl.diff.dump import read_dump, read_mapping
 from refimpl.diff.explain import explain
 from refimpl.diff.metrics import tensor_metrics
+from refimpl.diff.policy import judge, judged_nmse, load_policy, make_policy
+from refimpl.diff.saved import load_metrics, rejudge, save_metrics
 from refimpl.errors import InputError
 from refimpl.golden import write_golden
+from refimpl.models.model import Model
+from refimpl.models.weights import Weights
 
 PROMPT = [97, 11, 1879, 13, 42]
 PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0, "pad_side": "right"}   # step 0: four real tokens
@@ -86,7 +81,6 @@ def test_sanitised_names_mapping_and_unknown_files(case, tmp_path):
     assert any("vvv.raw" in u for u in report.unknown) and any("garbage.raw" in u for u in report.unknown)
     assert any("notes.txt" in u for u in report.unknown) and report.failed == []
     (tmp_path / "map.json").write_text(json.dumps({"model.layers.0.linear_attn.v": "vvv"}))
-    from refimpl.diff.dump import read_mapping
     report = compare(bundle, read_dump(d, bundle, mapping=read_mapping(tmp_path / "map.json")))
     assert _status(report, "0/tap/model.layers.0.linear_attn.v").status == "pass"
 
@@ -196,7 +190,6 @@ def test_three_way_judging(case, tmp_path):
                                      params=PARAMS, decode_steps=1, taps="."))
     with pytest.raises(InputError, match="prompt differ"):
         compare(bundle, read_dump(honest, bundle), emulated=other)
-    from refimpl.diff.compare import check_same_case
     flipped = read_bundle(emulated.path)
     flipped.manifest["steps"][-1]["tokens"] = [int(flipped.manifest["steps"][-1]["tokens"][0]) + 1]
     assert check_same_case(bundle, flipped) == [bundle.steps - 1]
@@ -255,7 +248,7 @@ def test_html_report_renders_in_headless_chromium(case, tmp_path):
     shot = tmp_path / "shot.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1000,1600", html.as_uri()],
                    capture_output=True, timeout=120)
-    import matplotlib.image as mpimg
+    import matplotlib.image as mpimg  # lazy: matplotlib is heavy, and only this test reads an image
     img = mpimg.imread(shot)
     assert img.shape[0] >= 1000 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 50  # not blank
 
@@ -270,8 +263,10 @@ def test_explain_rms_norm_element(case):
     assert "(1 + w[5]" in text and text.count("reproduced bit for bit") == 1, text
     assert np.float32(text.split("y = nu * (1 + w[5] = ")[1].split(") = ")[1].split()[0]) == golden
     # a projection and an attention score, from their printed inputs: the exact sum rounded once, bit for bit
-    for spec, step in (("model.layers.3.self_attn.q_proj[0,1,7]", 0), ("model.layers.2.linear_attn.in_proj_qkv[0,2,9]", 0),
-                       ("model.layers.3.self_attn.attn_scores[0,1,2,0]", 0), ("model.layers.3.self_attn.attn_scores[0,1,2,14]", 1),
+    for spec, step in (("model.layers.3.self_attn.q_proj[0,1,7]", 0),
+                       ("model.layers.2.linear_attn.in_proj_qkv[0,2,9]", 0),
+                       ("model.layers.3.self_attn.attn_scores[0,1,2,0]", 0),
+                       ("model.layers.3.self_attn.attn_scores[0,1,2,14]", 1),
                        ("lm_head[0,3,17]", 1)):
         text = explain(bundle, model, spec, step=step)
         assert "float32 rounding (nearest, ties to even)" in text and "reproduced bit for bit" in text, (spec, text)
@@ -314,8 +309,6 @@ def test_policy_mistakes_are_errors(tmp_path):
 
 
 def test_atol_floor_only_for_a_golden_near_zero():
-    from refimpl.diff.compare import judge
-    from refimpl.diff.metrics import tensor_metrics
     rng = np.random.default_rng(0)
     g = rng.normal(0, 0.02, 1000)                                   # small but not ~0: NMSE decides
     m = tensor_metrics(g, g + rng.normal(0, 0.003, 1000), dtype="bf16")
@@ -337,8 +330,6 @@ def test_rejudge_keeps_the_measured_dtype(case, tmp_path, capsys):
 
 @pytest.mark.parametrize("convention", ["hf", "qeff"])
 def test_float64_bundles_compare_without_overflow(convention, tmp_path):
-    from refimpl.models.model import Model
-    from refimpl.models.weights import Weights
     model, arrays = F.model_and_arrays("tiny-qwen3.5", vocab_size=2048, eos_token_id=2000)
     m64 = Model(model.config, Weights(arrays, dtype="float64"))
     params = {} if convention == "hf" else {"seq_len": 4, "ctx_len": 16}

@@ -1,15 +1,19 @@
 """Fault injection: `refimpl diff` must name the injected tensor as the first divergence; a clean dump passes;
 teacher-forced replay puts the added error on the faulty layer and only inherited error after it."""
 
+import faults as F
 import numpy as np
 import pytest
 
-import faults as F
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, load_policy
+from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
+from refimpl.diff.policy import load_policy
 from refimpl.diff.replay import replay
 from refimpl.golden import write_golden
+from refimpl.models.model import Model
+from refimpl.models.weights import Weights
+from refimpl.precision import policy, weight_transform
 
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]          # 2 chunks of AR=4: the first has one (left) pad slot
 PARAMS = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
@@ -55,7 +59,8 @@ def _first(report):
 
 FAULTS = {
     # fault name: (case fixture, fault factory(model, arrays) -> (model or None, context or None), expected)
-    "q_norm weight +-1e-2": ("hybrid", lambda m, a: (F.perturbed_weights(m, a, "model.layers.3.self_attn.q_norm.weight"),
+    "q_norm weight +-1e-2": ("hybrid", lambda m, a: (F.perturbed_weights(m, a,
+                                                                         "model.layers.3.self_attn.q_norm.weight"),
                                                      None), (0, "model.layers.3.self_attn.q_norm")),
     "interleaved RoPE": ("hybrid", lambda m, a: (None, F.interleaved_rope()), (0, "model.layers.3.self_attn.q_rope")),
     "K cache untransposed": ("hybrid", lambda m, a: (None, F.key_cache_untransposed(3)), (0, "past_key_3_out")),
@@ -65,9 +70,11 @@ FAULTS = {
                                    (0, "recurrent_state_1_out")),
     "fp16 MLP output": ("hybrid", lambda m, a: (None, F.fp16_round("model.layers.2.mlp.down_proj")),
                         (0, "model.layers.2.mlp.down_proj")),
-    "pad leaks into GDN": ("hybrid", lambda m, a: (None, F.pad_leaks_into_gdn()), (0, "model.layers.0.linear_attn.conv1d")),
+    "pad leaks into GDN": ("hybrid", lambda m, a: (None, F.pad_leaks_into_gdn()),
+                           (0, "model.layers.0.linear_attn.conv1d")),
     "wrong expert": ("moe", lambda m, a: (None, F.wrong_expert(1, 2, 8)), (0, "model.layers.1.mlp.selected_experts")),
-    "dense q_norm weight +-1e-2": ("dense", lambda m, a: (F.perturbed_weights(m, a, "model.layers.1.self_attn.q_norm.weight"),
+    "dense q_norm weight +-1e-2": ("dense", lambda m, a: (F.perturbed_weights(m, a,
+                                                                              "model.layers.1.self_attn.q_norm.weight"),
                                                           None), (0, "model.layers.1.self_attn.q_norm")),
 }
 
@@ -114,8 +121,6 @@ def test_clean_dump_passes(hybrid, layout):
 def test_float64_rerun_passes_float32_thresholds(hybrid, tmp_path):
     """An honest float32 device (here: the float64 reference, rounded to float32) passes the fp32 defaults."""
     model, arrays, bundle, root = hybrid
-    from refimpl.models.model import Model
-    from refimpl.models.weights import Weights
     m64 = Model(model.config, Weights(arrays, dtype="float64"))
     dump = F.device_dump(m64, PROMPT, PARAMS, STEPS, tmp_path / "f64")
     report = compare(bundle, read_dump(dump, bundle), load_policy())
@@ -218,9 +223,6 @@ def test_three_way_judging_with_precision_emulation(dtype, hybrid, tmp_path):
     whose roundings fall differently (weights nudged by one float32 ulp, as another accumulation order would):
     judged within k x the emulation's own error it passes, while the fp32 bar flags it; faults on top of it are
     still localised."""
-    from refimpl.models.model import Model
-    from refimpl.models.weights import Weights
-    from refimpl.precision import policy, weight_transform
     model, arrays, bundle, root = hybrid
     p = policy(dtype)
 
@@ -255,9 +257,6 @@ def test_three_way_tie_is_followed_not_failed(tmp_path):
     """Two experts with the same router row tie exactly at every token; refimpl breaks ties to the lower id,
     torch.topk may not. A bf16 device taking the other expert of the tie passes three-way, the tensors after it are
     'diverged' (another valid path, not judged) with a note; taking an expert that was not tied still fails."""
-    from refimpl.models.model import Model
-    from refimpl.models.weights import Weights
-    from refimpl.precision import policy, weight_transform
     model, arrays = F.model_and_arrays("tiny-qwen3-moe", vocab_size=2048, eos_token_id=2000)
     router = "model.layers.1.mlp.gate.weight"
     arrays = {**arrays, router: arrays[router].copy()}

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, make_policy
+from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
 from refimpl.diff.hooks import rename
+from refimpl.diff.policy import make_policy
 from refimpl.golden import write_golden
 
 PROMPT = [97, 11, 1879, 13, 42]

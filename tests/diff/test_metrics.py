@@ -1,4 +1,5 @@
-"""Diff metrics: hand-computed values, identities between metrics, zero / NaN / Inf cases, valid regions, logits."""
+"""Metrics (the formulas of refimpl.metrics, the rows of refimpl.diff.metrics): hand-computed values, identities
+between metrics, zero / NaN / Inf cases, valid regions, logits."""
 
 import json
 import math
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from refimpl.bundle import valid_mask
 from refimpl.diff import metrics as M
 from refimpl.errors import InputError
+from refimpl.metrics import cosine, quantile_linear, ulp_distance
 
 G = np.array([1.0, 2.0, 3.0, 4.0])
 T = np.array([1.0, 2.0, 3.0, 5.0])
@@ -56,9 +58,9 @@ def test_ulp_per_dtype_hand(dtype, steps):
 
 def test_rel_p99_matches_numpy_and_is_inf_safe(rng):
     x = rng.exponential(size=337)
-    assert M.quantile_linear(x, 0.99) == pytest.approx(np.quantile(x, 0.99), rel=1e-14)
-    assert M.quantile_linear([1.0, 2.0, np.inf], 0.99) == math.inf
-    assert M.quantile_linear([1.0] * 200 + [np.inf], 0.99) == 1.0  # pos 198: both neighbours are 1
+    assert quantile_linear(x, 0.99) == pytest.approx(np.quantile(x, 0.99), rel=1e-14)
+    assert quantile_linear([1.0, 2.0, np.inf], 0.99) == math.inf
+    assert quantile_linear([1.0] * 200 + [np.inf], 0.99) == 1.0  # pos 198: both neighbours are 1
     g = np.array([1e-310] + [1.0] * 200)  # subnormal golden: its reldiff overflows to inf
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -113,7 +115,7 @@ def test_nmse_is_10_pow_minus_sqnr(values, seed):
 @pytest.mark.parametrize("c, expected", [(3.5, 1.0), (1e-3, 1.0), (-2.0, -1.0)])
 def test_cosine_of_scaled_vector(rng, c, expected):
     x = rng.normal(size=100)
-    assert M.cosine(x, c * x) == pytest.approx(expected, abs=1e-12)
+    assert cosine(x, c * x) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize("dtype, ftype", [("fp32", np.float32), ("fp16", np.float16), ("bf16", ml_dtypes.bfloat16)])
@@ -121,9 +123,9 @@ def test_ulp_nextafter_is_one(rng, dtype, ftype):
     x = rng.normal(size=50).astype(ftype)
     fi = ml_dtypes.finfo(ftype)
     x = np.concatenate([x, np.array([0, 1, -1, -fi.max, fi.max, fi.tiny, fi.smallest_subnormal], ftype)])
-    assert (M.ulp_distance(x, _next_up(x), dtype) == 1).all()
-    assert (M.ulp_distance(_next_up(x), x, dtype) == 1).all()
-    assert (M.ulp_distance(x, x, dtype) == 0).all()
+    assert (ulp_distance(x, _next_up(x), dtype) == 1).all()
+    assert (ulp_distance(_next_up(x), x, dtype) == 1).all()
+    assert (ulp_distance(x, x, dtype) == 0).all()
 
 
 def _next_up(x):
@@ -133,25 +135,25 @@ def _next_up(x):
 
 
 def test_ulp_signed_zero_and_across_zero():
-    assert M.ulp_distance(0.0, -0.0, "fp32") == 0
+    assert ulp_distance(0.0, -0.0, "fp32") == 0
     tiny = np.float32(np.nextafter(np.float32(0), np.float32(1)))  # smallest subnormal
-    assert M.ulp_distance(tiny, -tiny, "fp32") == 2
-    assert M.ulp_distance(-tiny, 0.0, "fp32") == 1
+    assert ulp_distance(tiny, -tiny, "fp32") == 2
+    assert ulp_distance(-tiny, 0.0, "fp32") == 1
     # ±inf sit one step past ±max; NaN gives NaN
-    assert M.ulp_distance(np.finfo(np.float16).max, np.inf, "fp16") == 1
-    assert np.isnan(M.ulp_distance(np.nan, 1.0, "fp32"))
+    assert ulp_distance(np.finfo(np.float16).max, np.inf, "fp16") == 1
+    assert np.isnan(ulp_distance(np.nan, 1.0, "fp32"))
 
 
 def test_ulp_rounds_to_dtype_first():
     # 1 + 2^-10 is not a bf16 value: it rounds to 1.0, so the distance in bf16 is 0 (fp32: 2^13)
-    assert M.ulp_distance(1.0, 1.0 + 2**-10, "bf16") == 0
-    assert M.ulp_distance(1.0, 1.0 + 2**-10, "fp32") == 2**13
-    assert M.ulp_distance(1.0, 1.0 + 2**-7, np.dtype(ml_dtypes.bfloat16)) == 1
+    assert ulp_distance(1.0, 1.0 + 2**-10, "bf16") == 0
+    assert ulp_distance(1.0, 1.0 + 2**-10, "fp32") == 2**13
+    assert ulp_distance(1.0, 1.0 + 2**-7, np.dtype(ml_dtypes.bfloat16)) == 1
 
 
 def test_ulp_bad_dtype():
     with pytest.raises(InputError, match="fp32 / fp16 / bf16"):
-        M.ulp_distance(1.0, 2.0, "int8")
+        ulp_distance(1.0, 2.0, "int8")
 
 
 # --- degenerate tensors ------------------------------------------------------------------------------

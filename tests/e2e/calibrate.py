@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import devices as D
 
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, judged_nmse, make_policy
+from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
+from refimpl.diff.policy import judged_nmse, make_policy
 from refimpl.golden import write_golden
 from refimpl.presets import PRESETS, build, save_preset
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from refimpl.bundle import read_bundle
-from refimpl.diff.compare import compare, make_policy
+from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
+from refimpl.diff.policy import make_policy
 from refimpl.diff.replay import replay
 from refimpl.golden import write_golden
 

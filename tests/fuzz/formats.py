@@ -248,7 +248,7 @@ def _check_bundle(path: Path, model_dir: Path, same: Path):
 
     import refimpl
     from refimpl.bundle import read_bundle, valid_mask
-    from refimpl.diff.compare import compare
+    from refimpl.diff import compare
     from refimpl.diff.dump import read_dump
     from refimpl.diff.explain import explain
     from refimpl.diff.replay import replay
@@ -387,7 +387,7 @@ class Dump(Format):
 
     def target(self, case, base):
         from refimpl.bundle import read_bundle
-        from refimpl.diff.compare import compare
+        from refimpl.diff import compare
         from refimpl.diff.dump import read_dump
         dump = case / {"npz": "dump.npz", "safetensors": "dump.safetensors"}.get(base, "dump")
         bundle = read_bundle(self.root / "_bundle", verify=False)
@@ -512,7 +512,7 @@ class DiffInputs(Format):
 
     def build(self, root):
         from refimpl.bundle import read_bundle
-        from refimpl.diff.compare import compare, make_policy, save_metrics
+        from refimpl.diff import compare, make_policy, save_metrics
         from refimpl.diff.dump import read_dump
         _, bundle = _golden(root)
         b = read_bundle(bundle)
@@ -544,7 +544,7 @@ class DiffInputs(Format):
         from rich.console import Console
 
         from refimpl.bundle import read_bundle
-        from refimpl.diff.compare import compare, load_metrics, load_policy, rejudge
+        from refimpl.diff import compare, load_metrics, load_policy, rejudge
         from refimpl.diff.dump import read_dump, read_mapping
         from refimpl.diff.report import print_report
         bundle_path = self.root / "_bundle"

@@ -25,7 +25,6 @@ import refimpl
 from refimpl import progress
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
-from refimpl.diff.compare import load_policy
 from refimpl.diff.dump import read_dump
 from refimpl.diff.explain import explain
 from refimpl.diff.replay import replay, run_step
@@ -129,6 +128,7 @@ def test_generate_streamed_equals_resident(name, bf16_dirs):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen3.5"])
 def test_replay_and_explain_streamed_equal_resident(name, bf16_dirs, tmp_path):
+    from refimpl.diff import load_policy
     resident, streamed = pair(bf16_dirs[name])
     path = write_golden(tmp_path / "b", resident, PROMPT[:6], source=str(bf16_dirs[name]), convention="genie",
                         params={"ar": 4, "cl": 16}, decode_steps=1, taps=".")

@@ -174,5 +174,7 @@ def in_bfloat16(kernel):
     (8x coarser rounding) that the fp16 tolerances must resolve."""
     def run(case):
         out = kernel(dataclasses.replace(case, dtype=np.dtype(ml_dtypes.bfloat16)))
-        return tuple(np.asarray(o).astype(np.float32) for o in out) if isinstance(out, tuple) else out.astype(np.float16)
+        if isinstance(out, tuple):
+            return tuple(np.asarray(o).astype(np.float32) for o in out)
+        return out.astype(np.float16)
     return run

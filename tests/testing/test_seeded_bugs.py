@@ -14,7 +14,10 @@ import sample_kernels as K
 from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis.errors import NoSuchExample
 
+from refimpl.kernels.moe import route
+from refimpl.testing import make_gated_delta_case
 from refimpl.testing import strategies as S
+from refimpl.testing.cases import check_routing, make_moe_routing_case
 
 DERANDOMIZED = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -115,7 +118,6 @@ def test_a_low_precision_gdn_state_is_flagged_by_its_dtype_not_its_values():
     """A state kept in fp16 between steps stays inside the output tolerances (the delta rule contracts, so its
     rounding does not pile up: ~2x the honest error at T = 4096 in a direct measurement), so the values cannot flag
     it; its dtype does (spec §7.8), unless the user opts in."""
-    from refimpl.testing import make_gated_delta_case
     case = make_gated_delta_case(0, dtype="float16", T=64)
     o, state = K.gated_delta(case, state_dtype=np.float16)
     case.check((o, state), allow_low_precision_state=True)  # within tolerance
@@ -125,8 +127,6 @@ def test_a_low_precision_gdn_state_is_flagged_by_its_dtype_not_its_values():
 
 def test_moe_routing_check_rejects_the_next_expert_at_real_expert_counts():
     """Choosing the (k+1)-th expert instead of the k-th must fail, also with 128 experts in bf16."""
-    from refimpl.kernels.moe import route
-    from refimpl.testing.cases import check_routing, make_moe_routing_case
     caught = 0
     for seed in range(20):
         case = make_moe_routing_case(seed, dtype="bfloat16", N=4, E=128, top_k=8, norm_topk_prob=True, ties=False,
