@@ -104,7 +104,10 @@ def _dump(args, bundle):
 
 def _bundle(path):
     from ..bundle import read_bundle  # lazy (module docstring)
-    return read_bundle(path, verify=False)
+    from .dump import refuse_renamed_taps
+    bundle = read_bundle(path, verify=False)
+    refuse_renamed_taps(bundle.manifest, path)
+    return bundle
 
 
 def _model(bundle, source=None, encodings=None, max_resident=None):

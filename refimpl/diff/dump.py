@@ -45,6 +45,8 @@ from . import hooks
 SUFFIXES = (".raw", ".npy", ".bin")
 _ROLE_DIRS = {**{v: k for k, v in ROLES.items()}, **{k: k for k in ROLES}}  # "inputs" or "input" -> "input"
 _STEP_DIR = re.compile(r"(?:Result_|layer_outputs_)?(\d+)$")
+# taps renamed within bundle schema 1: old name's ending -> new one (a bundle written before holds the old name)
+RENAMED_TAPS = {".mlp.gate": ".mlp.router_logits"}   # the MoE router's logits (`gate` is also attention's gate)
 
 
 @dataclasses.dataclass
@@ -100,10 +102,28 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     return dump
 
 
+def refuse_renamed_taps(manifest: dict, where) -> None:
+    """A schema-1 bundle written before a tap was renamed (RENAMED_TAPS) is refused, naming the new name: its tap
+    would otherwise silently match nothing."""
+    for rec in (manifest.get("tensors") or {}).values():
+        name = rec.get("name") if isinstance(rec, dict) and rec.get("role") == "tap" else None
+        old = next((o for o in RENAMED_TAPS if isinstance(name, str) and name.endswith(o)), None)
+        if old is not None and manifest.get("schema_version") == 1:
+            raise FormatError(f"{where}: tap {name!r} is now named {name[:-len(old)] + RENAMED_TAPS[old]!r}; "
+                              f"write the bundle again with this refimpl")
+
+
 def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> tuple[dict, list]:
     """The matching of read_dump without reading: ({bundle key: (source, load)}, unknown sources), where load()
     returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
     path = Path(path)
+    refuse_renamed_taps(bundle.manifest, bundle.path)
+    if (path / "manifest.json").is_file():   # the dump is itself a refimpl bundle
+        try:
+            device = read_json(path / "manifest.json", "dump manifest")
+        except InputError:
+            device = {}   # not a manifest refimpl reads: its files are matched by name as any dump's
+        refuse_renamed_taps(device if isinstance(device, dict) else {}, path)
     if dtype is None:
         dtype = "native" if (path / "manifest.json").is_file() else "float32"
     if dtype != "native" and dtype not in DTYPES:
