@@ -78,6 +78,18 @@ def state_shapes(cfg) -> tuple:
     return (1, cfg.conv_dim, "Kc"), (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
 
 
+def cache_input_shapes(cfg, state_input, key_shape: tuple, value_shape: tuple) -> dict:
+    """name -> shape of every layer's carried-state graph inputs, named by the convention's state_input(kind, i):
+    conv and recurrent states (state_shapes) in linear-attention layers, the KV cache (as given) in the others."""
+    shapes = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "linear_attention":
+            shapes[state_input("conv_state", i)], shapes[state_input("recurrent_state", i)] = state_shapes(cfg)
+        else:
+            shapes[state_input("past_key", i)], shapes[state_input("past_value", i)] = key_shape, value_shape
+    return shapes
+
+
 def check_inputs(inputs: dict, expected: dict, where: str) -> dict:
     """Graph inputs given from outside (a bundle's, a device's: replay, explain) against the names and shapes a
     convention's graph reads. expected: name -> shape, a size as an int, or as a letter that must agree wherever it

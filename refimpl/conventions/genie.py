@@ -38,6 +38,7 @@ from ..models.model import Context
 from ..trace import trace
 from .common import (
     Call,
+    cache_input_shapes,
     cache_kinds,
     cache_tap,
     check_inputs,
@@ -50,7 +51,6 @@ from .common import (
     prompt_chunks,
     prompt_list,
     state_output,
-    state_shapes,
     tap_valid,
     token_input,
 )
@@ -137,13 +137,8 @@ def input_shapes(cfg, opts: Options) -> dict:
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
     shapes = {"input_ids": (1, "AR"), "attention_mask": (1, 1, "AR", "CL"), "position_ids_cos": (1, 1, "AR", "R"),
               "position_ids_sin": (1, 1, "AR", "R")}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            shapes[f"conv_state_{i}_in"], shapes[f"recurrent_state_{i}_in"] = state_shapes(cfg)
-        else:
-            shapes[f"past_key_{i}_in"] = (Hkv, 1, D, "W") if opts.key_transposed else (Hkv, 1, "W", D)
-            shapes[f"past_value_{i}_in"] = (Hkv, 1, "W", D)
-    return shapes
+    key = (Hkv, 1, D, "W") if opts.key_transposed else (Hkv, 1, "W", D)
+    return {**shapes, **cache_input_shapes(cfg, state_input, key, (Hkv, 1, "W", D))}
 
 
 def state_input(kind: str, i: int) -> str:

@@ -17,6 +17,7 @@ from ..models.cache import KVCache, LinearAttentionState
 from ..trace import trace
 from .common import (
     Call,
+    cache_input_shapes,
     cache_tap,
     check_inputs,
     greedy,
@@ -24,7 +25,6 @@ from .common import (
     logits_output,
     next_token,
     prompt_list,
-    state_shapes,
     tap_valid,
     token_input,
 )
@@ -86,13 +86,8 @@ def input_shapes(cfg, opts: Options) -> dict:
     """name -> shape of a call's inputs (T: tokens, P: cached positions, Kc: conv state columns); the cache inputs
     from the second call on."""
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
-    shapes = {"input_ids": (1, "T"), "position_ids": (1, "T")}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            shapes[f"past_conv_state.{i}"], shapes[f"past_recurrent_state.{i}"] = state_shapes(cfg)
-        else:
-            shapes[f"past_key_values.{i}.key"] = shapes[f"past_key_values.{i}.value"] = (1, Hkv, "P", D)
-    return shapes
+    return {"input_ids": (1, "T"), "position_ids": (1, "T"),
+            **cache_input_shapes(cfg, state_input, (1, Hkv, "P", D), (1, Hkv, "P", D))}
 
 
 def state_input(kind: str, i: int) -> str:

@@ -28,6 +28,7 @@ from ..models.model import Context
 from ..trace import trace
 from .common import (
     Call,
+    cache_input_shapes,
     cache_kinds,
     cache_tap,
     check_inputs,
@@ -39,7 +40,6 @@ from .common import (
     next_token,
     prompt_list,
     state_output,
-    state_shapes,
     tap_valid,
     token_input,
 )
@@ -93,13 +93,8 @@ class ScatterCache(Cache):
 def input_shapes(cfg, opts: Options) -> dict:
     """name -> shape of the graph's inputs (S: token slots, C: ctx_len, Kc: conv state columns)."""
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
-    shapes = {"input_ids": (1, "S"), "position_ids": (1, "S")}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            shapes[f"conv_state.{i}"], shapes[f"recurrent_state.{i}"] = state_shapes(cfg)
-        else:
-            shapes[f"past_key.{i}"] = shapes[f"past_value.{i}"] = (1, Hkv, "C", D)
-    return shapes
+    return {"input_ids": (1, "S"), "position_ids": (1, "S"),
+            **cache_input_shapes(cfg, state_input, (1, Hkv, "C", D), (1, Hkv, "C", D))}
 
 
 def state_input(kind: str, i: int) -> str:
