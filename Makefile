@@ -36,9 +36,11 @@ demo: $(VENV)/.runtime
 	$(VENV)/bin/refimpl diff out/demo-bundle out/demo-bundle --top 3 --html out/demo-diff.html
 	$(VENV)/bin/refimpl generate --prompt "The capital of France is" --max-new-tokens 8
 
+# the linter first (pyflakes, import order, 120 columns: pyproject.toml), then
 # two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
 # slow everything down many times over)
 test: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -q
 
 # the long fuzz run (tests/fuzz): FUZZ_CASES seeded mutations of every format, each in a worker under a memory and a

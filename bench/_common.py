@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 
-
 # ---------------------------------------------------------------------------------------------------- timing
 
 def median_time(fn, repeats: int) -> tuple[float, list[float]]:
@@ -102,7 +101,6 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, threads: int = 2) 
         fn()
         t = min(median_time(fn, 1)[0] for _ in range(repeats))
         rates[name] = passes * a.nbytes / t
-    del a, b, parts, bparts, matrix
     rates["read_method"] = max((k for k in rates if not k.startswith("copy")), key=rates.get)
     rates["read"] = rates[rates["read_method"]]
     return rates

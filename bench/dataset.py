@@ -36,6 +36,7 @@ SEED = 0
 
 def checkpoint(directory: Path, layers: int) -> Path:
     import numpy as np
+
     from refimpl.formats.safetensors import write_safetensors
     from refimpl.models.config import config_from_dict
     from refimpl.presets import random_weights
@@ -77,6 +78,7 @@ def main() -> None:
     layers, ctx, n = (4, 128, 4) if a.quick else (28, 512, 6)
     ctx, n = a.ctx or ctx, a.windows or n
     import numpy as np
+
     from refimpl.dataset import cut
     try:
         import ray  # noqa: F401
@@ -123,7 +125,8 @@ def main() -> None:
             (tr, pr), (tp, pp) = times[modes[2][0]], times[modes[1][0]]
             print_table("Ray overhead over local processes (2 workers each)", ["measure", "value", "target",
                                                                                "verdict"],
-                        [["wall time (actors + model loads + windows) / processes' - 1", f"{100 * (tr / tp - 1):+.1f} %",
+                        [["wall time (actors + model loads + windows) / processes' - 1",
+                          f"{100 * (tr / tp - 1):+.1f} %",
                           "<= 10 %", verdict(tr / tp - 1 <= 0.10)],
                          ["time per window after the first / processes' - 1", f"{100 * (pr / pp - 1):+.1f} %",
                           "<= 10 %", verdict(pr / pp - 1 <= 0.10)],

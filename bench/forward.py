@@ -33,8 +33,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (cpu_pressure_total, fmt_bytes, fmt_s, maxrss_bytes, memory_bandwidth,  # noqa: E402
-                     print_table, reset_peak_rss, verdict, wait_idle)
+from _common import (  # noqa: E402
+    cpu_pressure_total,
+    fmt_bytes,
+    fmt_s,
+    maxrss_bytes,
+    memory_bandwidth,
+    print_table,
+    reset_peak_rss,
+    verdict,
+    wait_idle,
+)
 
 THREADS = 2
 SEED = 0
@@ -302,7 +311,8 @@ def report(args, r: dict, f: dict, h: dict, bw: dict, out_dir: str, contention) 
     print(f"correctly rounded products: {c['products']:,} elements, {c['products_fallback']:,} needed the exact "
           f"fallback ({1e6 * c['products_fallback'] / max(1, c['products']):.0f} per million), "
           f"{c['products_fsum']:,} of them summed one by one; elementary functions: {c['functions']:,} values, "
-          f"{c['functions_mpmath']:,} by mpmath ({1e6 * c['functions_mpmath'] / max(1, c['functions']):.1f} per million)")
+          f"{c['functions_mpmath']:,} by mpmath "
+          f"({1e6 * c['functions_mpmath'] / max(1, c['functions']):.1f} per million)")
     print(f"weights: {fmt_bytes(W)} ({W:,} B); bytes read per decode step: {fmt_bytes(step_bytes)} "
           f"(weights + mean KV cache {fmt_bytes(kv_bytes)})")
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))

@@ -9,7 +9,8 @@ Shapes (config.json as released; seeded random bf16 weights, sharded safetensors
                   (model.language_model.*, plus small vision / MTP tensors that are set aside)
 
 For each shape: write the checkpoint; then, in a fresh process (refimpl's default arithmetic: correctly rounded
-float32 products, BLAS on its own threads): load, prefill PROMPT tokens (logits for every position, with a cache), decode DECODE greedy tokens. Measured: load time, prefill time, decode time per token,
+float32 products, BLAS on its own threads): load, prefill PROMPT tokens (logits for every position, with a cache),
+decode DECODE greedy tokens. Measured: load time, prefill time, decode time per token,
 peak anonymous memory (RssAnon sampled every ms from /proc by this process: file-backed pages of the memory-
 mapped checkpoint are page cache, not the process's), the KV cache's bytes, and each decode step against the
 read-and-convert bound of the weights it touched: the same tensor parts read from the map and converted again,

@@ -245,7 +245,8 @@ def measure(arch: str, mix: str, directory, calibration: int = 4, eval_shape=(4,
     out = {"arch": arch, "mix": mix, "quantisers_quantsim": sorted(pairs), "quantisers_refimpl": sorted(free),
            "weights_differing": _weights_differing(sim, ref), "seconds_quantsim": seconds,
            "unplaced": list(rec.q.unplaced), "max_float_vs_quantsim": _max_abs(float_logits, sim_logits),
-           "max_refimpl_vs_quantsim": _max_abs(free_logits, sim_logits), "max_abs_quantsim": float(np.abs(sim_logits).max())}
+           "max_refimpl_vs_quantsim": _max_abs(free_logits, sim_logits),
+           "max_abs_quantsim": float(np.abs(sim_logits).max())}
 
     # MoE: quantised router logits tie often (8-bit: a few hundred levels), and an exact tie at the k-th place is
     # broken by torch.topk's partition order in QuantSim but towards the lower expert id in refimpl (ONNX TopK)
@@ -321,7 +322,8 @@ def _router_choices(sim) -> dict:
         if type(module).__name__.endswith("TopKRouter"):
             box = {}
             module.register_forward_hook(lambda m, a, out, box=box: box.update(out=out))
-            found[name] = lambda box=box: tuple(box["out"][i].detach().as_subclass(torch.Tensor).numpy() for i in (0, 2, 1))
+            found[name] = lambda box=box: tuple(box["out"][i].detach().as_subclass(torch.Tensor).numpy()
+                                                for i in (0, 2, 1))
     return found
 
 
@@ -395,8 +397,8 @@ def three_way_case(arch: str, mix: str, directory, fault=None, prompt_length: in
     prompt = rng.integers(0, BASE["vocab_size"], prompt_length)
     source = str(directory / "hf")
     write_golden(directory / "float", refimpl.load(source), prompt, source=source, taps=".")
-    write_golden(directory / "quantised", refimpl.load(source, precision=Policy(weights="encodings", encodings=encodings)),
-                 prompt, source=source, taps=".", codes=True)
+    quantised_model = refimpl.load(source, precision=Policy(weights="encodings", encodings=encodings))
+    write_golden(directory / "quantised", quantised_model, prompt, source=source, taps=".", codes=True)
     quantised = read_bundle(directory / "quantised")
     as_codes = [n for i, n in enumerate(tap_encodings(quantised)) if i % 2]
     quantsim_dump(sim, prompt[None], quantised, directory / "device", codes=as_codes, fault=fault)

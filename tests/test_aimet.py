@@ -23,6 +23,7 @@ aimet-torch writes them; refimpl loads the saved checkpoint with that file and r
 """
 
 import pytest
+
 from aimet_oracle import MIXES, measure
 
 pytestmark = [pytest.mark.oracle, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
@@ -62,7 +63,6 @@ def test_three_way_diff_of_quantsim_explains_it_and_finds_a_planted_fault(arch, 
     golden far below quantisation's own distance to the float golden), half of them read as integer codes; the
     same run with one fault planted is flagged at the planted tap first."""
     from aimet_oracle import three_way_case
-
     from refimpl.bundle import read_bundle
     from refimpl.diff import make_policy
     from refimpl.diff.dump import read_dump

@@ -156,7 +156,8 @@ def _qnn_dump(bundle, root):
     for k in range(b.steps):
         (root / f"Result_{k}").mkdir(parents=True)
         for name, role in (("logits", "output"), ("model.norm", "tap")):
-            (root / f"Result_{k}" / f"{name}.raw").write_bytes(np.asarray(b.tensor(k, role, name), np.float32).tobytes())
+            raw = np.asarray(b.tensor(k, role, name), np.float32).tobytes()
+            (root / f"Result_{k}" / f"{name}.raw").write_bytes(raw)
     return b
 
 
@@ -231,8 +232,8 @@ def test_npy_headers_checked_before_allocating(case, header):
     (bundle.parent / "npy" / "0" / "logits.npy").write_bytes(_npy_with_header(logits, header))
     with zipfile.ZipFile(bundle.parent / "dump.npz", "w") as z:
         z.writestr("0/logits.npy", _npy_with_header(logits, header))
-        z.writestr("0/model.norm.npy", _npy_with_header(np.asarray(b.tensor(0, "tap", "model.norm")),
-                                                        "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 8), }"))
+        norm_header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4, 8), }"
+        z.writestr("0/model.norm.npy", _npy_with_header(np.asarray(b.tensor(0, "tap", "model.norm")), norm_header))
     for dump in (bundle.parent / "npy", bundle.parent / "dump.npz"):
         d, problems = _problems(dump, b, outside)
         assert list(problems) == ["0/output/logits"], problems

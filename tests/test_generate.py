@@ -3,12 +3,12 @@ batch, stop strings, streaming, and clear errors."""
 
 import math
 
-import exact
 import numpy as np
 import pytest
-from helpers import scaled
 
+import exact
 import refimpl
+from helpers import scaled
 from refimpl.errors import InputError
 from refimpl.generate import (
     SamplingParams,
@@ -25,8 +25,8 @@ from refimpl.generate import (
 )
 from refimpl.models.config import config_from_dict
 from refimpl.models.model import Model
-from refimpl.presets import PRESETS, random_weights
 from refimpl.models.weights import Weights
+from refimpl.presets import PRESETS, random_weights
 
 PROMPT = [9707, 11, 1879]
 

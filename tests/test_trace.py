@@ -3,8 +3,8 @@
 import numpy as np
 
 import refimpl
-from refimpl.trace import tracing
 from refimpl.kernels.norm import rms_norm
+from refimpl.trace import tracing
 
 
 def test_taps_are_the_intermediates():
@@ -18,7 +18,8 @@ def test_taps_are_the_intermediates():
     # the layer-0 input norm is the norm of the embeddings; block output = residual + mlp
     np.testing.assert_allclose(tr["model.layers.0.input_layernorm"],
                                rms_norm(tr["model.embed_tokens"], w["model.layers.0.input_layernorm.weight"], 1e-6))
-    np.testing.assert_allclose(tr["model.layers.0"], tr["model.layers.0.attn_residual"] + tr["model.layers.0.mlp.down_proj"])
+    np.testing.assert_allclose(tr["model.layers.0"],
+                               tr["model.layers.0.attn_residual"] + tr["model.layers.0.mlp.down_proj"])
     probs = tr["model.layers.1.self_attn.attn_probs"]
     assert probs.shape == (1, 4, 5, 5)
     np.testing.assert_allclose(probs.sum(-1), 1)

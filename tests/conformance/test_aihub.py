@@ -126,7 +126,8 @@ def host_cache(b, k: int, layer_types) -> list:
     flat = []
     for i, kind in enumerate(layer_types):
         if kind == "linear_attention":
-            flat += [torch.as_tensor(np.array(b.tensor(k, "input", f"{s}_{i}_in"))) for s in ("conv_state", "recurrent_state")]
+            flat += [torch.as_tensor(np.array(b.tensor(k, "input", f"{s}_{i}_in")))
+                     for s in ("conv_state", "recurrent_state")]
             continue
         for kv in ("key", "value"):
             rec = b.manifest["tensors"][f"{k}/input/past_{kv}_{i}_in"]

@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 import pytest
-from helpers import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refimpl
+from helpers import scaled
 from refimpl.conventions import genie, qeff
 from refimpl.errors import InputError
 from refimpl.models.hybrid import zero_state

@@ -6,10 +6,10 @@ exported base file). Fixtures and provenance: tests/fixtures/dataset/make_fixtur
 import json
 from pathlib import Path
 
-import gguf_cases
 import numpy as np
 import pytest
 
+import gguf_cases
 from refimpl.dataset import compare_logits, cut, open_reference, write_reference
 from refimpl.dataset.llama import llama_kld
 from refimpl.dataset.reference import Job

@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import gguf_cases
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
+import gguf_cases
 import refimpl
 from refimpl.bundle import read_bundle
 from refimpl.cli import main

@@ -60,15 +60,17 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
     convention = "hf" if case == "hf" else "genie"
     key = (preset, case, "float32", tuple(prompt))
     if key not in goldens:
-        goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-golden-{len(goldens)}", build(preset), prompt, source=preset,
-                                                convention=convention, params=params, decode_steps=steps, taps="."))
+        goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-golden-{len(goldens)}", build(preset), prompt,
+                                                source=preset, convention=convention, params=params, decode_steps=steps,
+                                                taps="."))
     bundle = goldens[key]
     emulated = None
     if dtype != "float32":
         key = (preset, case, dtype, tuple(prompt))
         if key not in goldens:
             precision = {"float16": "fp16", "bfloat16": "bf16"}[dtype]
-            goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-{dtype}-{len(goldens)}", build(preset, precision=precision),
+            goldens[key] = read_bundle(write_golden(root / f"{preset}-{case}-{dtype}-{len(goldens)}",
+                                                    build(preset, precision=precision),
                                                     prompt, source=preset, convention=convention, params=params,
                                                     decode_steps=steps, taps=".",
                                                     decode_ids=bundle.manifest["generated_ids"]))
@@ -110,7 +112,8 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
         margin = slack(where)
     return {"preset": preset, "runtime": runtime, "case": case, "verdict": "PASS" if report.exit_code == 0 else "FAIL",
             "tensors": len(report.results), "failed": len(report.failed), "worst_sqnr": judged_sqnr(worst),
-            "worst": f"step {worst.step} {worst.name}", "margin": margin, "margin_at": f"step {where.step} {where.name}",
+            "worst": f"step {worst.step} {worst.name}", "margin": margin,
+            "margin_at": f"step {where.step} {where.name}",
             "notes": report.notes, "seconds": seconds,
             "failures": [(r.key, r.failures) for r in report.failed][:3]}
 

@@ -381,7 +381,8 @@ def run_genie(graph, cfg, steps: list, params: dict, fault: Fault | None = None)
     pad = pad if pad is not None else (cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id)
     transposed = params.get("key_transposed", True)
     Hkv, D = cfg.num_key_value_heads, cfg.head_dim
-    kv = {i: (np.zeros((Hkv, 0, D), np.float32),) * 2 for i, t in enumerate(layer_types(cfg)) if t != "linear_attention"}
+    kv = {i: (np.zeros((Hkv, 0, D), np.float32),) * 2
+          for i, t in enumerate(layer_types(cfg)) if t != "linear_attention"}
     states = {}
     for i, t in enumerate(layer_types(cfg)):
         if t == "linear_attention":

@@ -17,12 +17,12 @@ import sys
 import tarfile
 from pathlib import Path
 
-import gguf_cases
 import ml_dtypes
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+import gguf_cases
 import refimpl
 from refimpl.errors import ConfigError, FormatError, WeightsError
 from refimpl.formats import gguf as G

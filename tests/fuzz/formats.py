@@ -150,7 +150,6 @@ class GGUF(Format):
 def _hf_dir(d: Path, case: str = "qwen35", shards: int = 2) -> None:
     """An HF checkpoint directory of a tiny case, its tensors split over `shards` files with an index."""
     from gguf_cases import CASES, tokenizer_json, weights
-
     from refimpl.formats.safetensors import write_safetensors
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(CASES[case], indent=1))

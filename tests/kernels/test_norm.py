@@ -3,12 +3,11 @@ Qwen3NextRMSNorm (zero-centred) and Qwen3NextRMSNormGated (gated) in float32 (or
 
 import ml_dtypes
 import numpy as np
-
-import exact
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import exact
 from refimpl.kernels.activation import silu
 from refimpl.kernels.norm import rms_norm, rms_norm_gated
 

@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refimpl.kernels.rope import (apply_rope, default_inv_freq, interleaved_mrope_axes, inv_freq_and_scaling,
-                                  mrope_interleaved_tables, mrope_tables, rope_tables)
+from refimpl.kernels.rope import (
+    apply_rope,
+    default_inv_freq,
+    interleaved_mrope_axes,
+    inv_freq_and_scaling,
+    mrope_interleaved_tables,
+    mrope_tables,
+    rope_tables,
+)
 
 THETAS = st.sampled_from([1e4, 5e5, 1e6, 1e7]) | st.floats(100.0, 1e7)
 
@@ -244,7 +251,8 @@ def test_mrope_tables_put_each_pair_on_its_axis():
     cos, sin = mrope_tables(positions, inv_freq, [0, 1, 2, 0, 1, 3, 0, 1])
     per_axis = [rope_tables(p, inv_freq) for p in positions]
     for j, a in enumerate([0, 1, 2, 0, 1, 3, 0, 1]):
-        assert np.array_equal(cos[..., j], per_axis[a][0][..., j]) and np.array_equal(sin[..., j], per_axis[a][1][..., j])
+        assert (np.array_equal(cos[..., j], per_axis[a][0][..., j])
+                and np.array_equal(sin[..., j], per_axis[a][1][..., j]))
     assert (cos[..., 5] == 1).all() and (sin[..., 5] == 0).all()          # position 0: unrotated
 
 

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 import refimpl
-from refimpl.formats.tokenizer import qwen_tokenizer
-
 from oracle import build_hf
+from refimpl.formats.tokenizer import qwen_tokenizer
 
 pytestmark = pytest.mark.oracle
 transformers = pytest.importorskip("transformers")

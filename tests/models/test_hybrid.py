@@ -5,9 +5,9 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import scaled
 
 import refimpl
+from helpers import scaled
 from refimpl.cli import main
 from refimpl.errors import ConfigError, WeightsError
 from refimpl.formats.safetensors import read_safetensors, write_safetensors

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import refimpl
-
 from oracle import checkpoint_builder, hf_logits, left_padded
 
 pytestmark = pytest.mark.oracle

@@ -40,7 +40,6 @@ import numpy as np
 import pytest
 
 import refimpl
-
 from oracle import checkpoint_builder, left_padded, torch
 
 pytestmark = pytest.mark.oracle
