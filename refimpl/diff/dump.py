@@ -117,7 +117,7 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
     """The matching of read_dump without reading: ({bundle key: (source, load)}, unknown sources), where load()
     returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
     path = Path(path)
-    refuse_renamed_taps(bundle.manifest, bundle.path)
+    refuse_renamed_taps(bundle.manifest, getattr(bundle, "path", "reference"))   # a Bundle, or a dataset reference
     if (path / "manifest.json").is_file():   # the dump is itself a refimpl bundle
         try:
             device = read_json(path / "manifest.json", "dump manifest")
