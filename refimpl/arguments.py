@@ -12,8 +12,8 @@ import re
 import numpy as np
 
 from .errors import InputError
-from .load import load
 from .precision import Policy
+from .sources import load
 
 
 def token_ids(text: str) -> np.ndarray:

@@ -21,11 +21,10 @@ from .arguments import finite, load_model, nonnegative, positive, precision_flag
 from .dataset.commands import add_commands as add_dataset_commands
 from .diff.commands import add_commands as add_diff_commands
 from .errors import InputError, RefimplError
-from .formats.tokenizer import load_tokenizer
 from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
-from .load import load
 from .presets import DEFAULT_PRESET
 from .progress import attach
+from .sources import load, load_tokenizer
 
 
 class _Parser(argparse.ArgumentParser):

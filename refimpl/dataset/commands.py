@@ -15,7 +15,7 @@ from pathlib import Path
 from ..arguments import load_model, positive, precision_flags
 from ..errors import InputError
 from ..files import write_atomic
-from ..formats.tokenizer import load_tokenizer
+from ..sources import load_tokenizer
 
 
 def add_commands(sub) -> None:

@@ -34,7 +34,7 @@ from ..errors import FormatError, InputError, RefimplError
 from ..files import write_atomic
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..golden import run_convention
-from ..load import load
+from ..sources import load
 from ..version import __version__
 from . import compact
 from .windows import Windows

@@ -13,8 +13,8 @@ import numpy as np
 from ..arguments import nonnegative, size
 from ..errors import InputError
 from ..files import output_file, write_atomic
-from ..load import load
 from ..precision import from_manifest
+from ..sources import load
 
 
 def add_commands(sub) -> None:

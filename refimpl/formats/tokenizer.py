@@ -43,7 +43,6 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from .. import presets
 from ..errors import ConfigError, FormatError, InputError
 from ..files import atomic_path
 from .chat_template import read_chat_templates, render, select
@@ -177,44 +176,7 @@ def chat_template(messages, add_generation_prompt: bool = True) -> str:
 
 # ---------------------------------------------------------------- dispatch
 
-def load_tokenizer(source) -> Tokenizer:
-    """The tokenizer of a model source: a loaded Model, a preset name, a vocabulary name (qwen3 | qwen3.5), an HF
-    checkpoint directory (its tokenizer.json), a tokenizer.json file, or a .gguf file (its embedded vocabulary)."""
-    if hasattr(source, "config") and hasattr(source, "weights"):     # a Model: go back to where it came from
-        return load_tokenizer(_model_source(source))
-    name = str(source)
-    if name in presets.PRESETS:
-        return qwen_tokenizer(MODEL_VOCAB[presets.PRESETS[name]["model_type"]])
-    if name in VOCABS:
-        return qwen_tokenizer(name)
-    path = Path(name)
-    if path.suffix.lower() == ".gguf":
-        return _gguf(path)
-    if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            raise InputError(f"{path}: no tokenizer.json in this directory; give a tokenizer source explicitly "
-                             f"(a tokenizer.json, or {', '.join(VOCABS)})")
-        path = path / "tokenizer.json"
-    if path.is_file():
-        return tokenizer_from_json(path)
-    raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}), vocabulary ({', '.join(VOCABS)}), "
-                     f"directory or tokenizer file")
-
-
-def _model_source(model) -> str:
-    """Where a loaded model came from (its weights' source: preset, checkpoint directory or file); a model built
-    in memory gets the vocabulary of its architecture."""
-    src = model.weights.source
-    if src.startswith("preset:"):
-        return src[len("preset:"):]
-    if src != "<memory>" and Path(src).exists():
-        return src
-    if model.config.model_type in MODEL_VOCAB:
-        return MODEL_VOCAB[model.config.model_type]
-    raise InputError("this model does not say where it came from; call load_tokenizer with a source")
-
-
-def _gguf(path: Path) -> Tokenizer:
+def gguf_tokenizer(path: Path) -> Tokenizer:
     """A GGUF-embedded vocabulary (tokenizer_from_gguf, below) with its chat template, wrapped."""
     g = GGUFFile(path)
     meta = tokenizer_metadata(g)

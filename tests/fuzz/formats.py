@@ -120,7 +120,7 @@ class GGUF(Format):
         import refimpl
         from refimpl.errors import WeightsError
         from refimpl.formats.gguf import GGUFFile, tokenizer_metadata
-        from refimpl.formats.tokenizer import load_tokenizer
+        from refimpl.sources import load_tokenizer
         path = case / "model.gguf"
         holder = {}
 
