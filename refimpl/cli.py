@@ -16,12 +16,16 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
 from .arguments import finite, load_model, nonnegative, positive, precision_flags, regex, token_ids
+from .bundle import read_bundle
 from .dataset.commands import add_commands as add_dataset_commands
 from .diff.commands import add_commands as add_diff_commands
 from .errors import InputError, RefimplError
+from .formats.gguf import GGUFFile, tokenizer_metadata, unreadable, write_gguf
 from .generate import SamplingParams, checkpoint_sampling, default_eos, generate
+from .golden import write_golden
 from .presets import DEFAULT_PRESET
 from .progress import attach
 from .sources import load, load_tokenizer
@@ -56,7 +60,6 @@ def cmd_info(args) -> int:
     print(f"parameters   {n_params:,} ({_mib(w.nbytes())} stored, {_mib(n_params * w.dtype.itemsize)} as "
           f"{w.dtype.name}){', tied embeddings' if cfg.tie_word_embeddings else ''}")
     if str(args.model).lower().endswith(".gguf"):
-        from .formats.gguf import GGUFFile, unreadable  # lazy: only for a .gguf (refimpl --help stays fast)
         g = GGUFFile(args.model)
         print(f"file         {_mib(Path(args.model).stat().st_size)}; tensors by type: " + ", ".join(
             f"{kind} {_mib(size)} ({n})" for kind, n, size in g.storage()))
@@ -92,11 +95,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_golden(args) -> int:
-    # lazy: what only this command runs (refimpl --help stays fast)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
-    from .bundle import read_bundle
-    from .golden import write_golden
     source = args.model or DEFAULT_PRESET
     if args.prompt is not None:
         args.input_ids = np.array([_prompt_ids(load_tokenizer(source), args.prompt)], dtype=np.int64)
@@ -205,7 +204,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from .formats.gguf import GGUFFile, tokenizer_metadata, write_gguf  # lazy: refimpl --help stays fast
     model = load(args.model)
     tokenizer = None
     if str(args.model).lower().endswith(".gguf") and "tokenizer.ggml.model" in (g := GGUFFile(args.model)).metadata:

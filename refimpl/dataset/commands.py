@@ -2,9 +2,6 @@
 
 Exit codes: 0 done (compare-logits: every --policy bar met), 1 a bar missed, 2 bad input, 130 interrupted
 (a reference run resumes where it stopped when the same command runs again).
-
-The dataset's modules are imported by the function that runs a command (marked "lazy"): `refimpl --help` builds
-every parser, and should not load them and rich for it.
 """
 
 import json
@@ -12,10 +9,19 @@ import sys
 import time
 from pathlib import Path
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from ..arguments import load_model, positive, precision_flags
+from ..diff.dump import read_mapping
 from ..errors import InputError
 from ..files import write_atomic
+from ..formats.gguf import GGUFFile
 from ..sources import load_tokenizer
+from .compare import compare_logits, judge, parse_policy
+from .llama import write_kld_base
+from .reference import Job, open_reference, write_reference
+from .report import print_report, render_html
+from .windows import cut, read_documents
 
 
 def add_commands(sub) -> None:
@@ -67,24 +73,12 @@ def add_commands(sub) -> None:
 
 
 def _progress_bar(quiet: bool, what: str, unit: str):
-    # lazy (module docstring)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
     return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TextColumn(unit), TextColumn(
         "{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
         disable=quiet or not sys.stdout.isatty())  # on a terminal only: rich ends even a hidden bar with a newline
 
 
 def cmd_reference(args) -> int:
-    # lazy (module docstring)
-    from .reference import Job, open_reference, write_reference
-    from .windows import cut, read_documents
     if args.stride is not None and args.stride >= args.ctx:
         raise InputError(f"--stride must be smaller than --ctx ({args.ctx}), got {args.stride}")
     params = {k: v for k, v in (("ar", args.ar), ("cl", args.cl)) if v is not None}
@@ -136,7 +130,6 @@ def cmd_reference(args) -> int:
 
 def _gguf_bos(path):
     """The BOS id llama-perplexity puts first in each window, if the GGUF's vocabulary asks for one."""
-    from ..formats.gguf import GGUFFile  # lazy (module docstring)
     meta = GGUFFile(path).metadata
     if meta.get("tokenizer.ggml.add_bos_token") and meta.get("tokenizer.ggml.bos_token_id") is not None:
         return int(meta["tokenizer.ggml.bos_token_id"])
@@ -144,11 +137,6 @@ def _gguf_bos(path):
 
 
 def cmd_compare_logits(args) -> int:
-    # lazy (module docstring)
-    from ..diff.dump import read_mapping
-    from .compare import compare_logits, judge, parse_policy
-    from .reference import open_reference
-    from .report import print_report, render_html
     for out in (args.json, args.html):
         if out and not Path(out).resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
@@ -171,9 +159,6 @@ def cmd_compare_logits(args) -> int:
 
 
 def cmd_export_kld_base(args) -> int:
-    # lazy (module docstring)
-    from .llama import write_kld_base
-    from .reference import open_reference
     path = write_kld_base(open_reference(args.reference), args.out)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): llama-perplexity -m MODEL.gguf -c CTX "
           f"--kl-divergence-base {path} --kl-divergence")

@@ -1,20 +1,29 @@
 """CLI commands of the diff tool: `refimpl diff`, `refimpl replay`, `refimpl explain`.
 
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
-
-The diff's modules are imported by the function that runs a command (marked "lazy"): `refimpl --help` builds every
-parser, and should not load the diff, the bundle reader and rich for it.
 """
 
 import sys
 
 import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from ..arguments import nonnegative, size
+from ..bundle import read_bundle, valid_mask
 from ..errors import InputError
 from ..files import output_file, write_atomic
 from ..precision import from_manifest
 from ..sources import load
+from .compare import compare
+from .divergence import model_config
+from .dump import read_dump, read_mapping, refuse_renamed_taps
+from .explain import explain, parse
+from .layouts import candidates, conv_kernel
+from .policy import load_policy, make_policy
+from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
+from .replay import device_tensor, replay
+from .report import fmt, print_report, print_table, render_html, terminal
+from .saved import load_metrics, rejudge, save_metrics
 
 
 def add_commands(sub) -> None:
@@ -83,7 +92,6 @@ def _reading_flags(p) -> None:
 
 
 def _policy(args):
-    from .policy import load_policy, make_policy  # lazy (module docstring)
     policy = load_policy(args.policy, args.dtype)
     for item in args.layout:
         pattern, sep, adapter = item.rpartition("=")
@@ -97,14 +105,11 @@ def _policy(args):
 
 
 def _dump(args, bundle):
-    from .dump import read_dump, read_mapping  # lazy (module docstring)
     return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
                      dtype=args.dump_dtype)
 
 
 def _bundle(path):
-    from ..bundle import read_bundle  # lazy (module docstring)
-    from .dump import refuse_renamed_taps
     bundle = read_bundle(path, verify=False)
     refuse_renamed_taps(bundle.manifest, path)
     return bundle
@@ -125,13 +130,7 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 
 
 def cmd_diff(args) -> int:
-    # lazy (module docstring)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from .compare import compare
-    from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
-    from .report import print_report, render_html
-    from .saved import load_metrics, rejudge, save_metrics
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
         if out and not output_file(out, "--json / --html output").resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")
@@ -181,10 +180,6 @@ def cmd_diff(args) -> int:
 
 def _first_error(bundle, dump, report, policy):
     """device - golden over the valid region of the earliest first divergence (for the histogram)."""
-    # lazy (module docstring)
-    from ..bundle import valid_mask
-    from .divergence import model_config
-    from .layouts import candidates, conv_kernel
     keys = [k for k in report.first_divergence.values() if k]
     if not keys:
         return None
@@ -204,9 +199,6 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
-    # lazy (module docstring)
-    from .replay import replay
-    from .report import fmt, print_table, terminal
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
@@ -240,9 +232,6 @@ def cmd_replay(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    # lazy (module docstring)
-    from .explain import explain, parse
-    from .replay import device_tensor
     bundle = _bundle(args.bundle)
     model = _model(bundle, args.model, args.encodings, args.max_resident)
     device = None
