@@ -84,6 +84,10 @@ def read_mapping(path) -> dict:
     m = read_json(path, "mapping")
     if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
         raise InputError(f"{path}: mapping must be a JSON object {{golden name: device name}}")
+    for golden in m:
+        old = next((o for o in RENAMED_TAPS if golden.endswith(o)), None)
+        if old is not None:
+            raise InputError(f"{path}: golden name {golden!r} is now named {golden[:-len(old)] + RENAMED_TAPS[old]!r}")
     return {v: k for k, v in m.items()}
 
 

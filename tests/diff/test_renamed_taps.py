@@ -39,5 +39,20 @@ def test_diff_refuses_the_old_router_tap_name_and_names_the_new_one(side, tmp_pa
         read_dump(device, read_bundle(golden, verify=False))
 
 
+@pytest.mark.parametrize("command", [["replay", "{old}", "{anchor}", "--layer", "0"],
+                                     ["explain", "{old}", "model.layers.0.mlp.experts[0,0,1]"]])
+def test_replay_and_explain_refuse_it_too(command, tmp_path, capsys):
+    old = old_bundle(tmp_path)
+    assert main([a.format(old=old, anchor=ANCHOR) for a in command]) == 2
+    assert "is now named 'model.layers.0.mlp.router_logits'" in capsys.readouterr().err
+
+
+def test_a_mapping_naming_the_old_tap_is_refused(tmp_path, capsys):
+    mapping = tmp_path / "mapping.json"
+    mapping.write_text(json.dumps({"model.layers.0.mlp.gate": "router_out"}))
+    assert main(["diff", str(ANCHOR), str(ANCHOR), "--mapping", str(mapping)]) == 2
+    assert "'model.layers.0.mlp.gate' is now named 'model.layers.0.mlp.router_logits'" in capsys.readouterr().err
+
+
 def test_the_current_names_pass(tmp_path):
     assert main(["diff", str(ANCHOR), str(ANCHOR)]) == 0
