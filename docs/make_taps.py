@@ -68,6 +68,7 @@ SECTIONS = (   # (title, which templated tap names it holds), in the order a lay
 def taps_markdown() -> str:
     """docs/taps.md: every declared tap of every architecture (a preset of each), layer numbers as {i}; a tap whose
     declaration differs between architectures has a row per variant."""
+    assert set(ARCHITECTURES) == set(PRESETS), "name the architecture of every preset in ARCHITECTURES"
     rows, orders = {}, []
     for preset, arch in ARCHITECTURES.items():
         cfg = config_from_dict(PRESETS[preset], source=f"preset:{preset}")

@@ -9,6 +9,7 @@ import pytest
 import refimpl
 from refimpl.conventions import CONVENTIONS
 from refimpl.diff.dataflow import producer
+from refimpl.models.model import graph
 from refimpl.presets import PRESETS
 
 PARAMS = [("hf", {}), ("genie", {"ar": 4, "cl": 16}), ("genie", {"ar": 4, "cl": 16, "kv_output": "window"}),
@@ -34,7 +35,7 @@ def test_conventions_share_one_protocol():
         assert dataclasses.is_dataclass(module.Options) and module.Options.__dataclass_params__.frozen, name
         for method in ("check", "resolved"):
             assert _shape(getattr(module.Options, method)) == _shape(getattr(hf.Options, method)), (name, method)
-        for fn in ("input_shapes", "graph", "run", "io_nodes"):
+        for fn in ("input_shapes", "graph", "run", "io_nodes", "state_input"):
             assert _shape(getattr(module, fn)) == _shape(getattr(hf, fn)), (name, fn)
 
 
@@ -57,11 +58,14 @@ def test_io_nodes_declare_every_graph_input_and_output(preset, convention, param
     # the options given or resolved declare the same; a field this refimpl does not know (a bundle of another
     # version) is ignored: the diff reads any bundle's params
     assert module.io_nodes(m.config, params) == declared == module.io_nodes(m.config, {**params, "unknown": 1})
-    for name, node in declared.items():
-        old = producer(m.config, name, record)
-        assert old is not None, name
-        assert (node.op, node.formula, tuple(node.inputs), node.layer) == \
-            (old.op, old.formula, tuple(old.inputs), old.layer), name
+    taps = graph(m.config)
+    for name, node in declared.items():   # each producer reads taps the model declares, or this graph's own I/O
+        assert producer(m.config, name, record) == node, name
+        for n in node.inputs:
+            assert n in taps or n in declared or n.removeprefix("prev:") in declared, (name, n)
+    for kind in ("past_key", "past_value", "conv_state", "recurrent_state"):   # what a block's cache:<kind>.<i> is
+        layers = [i for i, t in enumerate(m.config.layer_types) if (t == "linear_attention") == kind.endswith("state")]
+        assert all(module.state_input(kind, i) in declared for i in layers), kind
 
 
 def test_io_nodes_defaults_without_params():
