@@ -12,7 +12,7 @@ import platform
 import numpy as np
 from threadpoolctl import threadpool_info
 
-from .bundle import Tensor, write_bundle
+from .bundle import SCHEMA_VERSION, Tensor, write_bundle
 from .conventions import CONVENTIONS
 from .errors import FormatError, InputError, brief
 from .generate import greedy, log_softmax_at
@@ -24,7 +24,6 @@ try:    # NumPy >= 2 names the CPU features it dispatches on here; older NumPy: 
 except ImportError:
     _CPU_FEATURES = None
 
-SCHEMA_VERSION = 1
 
 
 def run_convention(model, prompt_ids, convention: str = "hf", params: dict | None = None, decode_steps: int = 0,

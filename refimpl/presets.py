@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from .files import write_atomic
 from .formats.safetensors import write_safetensors
 from .kernels import elementary
 from .models.config import config_from_dict
@@ -123,7 +124,7 @@ def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED, dtype
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    (directory / "config.json").write_text(json.dumps({**PRESETS[name], "dtype": dtype}, indent=2))
+    write_atomic(directory / "config.json", json.dumps({**PRESETS[name], "dtype": dtype}, indent=2), "config.json")
     target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     arrays = {k: a.astype(target) for k, a in checkpoint_layout(config, random_weights(config, seed)).items()}
     write_safetensors(directory / "model.safetensors", arrays)

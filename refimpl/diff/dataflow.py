@@ -43,7 +43,9 @@ def producer(cfg, name: str, convention: dict | None = None) -> Node | None:
 def _held(cfg, what, build) -> dict:
     """The nodes `build()` declares for cfg, built once per config object."""
     held = _graphs.get((id(cfg), what))
-    if held is None or held[0] is not cfg:
+    if held is None or held[0] is not cfg:   # a new config, or another one where a freed one lived
+        if len(_graphs) >= 64:
+            del _graphs[next(iter(_graphs))]   # the oldest: a run asks for a handful of configs
         held = _graphs[id(cfg), what] = (cfg, build())
     return held[1]
 

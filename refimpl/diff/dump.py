@@ -112,7 +112,7 @@ def refuse_renamed_taps(manifest: dict, where) -> None:
     for rec in (manifest.get("tensors") or {}).values():
         name = rec.get("name") if isinstance(rec, dict) and rec.get("role") == "tap" else None
         old = next((o for o in RENAMED_TAPS if isinstance(name, str) and name.endswith(o)), None)
-        if old is not None and manifest.get("schema_version") == 1:
+        if old is not None and manifest.get("schema_version") == 1:   # renamed within schema 1, not a new schema
             raise FormatError(f"{where}: tap {name!r} is now named {name[:-len(old)] + RENAMED_TAPS[old]!r}; "
                               f"write the bundle again with this refimpl")
 

@@ -55,7 +55,7 @@ def explain(bundle, model, spec: str, step: int | None = None, device: dict | No
         raise InputError(f"explain: index {list(idx)} does not fit {name} of shape {list(x.shape)}")
     idx = tuple(i % n for i, n in zip(idx, x.shape))
     cfg = manifest_config(bundle.manifest)
-    node = producer(cfg, name)
+    node = producer(cfg, name, bundle.manifest.get("convention"))
     lines = [f"{name}{list(idx)} at step {step} ({steps[step].get('graph', '')} call), shape {list(x.shape)}",
              f"  reference value: {_f(x[idx])}" + (f"   device: {_f(device[name][idx])}   diff: "
                                                    f"{_f(device[name][idx] - x[idx])}"

@@ -256,14 +256,12 @@ def moe_nodes(cfg, i: int) -> dict:
                         (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]"),
     }, p, i)
     if shared:
-        nodes.update(mlp_nodes(f"{p}.shared_expert", x, i))
-        nodes.update(declare({"shared_expert_gate": Node("linear", "x Wsg^T (one logit per token, before the sigmoid)",
-                                                         (x,), shape="[B, T, 1]", module=1)}, p, i))
+        nodes = merge(nodes, mlp_nodes(f"{p}.shared_expert", x, i), declare({"shared_expert_gate": Node(
+            "linear", "x Wsg^T (one logit per token, before the sigmoid)", (x,), shape="[B, T, 1]", module=1)}, p, i))
     out = Node("add", "experts + sigmoid(shared_expert_gate) * shared_expert",
                (f"{p}.experts", f"{p}.shared_expert.down_proj", f"{p}.shared_expert_gate"), shape="[B, T, H]") \
         if shared else Node("identity", "out = experts", (f"{p}.experts",), shape="[B, T, H]")
-    nodes.update(declare({"": out}, p, i))
-    return nodes
+    return merge(nodes, declare({"": out}, p, i))
 
 
 def feed_forward_nodes(cfg, i: int) -> dict:
