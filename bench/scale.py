@@ -195,7 +195,8 @@ def checkpoint_bytes(config: dict) -> int:
 def child(args) -> None:
     """The measured process: load, prefill, decode; phases and results as JSON on stdout."""
     import refimpl
-    from refimpl.models.weights import Weights, read
+    from refimpl.models.stored import read
+    from refimpl.models.weights import Weights
     if args.no_read_ahead:            # A/B: the layer-ahead and routed-expert disk hints off
         Weights.prefetch = lambda self, names: None
     marks = {"start": time.time()}

@@ -16,8 +16,8 @@ from .files import write_atomic
 from .formats.safetensors import write_safetensors
 from .kernels import elementary
 from .models.config import config_from_dict
+from .models.experts import per_expert_tensors
 from .models.model import Model, expected_tensors
-from .models.weights import per_expert_tensors
 from .precision import policy
 
 _QWEN3_COMMON = {

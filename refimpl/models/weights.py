@@ -27,19 +27,17 @@ Names are the checkpoint's own; the multimodal prefix `model.language_model.` is
 import dataclasses
 import hashlib
 import math
-import mmap
-import os
 import re
 import warnings
-from pathlib import Path
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import WeightsError
 from ..kernels.linear import linear
 from ..progress import layer_progress
+from .experts import FUSED, PER_EXPERT, expert_names, per_expert_tensors, split_gate_up
+from .stored import ROW_BLOCK_BYTES, blocks, machine_memory, read, size_text, to_dtype, will_need
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
@@ -60,99 +58,12 @@ def warn_nonfinite(source: str, name: str, a: np.ndarray) -> None:
                                                                                    pos, "-Inf")) if n)
     warnings.warn(f"{source}: tensor {name!r} holds {counts} of {a.size} values (first at {list(map(int, where))}); "
                   f"the forward pass carries them as IEEE arithmetic does", NonFiniteWeightWarning, stacklevel=3)
+
+
 _SET_ASIDE = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-ROW_BLOCK_BYTES = 64 * 2**20            # lm_head row blocks: this many converted bytes each ...
-VECTOR_BLOCK_BYTES = 4 * 2**20          # ... and every matrix's for one token (a block stays in cache for its product)
+VECTOR_BLOCK_BYTES = 4 * 2**20          # every matrix's for one token (a block stays in cache for its product)
 DEFAULT_STREAM_BUDGET = 2**30           # the default budget of a model that does not fit in half of memory
 _ROW_READ = ("model.embed_tokens.weight", "lm_head.weight")   # read by rows: looked-up ids, lm_head blocks
-_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(.*\.experts\.\d+)\.(gate|up|down)_proj\.weight$")
-
-
-def expert_names(prefix: str, e: int) -> tuple[str, str, str]:
-    """The names of routed expert e's matrices stored one tensor per expert (Qwen3-MoE, Qwen3-Next checkpoints):
-    `{prefix}.{e}.gate_proj.weight`, `.up_proj.weight`, `.down_proj.weight`; prefix e.g. model.layers.0.mlp.experts."""
-    return tuple(f"{prefix}.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
-
-
-def split_gate_up(gate_up):
-    """The fused experts' gate_up_proj (one expert's [2Ie, H], or the stack [E, 2Ie, H]) -> (gate, up), each
-    [..., Ie, H], as views: the gate projection is the first half of the rows, the up projection the second."""
-    half = gate_up.shape[-2] // 2
-    return gate_up[..., :half, :], gate_up[..., half:, :]
-
-
-def per_expert_tensors(prefix: str, gate_up_proj=None, down_proj=None) -> dict:
-    """Fused experts under `prefix` (gate_up_proj [E, 2Ie, H], down_proj [E, H, Ie]: Qwen3.5-MoE's layout; either
-    may be left out) as the per-expert tensors of `expert_names`: gate, up [Ie, H] and down [H, Ie] (views)."""
-    out = {}
-    if gate_up_proj is not None:
-        for e in range(gate_up_proj.shape[0]):
-            gate, up, _ = expert_names(prefix, e)
-            out[gate], out[up] = split_gate_up(gate_up_proj[e])
-    if down_proj is not None:
-        for e in range(down_proj.shape[0]):
-            out[expert_names(prefix, e)[2]] = down_proj[e]
-    return out
-
-
-def bf16_to_float32(a: np.ndarray, block: int = 2**18) -> np.ndarray:
-    """bfloat16 -> float32, exactly: a bf16 is the high 16 bits of the float32 of the same value, so widen the
-    bits to 32 and shift them up 16 (NaN payloads and signed zeros included). Done `block` values at a time, so
-    the shift reads the widened bits from cache: one pass over memory."""
-    bits = np.ascontiguousarray(a).view(np.uint16).reshape(-1)
-    out = np.empty(bits.size, np.uint32)
-    for start in range(0, bits.size, block):
-        part = out[start:start + block]
-        np.copyto(part, bits[start:start + block])
-        part <<= 16
-    return out.view(np.float32).reshape(a.shape)
-
-
-def to_dtype(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """A stored array in the compute dtype (no copy when it already is)."""
-    if a.dtype == dtype:
-        return a
-    if a.dtype == _BF16:
-        a = bf16_to_float32(a)
-        return a if a.dtype == dtype else a.astype(dtype)
-    return a.astype(dtype)
-
-
-def read(stored, index=None) -> np.ndarray:
-    """A stored tensor, or part `index` of its leading axis, in its stored dtype (a view of the map where it can be)."""
-    if isinstance(stored, np.ndarray):
-        return stored if index is None else stored[index]
-    return np.asarray(stored.read(index))
-
-
-def blocks(stored, itemsize: int):
-    """A stored tensor read leading-axis block by block (ROW_BLOCK_BYTES at `itemsize` per value each), in its
-    stored dtype; in one piece when it is 0-d, or when reading a part would compute the whole (`partial` False)."""
-    shape = tuple(stored.shape)
-    if not shape or not (isinstance(stored, np.ndarray) or getattr(stored, "partial", False)):
-        yield read(stored)
-        return
-    step = max(1, ROW_BLOCK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
-    for r in range(0, shape[0], step):
-        yield read(stored, slice(r, r + step))
-
-
-def _will_need(a: np.ndarray) -> None:
-    """madvise(WILLNEED) the pages of an array that views a memory map (else nothing)."""
-    root = a
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    if not isinstance(root.base, mmap.mmap) or not a.size:
-        return
-    page = mmap.PAGESIZE
-    start = a.ctypes.data - root.ctypes.data + getattr(root, "offset", 0) % mmap.ALLOCATIONGRANULARITY
-    aligned = start - start % page
-    try:
-        root.base.madvise(mmap.MADV_WILLNEED, aligned, start - aligned + a.nbytes)
-    except (OSError, ValueError):
-        pass   # a hint only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,26 +73,6 @@ class Part:
     index: object
     shape: tuple
     chunks: Callable
-
-
-def machine_memory() -> int:
-    """Physical memory in bytes, or the cgroup's limit when that is lower."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            total = min(total, int(limit))
-    except OSError:
-        pass
-    return total
-
-
-def size_text(n: float) -> str:
-    """Bytes as a short human size (binary units): 1.5 GiB, 64 MiB, 512 B."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 class Weights:
@@ -320,7 +211,7 @@ class Weights:
             stored = self.stored.get(self.aliases.get(name, name))
             if not isinstance(stored, np.ndarray) or name in self._kept or (name, index) in self._kept:
                 continue
-            _will_need(read(stored, index))
+            will_need(read(stored, index))
 
     def prefetch_experts(self, prefix: str, experts) -> None:
         """prefetch the routed experts' matrices under `prefix` (per-expert tensors or fused ones)."""
@@ -373,10 +264,10 @@ class Weights:
             if name in _ROW_READ:   # its largest block, of one token's products or several's
                 rows = max(len(range(*self.row_blocks(name, tokens)[0].indices(shape[0]))) for tokens in (1, 2))
                 out[name] = rows * size // shape[0]
-            elif m := _FUSED.match(name):
+            elif m := FUSED.match(name):
                 out[name] = sum(self.converted_size(f"{m[1]}.{p}") // shape[0] for p in ("gate_up_proj", "down_proj")
                                 if f"{m[1]}.{p}" in self.stored)
-            elif m := _PER_EXPERT.match(name):
+            elif m := PER_EXPERT.match(name):
                 out[name] = sum(self.converted_size(f"{m[1]}.{p}_proj.weight") for p in ("gate", "up", "down")
                                 if f"{m[1]}.{p}_proj.weight" in self.stored)
             else:
@@ -467,7 +358,7 @@ class Weights:
     def _check_per_expert(self, name, shape) -> bool:
         """A fused expert tensor stored per expert instead (`per_expert_tensors`): check each part; False when the
         experts are not stored per expert."""
-        m = _FUSED.match(name)
+        m = FUSED.match(name)
         if not m or expert_names(m[1], 0)[0] not in self.stored:
             return False
         fused = np.broadcast_to(np.float32(0), shape)   # no data: the split's views give the parts' shapes

@@ -35,6 +35,7 @@ from refimpl.kernels import products
 from refimpl.kernels.linear import linear
 from refimpl.models import weights as W
 from refimpl.models.config import config_from_dict
+from refimpl.models.stored import bf16_to_float32
 from refimpl.precision import Policy
 from refimpl.presets import PRESETS, random_weights, save_preset
 
@@ -68,7 +69,7 @@ def assert_streamed(model, forwards: int):
 def test_bf16_to_float32_is_the_exact_widening_for_every_bit_pattern():
     bits = np.arange(2**16, dtype=np.uint16)
     a = bits.view(ml_dtypes.bfloat16)
-    got = W.bf16_to_float32(a)
+    got = bf16_to_float32(a)
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32) >> 16, bits)          # NaN payloads and -0 too
     finite = np.isfinite(got)
@@ -382,7 +383,7 @@ def test_streamed_layers_are_read_ahead(bf16_dirs, monkeypatch):
     for the experts its router picked before converting the first of them; kept tensors are not asked for."""
     resident, streamed = pair(bf16_dirs["tiny-qwen3-moe"])
     asked = []
-    monkeypatch.setattr(W, "_will_need", lambda a: asked.append(a))
+    monkeypatch.setattr(W, "will_need", lambda a: asked.append(a))
     calls = []
     prefetch = W.Weights.prefetch
     monkeypatch.setattr(W.Weights, "prefetch", lambda self, names: calls.append(list(names)) or

@@ -9,8 +9,8 @@ import numpy as np
 from ...errors import WeightsError
 from ...kernels.elementary import log
 from ...models.config import config_from_dict
+from ...models.experts import expert_names, split_gate_up
 from ...models.model import expected_tensors
-from ...models.weights import expert_names, split_gate_up
 from .config import config_dict, llamacpp_note, reading_notes
 from .ggml_types import FLOAT_VIEWS, type_name, unreadable
 from .names import BLOCK, norm_names, plain_names, regroup_qkvz, retile, untile_v_heads
