@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 
+from ..conventions import genie, hf
 from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..kernels.elementary import inverse_sqrt
@@ -221,15 +222,16 @@ def _keys(values, a: str, b: int, kv_head: int, slots: int):
     if k is None:
         return None
     new = np.asarray(k)[b, :, kv_head]                                   # [T, D]
-    layer = a.split(".")[2]
+    layer = int(a.split(".")[2])
+    static, dynamic = genie.state_input("past_key", layer), hf.state_input("past_key", layer)
     past = None
-    if f"past_key_{layer}_in" in values:
-        past = np.asarray(values[f"past_key_{layer}_in"])[kv_head, 0]    # [D, W] or [W, D]
-    elif f"past_key_values.{layer}.key" in values:
-        past = np.asarray(values[f"past_key_values.{layer}.key"])[b, kv_head]
+    if static in values:
+        past = np.asarray(values[static])[kv_head, 0]                     # [D, W] or [W, D]
+    elif dynamic in values:
+        past = np.asarray(values[dynamic])[b, kv_head]
     if past is not None:
         window, D = slots - new.shape[0], new.shape[-1]
-        if f"past_key_{layer}_in" in values and past.shape == (D, window):   # genie's transposed keys
+        if static in values and past.shape == (D, window):               # genie's transposed keys
             past = past.T
         if past.shape != (window, D):
             return None
