@@ -14,6 +14,7 @@ Every convention module (hf, genie, qeff) is the same small protocol:
                                               params: the manifest's convention.params ({} or None: the defaults)
     state_input(kind, i) -> str               the graph input of layer i's carried state (past_key, past_value,
                                               conv_state, recurrent_state): what a block's "cache:<kind>.<i>" is
+    state_output(kind, i) -> str              the graph output of that state after the call
 
 What several conventions share lives in refimpl.conventions.common.
 """

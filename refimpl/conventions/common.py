@@ -181,7 +181,7 @@ def cache_tap(kind: str, i: int) -> str:
             "recurrent_state": f"{g}.recurrent_state"}[kind]
 
 
-def state_output(kind: str, i: int) -> Node:
+def state_output_node(kind: str, i: int) -> Node:
     """A static graph's GDN state output of layer i (kind conv_state or recurrent_state)."""
     formula = {"conv_state": "last S raw conv inputs", "recurrent_state": "S after the call, keys on rows"}[kind]
     return Node("graph output", formula, (cache_tap(kind, i),), layer=i)

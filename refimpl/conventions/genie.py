@@ -50,7 +50,7 @@ from .common import (
     next_token,
     prompt_chunks,
     prompt_list,
-    state_output,
+    state_output_node,
     tap_valid,
     token_input,
 )
@@ -146,6 +146,11 @@ def state_input(kind: str, i: int) -> str:
     return f"{kind}_{i}_in"
 
 
+def state_output(kind: str, i: int) -> str:
+    """The graph output of layer i's state `kind` after the call (the new KV entries, or the window)."""
+    return f"{kind}_{i}_out"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the exported graph's order. A cache input
     is the host's window of earlier calls' outputs. params: the manifest's convention.params; with
@@ -156,12 +161,12 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
             nodes[state_input(kind, i)] = Node("host cache", "window of earlier calls' outputs",
-                                           (f"prev:{kind}_{i}_out", f"prev:{kind}_{i}_in"), layer=i)
+                                           ("prev:" + state_output(kind, i), "prev:" + state_input(kind, i)), layer=i)
     nodes["logits"] = logits_output()
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
             is_kv = kind.startswith("past_")
-            nodes[f"{kind}_{i}_out"] = _kv_output(kind, i, window) if is_kv else state_output(kind, i)
+            nodes[state_output(kind, i)] = _kv_output(kind, i, window) if is_kv else state_output_node(kind, i)
     return nodes
 
 
@@ -186,11 +191,12 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     cache = Cache(cfg.num_hidden_layers, 1)
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            cache.layers[i] = LinearAttentionState(inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"])
+            cache.layers[i] = LinearAttentionState(inputs[state_input("conv_state", i)],
+                                                   inputs[state_input("recurrent_state", i)])
         else:
-            k = inputs[f"past_key_{i}_in"][:, 0]                              # [Hkv, D, W] or [Hkv, W, D]
+            k = inputs[state_input("past_key", i)][:, 0]                      # [Hkv, D, W] or [Hkv, W, D]
             k = k.swapaxes(1, 2) if opts.key_transposed else k
-            cache.layers[i] = KVCache(k[None].copy(), inputs[f"past_value_{i}_in"][:, 0][None].copy(), W)
+            cache.layers[i] = KVCache(k[None].copy(), inputs[state_input("past_value", i)][:, 0][None].copy(), W)
     mask = inputs["attention_mask"]                                           # [1, 1, AR, CL]
     real = np.diagonal(mask[0, 0, :, W:]) == 0                                # a slot attends to itself iff real
     ctx = Context(inputs["position_ids_cos"][0], inputs["position_ids_sin"][0],
@@ -200,12 +206,13 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     for i, kind in enumerate(cfg.layer_types):
         state = cache.layers[i]
         if kind == "linear_attention":
-            outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"] = state.conv, state.recurrent
+            outputs[state_output("conv_state", i)] = state.conv
+            outputs[state_output("recurrent_state", i)] = state.recurrent
             continue
         keys, values = state.keys[0], state.values[0]                         # [Hkv, W + AR, D]
         keys, values = (keys[:, W:], values[:, W:]) if opts.kv_output == "new" else (keys[:, -W:], values[:, -W:])
-        outputs[f"past_key_{i}_out"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
-        outputs[f"past_value_{i}_out"] = values[:, None]
+        outputs[state_output("past_key", i)] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
+        outputs[state_output("past_value", i)] = values[:, None]
     return outputs
 
 
@@ -249,21 +256,23 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
                   "position_ids_sin": sin[None]}
         for i, kind in enumerate(cfg.layer_types):   # the exported graph's order: each layer's pair, layer by layer
             if kind == "linear_attention":
-                inputs[f"conv_state_{i}_in"], inputs[f"recurrent_state_{i}_in"] = states[i].conv, states[i].recurrent
+                inputs[state_input("conv_state", i)] = states[i].conv
+                inputs[state_input("recurrent_state", i)] = states[i].recurrent
             else:
                 keys, values = _window(kv[i][0], W), _window(kv[i][1], W)
-                inputs[f"past_key_{i}_in"] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
-                inputs[f"past_value_{i}_in"] = values[:, None]
+                inputs[state_input("past_key", i)] = (keys.swapaxes(1, 2) if opts.key_transposed else keys)[:, None]
+                inputs[state_input("past_value", i)] = values[:, None]
         with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
             outputs = graph(model, inputs, opts)
         for i in attn:  # the host appends the new real entries to its cache
-            keys = outputs[f"past_key_{i}_out"][:, 0]
+            keys = outputs[state_output("past_key", i)][:, 0]
             keys = keys.swapaxes(1, 2) if opts.key_transposed else keys
             new = slice(W - AR + lo, W - AR + hi) if opts.kv_output == "window" else slice(lo, hi)
             kv[i] = (np.concatenate([kv[i][0], keys[:, new]], 1),
-                     np.concatenate([kv[i][1], outputs[f"past_value_{i}_out"][:, 0][:, new]], 1))
+                     np.concatenate([kv[i][1], outputs[state_output("past_value", i)][:, 0][:, new]], 1))
         for i in states:
-            states[i] = LinearAttentionState(outputs[f"conv_state_{i}_out"], outputs[f"recurrent_state_{i}_out"])
+            states[i] = LinearAttentionState(outputs[state_output("conv_state", i)],
+                                             outputs[state_output("recurrent_state", i)])
         taps_ = {t: tr[t] for t in tr.names()}
         valid = {**_valid(outputs, lo, hi, AR, W, cur, opts), **_window_valid(inputs, W, cur, opts),
                  **tap_valid(taps_, AR, lo, hi, allowed)}

@@ -41,16 +41,16 @@ class Options:
         return self
 
 
-def _state(cache, cfg, prefix: str) -> dict:
+def _state(cache, cfg, name) -> dict:
+    """The cache's layers as graph tensors named by name(kind, i): state_input (past) or state_output (present)."""
     out = {}
     for i, layer in enumerate(cache.layers):
         if layer is None:
             continue
         if cfg.layer_types[i] == "linear_attention":
-            out[f"{prefix}_conv_state.{i}"], out[f"{prefix}_recurrent_state.{i}"] = layer.conv, layer.recurrent
+            out[name("conv_state", i)], out[name("recurrent_state", i)] = layer.conv, layer.recurrent
         else:
-            name = "past_key_values" if prefix == "past" else "present"
-            out[f"{name}.{i}.key"], out[f"{name}.{i}.value"] = layer.keys.copy(), layer.values.copy()
+            out[name("past_key", i)], out[name("past_value", i)] = layer.keys.copy(), layer.values.copy()
     return out
 
 
@@ -67,10 +67,11 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
         tokens = prompt if step == 0 else [next_token(greedy(calls[-1]), decode_ids, step - 1)]
         P = cache.seq_length
         inputs = {"input_ids": np.array([tokens], np.int64),
-                  "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None], **_state(cache, cfg, "past")}
+                  "position_ids": np.arange(P, P + len(tokens), dtype=np.int64)[None],
+                  **_state(cache, cfg, state_input)}
         with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
             logits = model.forward(inputs["input_ids"], cache=cache, position_ids=inputs["position_ids"])
-        outputs = {"logits": logits, **_state(cache, cfg, "present")}
+        outputs = {"logits": logits, **_state(cache, cfg, state_output)}
         axes = {n: ("b,kvh,t,d" if ".key" in n or ".value" in n else "b,conv_dim,t" if "conv" in n
                     else "b,hv,dk,dv" if "recurrent" in n else "b,t,vocab" if n == "logits" else "b,t")
                 for n in (*inputs, *outputs)}
@@ -97,6 +98,13 @@ def state_input(kind: str, i: int) -> str:
     return f"past_{kind}.{i}"
 
 
+def state_output(kind: str, i: int) -> str:
+    """The graph output of layer i's state `kind` after the call (the KV cache: past entries then the new ones)."""
+    if kind in ("past_key", "past_value"):
+        return f"present.{i}.{kind[len('past_'):]}"
+    return f"present_{kind}.{i}"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
     previous call's present; a present KV is the past entries then the new ones. params: none (no options)."""
@@ -105,20 +113,20 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
         if kind == "linear_attention":
             for state in ("conv", "recurrent"):
                 nodes[state_input(f"{state}_state", i)] = Node("host cache", "previous call's present",
-                                                        (f"prev:present_{state}_state.{i}",), layer=i)
+                                                        ("prev:" + state_output(f"{state}_state", i),), layer=i)
         else:
             for part in ("key", "value"):
                 nodes[state_input(f"past_{part}", i)] = Node("host cache", "previous call's present",
-                                                            (f"prev:present.{i}.{part}",), layer=i)
+                                                            ("prev:" + state_output(f"past_{part}", i),), layer=i)
     nodes["logits"] = logits_output()
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             for state in ("conv", "recurrent"):
-                nodes[f"present_{state}_state.{i}"] = Node("graph output", "state after the call",
+                nodes[state_output(f"{state}_state", i)] = Node("graph output", "state after the call",
                                                            (cache_tap(f"{state}_state", i),), layer=i)
         else:
             for part in ("key", "value"):
-                nodes[f"present.{i}.{part}"] = Node("graph output", "cache after the call (past + new)",
+                nodes[state_output(f"past_{part}", i)] = Node("graph output", "cache after the call (past + new)",
                                                     (state_input(f"past_{part}", i), cache_tap(f"past_{part}", i)),
                                                     layer=i)
     return nodes
@@ -139,12 +147,12 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)
     cache = model.new_cache()
     for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention" and f"past_conv_state.{i}" in inputs:
-            cache.layers[i] = LinearAttentionState(inputs[f"past_conv_state.{i}"].copy(),
-                                                   inputs[f"past_recurrent_state.{i}"].copy())
-        elif f"past_key_values.{i}.key" in inputs:
-            k, v = inputs[f"past_key_values.{i}.key"], inputs[f"past_key_values.{i}.value"]
+        if kind == "linear_attention" and state_input("conv_state", i) in inputs:
+            cache.layers[i] = LinearAttentionState(inputs[state_input("conv_state", i)].copy(),
+                                                   inputs[state_input("recurrent_state", i)].copy())
+        elif state_input("past_key", i) in inputs:
+            k, v = inputs[state_input("past_key", i)], inputs[state_input("past_value", i)]
             cache.layers[i] = KVCache(k.copy(), v.copy(), k.shape[2])
             cache.mask = np.ones((1, k.shape[2]), np.int64)
     logits = model.forward(ids, cache=cache, position_ids=positions)
-    return {"logits": logits, **_state(cache, cfg, "present")}
+    return {"logits": logits, **_state(cache, cfg, state_output)}

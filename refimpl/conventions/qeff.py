@@ -39,7 +39,7 @@ from .common import (
     logits_output,
     next_token,
     prompt_list,
-    state_output,
+    state_output_node,
     tap_valid,
     token_input,
 )
@@ -102,6 +102,11 @@ def state_input(kind: str, i: int) -> str:
     return f"{kind}.{i}"
 
 
+def state_output(kind: str, i: int) -> str:
+    """The graph output of layer i's state `kind` after the call (the cache with the new entries scattered in)."""
+    return f"{kind}.{i}_RetainedState"
+
+
 def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
     previous call's retained state; the KV outputs are the cache inputs with the new entries scattered in.
@@ -110,7 +115,7 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
             nodes[state_input(kind, i)] = Node("host cache", "previous call's retained state",
-                                        (f"prev:{kind}.{i}_RetainedState",), layer=i)
+                                        ("prev:" + state_output(kind, i),), layer=i)
     nodes["logits"] = logits_output()
     for i, layer_type in enumerate(cfg.layer_types):
         for kind in cache_kinds(layer_type):
@@ -118,8 +123,8 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
                 node = Node("graph output", "scattered at the tokens' positions",
                             (cache_tap(kind, i), state_input(kind, i)), layer=i)
             else:
-                node = state_output(kind, i)
-            nodes[f"{kind}.{i}_RetainedState"] = node
+                node = state_output_node(kind, i)
+            nodes[state_output(kind, i)] = node
     return nodes
 
 
@@ -129,11 +134,12 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     check_inputs(inputs, input_shapes(cfg, opts), "qeff")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"][0].astype(np.int64)
     attn = [i for i, kind in enumerate(cfg.layer_types) if kind != "linear_attention"]
-    cache = ScatterCache(cfg.num_hidden_layers, {i: (inputs[f"past_key.{i}"], inputs[f"past_value.{i}"])
-                                                 for i in attn}, positions)
+    kv = {i: (inputs[state_input("past_key", i)], inputs[state_input("past_value", i)]) for i in attn}
+    cache = ScatterCache(cfg.num_hidden_layers, kv, positions)
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            cache.layers[i] = LinearAttentionState(inputs[f"conv_state.{i}"], inputs[f"recurrent_state.{i}"])
+            cache.layers[i] = LinearAttentionState(inputs[state_input("conv_state", i)],
+                                                   inputs[state_input("recurrent_state", i)])
     allowed = _allowed(inputs, positions)                                                   # [S, ctx_len]
     dtype = model.dtype.type
     mask = np.where(allowed, dtype(0), np.finfo(dtype).min)[None, None]
@@ -143,10 +149,10 @@ def graph(model, inputs: dict, opts: Options) -> dict:
     outputs = {"logits": model.run(ids, ctx)}
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
-            outputs[f"conv_state.{i}_RetainedState"] = cache.layers[i].conv
-            outputs[f"recurrent_state.{i}_RetainedState"] = cache.layers[i].recurrent
+            outputs[state_output("conv_state", i)] = cache.layers[i].conv
+            outputs[state_output("recurrent_state", i)] = cache.layers[i].recurrent
         else:
-            outputs[f"past_key.{i}_RetainedState"], outputs[f"past_value.{i}_RetainedState"] = cache.kv[i]
+            outputs[state_output("past_key", i)], outputs[state_output("past_value", i)] = cache.kv[i]
     return outputs
 
 
@@ -164,10 +170,10 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
     for i, kind in enumerate(cfg.layer_types):
         if kind == "linear_attention":
             zero = zero_state(cfg, dtype, cfg.linear_conv_kernel_dim - 1)
-            state[f"conv_state.{i}"], state[f"recurrent_state.{i}"] = zero.conv, zero.recurrent
+            state[state_input("conv_state", i)], state[state_input("recurrent_state", i)] = zero.conv, zero.recurrent
         else:
-            state[f"past_key.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
-            state[f"past_value.{i}"] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
+            state[state_input("past_key", i)] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
+            state[state_input("past_value", i)] = np.zeros((1, Hkv, opts.ctx_len, D), dtype)
     chunks = [("prefill", prompt[s:s + opts.seq_len]) for s in range(0, len(prompt), opts.seq_len)]
     calls, next_pos = [], 0
     for step in range(len(chunks) + decode_steps):

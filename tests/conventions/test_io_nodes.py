@@ -35,7 +35,7 @@ def test_conventions_share_one_protocol():
         assert dataclasses.is_dataclass(module.Options) and module.Options.__dataclass_params__.frozen, name
         for method in ("check", "resolved"):
             assert _shape(getattr(module.Options, method)) == _shape(getattr(hf.Options, method)), (name, method)
-        for fn in ("input_shapes", "graph", "run", "io_nodes", "state_input"):
+        for fn in ("input_shapes", "graph", "run", "io_nodes", "state_input", "state_output"):
             assert _shape(getattr(module, fn)) == _shape(getattr(hf, fn)), (name, fn)
 
 
@@ -65,7 +65,8 @@ def test_io_nodes_declare_every_graph_input_and_output(preset, convention, param
             assert n in taps or n in declared or n.removeprefix("prev:") in declared, (name, n)
     for kind in ("past_key", "past_value", "conv_state", "recurrent_state"):   # what a block's cache:<kind>.<i> is
         layers = [i for i, t in enumerate(m.config.layer_types) if (t == "linear_attention") == kind.endswith("state")]
-        assert all(module.state_input(kind, i) in declared for i in layers), kind
+        assert all(module.state_input(kind, i) in declared and module.state_output(kind, i) in declared
+                   for i in layers), kind
 
 
 def test_io_nodes_defaults_without_params():
