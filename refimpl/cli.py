@@ -95,7 +95,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_golden(args) -> int:
-
     source = args.model or DEFAULT_PRESET
     if args.prompt is not None:
         args.input_ids = np.array([_prompt_ids(load_tokenizer(source), args.prompt)], dtype=np.int64)

@@ -11,9 +11,10 @@ import pytest
 import refimpl
 from refimpl.encodings import read_activation_encodings
 from refimpl.errors import FormatError, InputError
+from refimpl.graph import module_taps
 from refimpl.kernels import quant
 from refimpl.kernels.linear import linear
-from refimpl.models.model import Model, module_taps
+from refimpl.models.model import Model, graph
 from refimpl.models.quantisers import EncodingsWarning
 from refimpl.precision import Policy
 
@@ -127,8 +128,9 @@ def test_the_module_tables_are_what_the_code_quantises(preset, tmp_path):
                                                              for i in range(len(t))}
     assert asked == declared and not inner.unplaced
     assert {t for taps in q.modules.values() for t in taps} <= set(tr.names())
-    assert list(module_taps(q.config)) == list(q.modules)   # each module's output is a tap (router: router_logits)
-    for mod, tap in module_taps(q.config).items():
+    taps = module_taps(graph(q.config))
+    assert list(taps) == list(q.modules)   # each module's output is a tap (the router's: router_logits)
+    for mod, tap in taps.items():
         codes = tr[tap].astype(np.float64) / 1e-4
         assert np.abs(codes - np.rint(codes)).max() < 1e-2, mod
 

@@ -130,7 +130,6 @@ def _model(bundle, source=None, encodings=None, max_resident=None):
 
 
 def cmd_diff(args) -> int:
-
     for out in (args.json, args.html):  # check every destination before writing any (no partial outputs)
         if out and not output_file(out, "--json / --html output").resolve().parent.is_dir():
             raise InputError(f"{out}: its directory does not exist")

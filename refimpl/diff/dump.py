@@ -85,9 +85,8 @@ def read_mapping(path) -> dict:
     if not isinstance(m, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
         raise InputError(f"{path}: mapping must be a JSON object {{golden name: device name}}")
     for golden in m:
-        old = next((o for o in RENAMED_TAPS if golden.endswith(o)), None)
-        if old is not None:
-            raise InputError(f"{path}: golden name {golden!r} is now named {golden[:-len(old)] + RENAMED_TAPS[old]!r}")
+        if renamed(golden):
+            raise InputError(f"{path}: golden name {golden!r} is now named {renamed(golden)!r}")
     return {v: k for k, v in m.items()}
 
 
@@ -106,15 +105,22 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     return dump
 
 
+def renamed(name) -> str | None:
+    """The current name of a tap `name` renamed since (RENAMED_TAPS), or None."""
+    old = next((o for o in RENAMED_TAPS if isinstance(name, str) and name.endswith(o)), None)
+    return None if old is None else name[:-len(old)] + RENAMED_TAPS[old]
+
+
 def refuse_renamed_taps(manifest: dict, where) -> None:
     """A schema-1 bundle written before a tap was renamed (RENAMED_TAPS) is refused, naming the new name: its tap
     would otherwise silently match nothing."""
+    if manifest.get("schema_version") != 1:   # renamed within schema 1, not a new schema
+        return
     for rec in (manifest.get("tensors") or {}).values():
         name = rec.get("name") if isinstance(rec, dict) and rec.get("role") == "tap" else None
-        old = next((o for o in RENAMED_TAPS if isinstance(name, str) and name.endswith(o)), None)
-        if old is not None and manifest.get("schema_version") == 1:   # renamed within schema 1, not a new schema
-            raise FormatError(f"{where}: tap {name!r} is now named {name[:-len(old)] + RENAMED_TAPS[old]!r}; "
-                              f"write the bundle again with this refimpl")
+        if renamed(name):
+            raise FormatError(f"{where}: tap {name!r} is now named {renamed(name)!r}; write the bundle again with "
+                              f"this refimpl")
 
 
 def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> tuple[dict, list]:
@@ -122,14 +128,15 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
     returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
     path = Path(path)
     refuse_renamed_taps(bundle.manifest, getattr(bundle, "path", "reference"))   # a Bundle, or a dataset reference
-    if (path / "manifest.json").is_file():   # the dump is itself a refimpl bundle
+    is_bundle = (path / "manifest.json").is_file()   # the dump is itself a refimpl bundle
+    if is_bundle:
         try:
             device = read_json(path / "manifest.json", "dump manifest")
         except InputError:
             device = {}   # not a manifest refimpl reads: its files are matched by name as any dump's
         refuse_renamed_taps(device if isinstance(device, dict) else {}, path)
     if dtype is None:
-        dtype = "native" if (path / "manifest.json").is_file() else "float32"
+        dtype = "native" if is_bundle else "float32"
     if dtype != "native" and dtype not in DTYPES:
         raise InputError(f"dump dtype {brief(dtype)} is not 'native' or one of {', '.join(DTYPES)}")
     if not path.exists():

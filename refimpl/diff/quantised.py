@@ -37,7 +37,8 @@ from ..encodings import Encoding, read_activation_encodings
 from ..errors import InputError
 from ..files import sha256_file
 from ..golden import manifest_config
-from ..models.model import expected_modules, module_taps
+from ..graph import module_taps, modules
+from ..models.model import graph
 from ..models.quantisers import place
 from .compare import compare
 from .policy import Policy, make_policy
@@ -57,8 +58,9 @@ def tap_encodings(bundle, encodings=None) -> dict:
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
     cfg = manifest_config(bundle.manifest)
-    placed = place(read_activation_encodings(encodings), expected_modules(cfg), source=str(encodings),
-                   taps=module_taps(cfg))
+    nodes = graph(cfg)
+    placed = place(read_activation_encodings(encodings), modules(nodes), source=str(encodings),
+                   taps=module_taps(nodes))
     return placed.output_taps()
 
 

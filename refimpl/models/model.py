@@ -6,9 +6,7 @@ import numpy as np
 
 from ..encodings import read_activation_encodings
 from ..errors import InputError
-from ..graph import Node, declare, merge
-from ..graph import module_taps as graph_module_taps
-from ..graph import modules as graph_modules
+from ..graph import Node, declare, merge, module_taps, modules
 from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
@@ -66,17 +64,6 @@ def graph(cfg: ModelConfig) -> dict[str, Node]:
                  "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1)}))
 
 
-def expected_modules(cfg: ModelConfig) -> dict:
-    """Every module that can carry AIMET quantisers -> its input taps, in execution order (from the graph)."""
-    return graph_modules(graph(cfg))
-
-
-def module_taps(cfg: ModelConfig) -> dict:
-    """Every module that can carry AIMET quantisers -> the tap of its output (its own name, but for the MoE router:
-    module `mlp.gate`, tap `mlp.router_logits`)."""
-    return graph_module_taps(graph(cfg))
-
-
 class Model:
     def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
         self.config = config
@@ -90,12 +77,13 @@ class Model:
         # what each layer reads (its experts aside: those the router picks), read ahead one layer early
         self._layer_tensors = [[n for n in names if n.startswith(f"model.layers.{i}.") and ".experts." not in n]
                                for i in range(config.num_hidden_layers)] + [["lm_head.weight", "model.norm.weight"]]
-        self.modules = expected_modules(config)            # AIMET-quantisable modules -> their input taps
+        nodes = graph(config)
+        self.modules = modules(nodes)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
         if self.precision.encodings is not None:
             self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
                                     rounder(self.precision.activations), self.precision.strict_encodings,
-                                    self.precision.encodings, taps=module_taps(config))
+                                    self.precision.encodings, taps=module_taps(nodes))
         # integer weights: a tied lm_head is a MatMul the device quantises on its own, while the embedding table
         # it shares stays a float gather; so it reads the embedding under its own name, "lm_head.weight"
         self._own_lm_head = config.tie_word_embeddings and self.precision.weight_format not in FLOAT_WEIGHTS

@@ -2,10 +2,11 @@
 
 AIMET's QuantSim wraps nn.Modules of a transformers model; each wrapped module has input quantisers (one per
 argument) and output quantisers. refimpl's blocks declare the same modules beside their code
-(qwen3.expected_modules, hybrid.expected_modules): module -> the taps that are its inputs. So an activation
+(the graph's `module=k` nodes, refimpl.graph.modules): module -> the taps that are its inputs. So an activation
 encoding of module M is placed:
 
-    legacy  {M: {"output": {0: enc}}}   at the tap named M, before it is recorded
+    legacy  {M: {"output": {0: enc}}}   at M's output tap (named M; the router mlp.gate's: mlp.router_logits),
+                                        before it is recorded
             {M: {"input":  {i: enc}}}   on M's i-th input as M consumes it (q_proj's input quantiser acts on
                                         input_layernorm's output as q_proj reads it, not as k_proj does)
     1.0.0   {"name": M}                 M's output; AIMET's ONNX tensor name of a module output,
