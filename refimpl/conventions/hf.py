@@ -18,6 +18,7 @@ from ..trace import trace
 from .common import (
     Call,
     cache_input_shapes,
+    cache_kinds,
     cache_tap,
     check_inputs,
     greedy,
@@ -109,40 +110,30 @@ def io_nodes(cfg, params: dict | None) -> dict[str, Node]:
     """The producer of every graph input and output (refimpl.graph), in the graph's order. A cache input is the
     previous call's present; a present KV is the past entries then the new ones. params: none (no options)."""
     nodes = {"input_ids": token_input(), "position_ids": host_input()}
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            for state in ("conv", "recurrent"):
-                nodes[state_input(f"{state}_state", i)] = Node("host cache", "previous call's present",
-                                                        ("prev:" + state_output(f"{state}_state", i),), layer=i)
-        else:
-            for part in ("key", "value"):
-                nodes[state_input(f"past_{part}", i)] = Node("host cache", "previous call's present",
-                                                            ("prev:" + state_output(f"past_{part}", i),), layer=i)
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            nodes[state_input(kind, i)] = Node("host cache", "previous call's present",
+                                               ("prev:" + state_output(kind, i),), layer=i)
     nodes["logits"] = logits_output()
-    for i, kind in enumerate(cfg.layer_types):
-        if kind == "linear_attention":
-            for state in ("conv", "recurrent"):
-                nodes[state_output(f"{state}_state", i)] = Node("graph output", "state after the call",
-                                                           (cache_tap(f"{state}_state", i),), layer=i)
-        else:
-            for part in ("key", "value"):
-                nodes[state_output(f"past_{part}", i)] = Node("graph output", "cache after the call (past + new)",
-                                                    (state_input(f"past_{part}", i), cache_tap(f"past_{part}", i)),
-                                                    layer=i)
+    for i, layer_type in enumerate(cfg.layer_types):
+        for kind in cache_kinds(layer_type):
+            if kind.startswith("past_"):   # the KV cache: the past entries, then the new ones
+                node = Node("graph output", "cache after the call (past + new)",
+                            (state_input(kind, i), cache_tap(kind, i)), layer=i)
+            else:
+                node = Node("graph output", "state after the call", (cache_tap(kind, i),), layer=i)
+            nodes[state_output(kind, i)] = node
     return nodes
-
-
-def _given(name: str, inputs: dict) -> bool:
-    """Whether a call reads input `name`: a layer's cache inputs once its first (key, conv state) is given, from
-    the second call on."""
-    first = name.replace(".value", ".key").replace("past_recurrent_state", "past_conv_state")
-    return not name.startswith("past_") or first in inputs
 
 
 def graph(model, inputs: dict, opts: Options) -> dict:
     """One call on its inputs alone (the cache rebuilt from past_* inputs): what `run` computes for that call."""
     cfg = model.config
-    shapes = {name: shape for name, shape in input_shapes(cfg, opts).items() if _given(name, inputs)}
+    # a layer's cache inputs are read once its first one (key, conv state) is given: from the second call on
+    first = {state_input(kind, i): state_input(cache_kinds(layer_type)[0], i)
+             for i, layer_type in enumerate(cfg.layer_types) for kind in cache_kinds(layer_type)}
+    shapes = {name: shape for name, shape in input_shapes(cfg, opts).items()
+              if name not in first or first[name] in inputs}
     check_inputs(inputs, shapes, "hf")
     ids, positions = inputs["input_ids"].astype(np.int64), inputs["position_ids"].astype(np.int64)
     cache = model.new_cache()

@@ -188,7 +188,8 @@ def run(model, prompt_ids, opts: Options, decode_steps: int = 0, taps: str | Non
                   "position_ids": positions[None].astype(np.int64), **state}
         with trace(taps or "$^") as tr:  # "$^" matches nothing: no taps recorded
             outputs = graph(model, inputs, opts)
-        state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
+        state = {state_input(kind, i): outputs[state_output(kind, i)]   # retained: the next call's cache
+                 for i, layer_type in enumerate(cfg.layer_types) for kind in cache_kinds(layer_type)}
         valid = {"logits": [[[0, 1], [0, n], [0, cfg.vocab_size]]]}
         for name, a in outputs.items():   # KV slots not yet written are don't-care
             if name.startswith("past_"):
