@@ -15,6 +15,7 @@ new content in place, or leave what was there.
 """
 
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -131,7 +132,8 @@ def output_file(path, what: str = "output", error=InputError) -> Path:
 def atomic_path(path, what: str = "output", error=InputError):
     """A temporary path `.<name>.tmp-<pid>-<random>` beside `path` to write the whole file to; renamed over `path`
     when the block ends without an exception, removed otherwise. So `path` is either absent, the old file or the
-    whole new one, never a part. OSError while writing or renaming: `error` naming `path`.
+    whole new one, never a part. OSError while writing or renaming: `error` naming `path`. Temporaries of `path` that
+    dead writers left are removed first.
 
         with atomic_path(out, "GGUF file") as tmp:
             writer = GGUFWriter(tmp, ...); ...
@@ -140,6 +142,7 @@ def atomic_path(path, what: str = "output", error=InputError):
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(path.parent, path.name)
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -219,10 +222,11 @@ def _move_into_place(tmp: Path, target: Path, overwrite: bool, what: str, error)
     _fsync_dir(target.parent)
 
 
-def _remove_stale(parent: Path) -> None:
+def _remove_stale(parent: Path, target: str | None = None) -> None:
     """Remove temporaries left by writers that died: `.<name>.tmp-<pid>-<rand>` of a dead pid, and
-    `.<name>.old-<pid>-<rand>` (a replaced tree) of a dead pid once `<name>` exists again."""
-    for p in parent.iterdir():
+    `.<name>.old-<pid>-<rand>` (a replaced tree) of a dead pid once `<name>` exists again; those of `target` only,
+    when given."""
+    for p in parent.glob(f".{glob.escape(target)}.*") if target else parent.iterdir():
         m = _STALE.fullmatch(p.name)
         if m and not _alive(int(m["pid"])) and (m["kind"] == "tmp" or (parent / m["target"]).exists()):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)

@@ -1,6 +1,10 @@
 """safetensors writing: atomic through refimpl.files (a temporary file beside the target, with a name of its own,
 renamed into place when whole), read back as written; a failure names the file and leaves nothing behind."""
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,3 +32,16 @@ def test_unwritable_target_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="must be a file path, not a directory"):
         write_safetensors(tmp_path, {"x": np.zeros(2, np.float32)})
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_temporaries_a_killed_writer_left_are_removed(tmp_path):
+    """A writer killed mid-file leaves its `.name.tmp-<pid>-<hex>`; the next write of that file removes it (a live
+    writer's, and other files', stay)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    left = [tmp_path / f".m.safetensors.tmp-{pid}-0123abcd", tmp_path / f".m.safetensors.tmp-{os.getpid()}-0123abcd",
+            tmp_path / f".other.safetensors.tmp-{pid}-0123abcd"]
+    for p in left:
+        p.write_bytes(b"partial")
+    write_safetensors(tmp_path / "m.safetensors", {"x": np.zeros(2, np.float32)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([left[1].name, left[2].name, "m.safetensors"])
