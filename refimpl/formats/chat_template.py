@@ -101,10 +101,14 @@ def _json(path: Path) -> dict:
 
 
 def _special_tokens(config: dict) -> dict:
-    """The named special tokens' text (a token is stored as a string or as an AddedToken dict with "content")."""
+    """The named special tokens' text, as transformers' special_tokens_map gives them to the template: the standard
+    names, any other "..._token" key whose value is a token (e.g. a multimodal "image_token") and the named
+    "extra_special_tokens" (a token is stored as a string or as an AddedToken dict with "content")."""
+    extra = config.get("extra_special_tokens")
+    named = {**{k: v for k, v in config.items() if k in SPECIAL_TOKEN_NAMES or k.endswith("_token")},
+             **(extra if isinstance(extra, dict) else {})}
     out = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        value = config.get(name)
+    for name, value in named.items():
         if isinstance(value, dict):
             value = value.get("content")
         if isinstance(value, str):

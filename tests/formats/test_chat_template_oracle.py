@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from refimpl.errors import InputError, RefimplError
-from refimpl.formats.chat_template import REFUSED_OPTIONS
+from refimpl.formats.chat_template import REFUSED_OPTIONS, read_chat_templates
 from refimpl.formats.tokenizer import Tokenizer, qwen_tokenizer
 
 pytestmark = pytest.mark.oracle
@@ -55,13 +55,21 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def tokenizers():
+def tokenizers(tmp_path_factory):
     """(refimpl Tokenizer factory for a template, transformers tokenizer) over the same Qwen3 vocabulary (the
-    templates' markers are added tokens of it); transformers gets its own copy of the tokenizers object."""
+    templates' markers are added tokens of it); transformers gets its own copy of the tokenizers object. The
+    special tokens refimpl gives the template are read from the tokenizer_config.json transformers saves (with
+    a model-specific "image_token" and a named extra special token, which transformers gives the template too)."""
     from tokenizers import Tokenizer as HFTokenizer
     hf = qwen_tokenizer("qwen3").hf
-    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(hf.to_str()), **SPECIAL)
-    yield (lambda template, name: Tokenizer(hf, name, template, SPECIAL)), theirs
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(hf.to_str()), **SPECIAL,
+                                                  image_token="<|image_pad|>",
+                                                  extra_special_tokens={"audio_token": "<|box_start|>"})
+    saved = tmp_path_factory.mktemp("tokenizer")
+    theirs.save_pretrained(saved)
+    special = read_chat_templates(saved)[1]
+    assert special == theirs.special_tokens_map and special["audio_token"] == "<|box_start|>"
+    yield (lambda template, name: Tokenizer(hf, name, template, special)), theirs
     print(f"\nchat templates vs transformers: {TALLY['renders']} renders compared, {TALLY['identical']} identical "
           f"(text and ids); {TALLY['both raise']} conversations transformers refuses, refused by refimpl too: "
           f"{json.dumps(TALLY['raises'], ensure_ascii=False)}; identical renders with: {TALLY['identical with']}; "
