@@ -209,7 +209,10 @@ def _tool_schemas(tools, label: str):
         if isinstance(tool, dict):
             out.append(tool)
         elif inspect.isfunction(tool) or inspect.ismethod(tool):
-            out.append(tool_schema(tool))
+            try:
+                out.append(tool_schema(tool))
+            except InputError as e:
+                raise InputError(f"{label}: {e}") from None
         else:
             raise InputError(f"{label}: a tool is a JSON schema (dict) or a function with type hints and a "
                              f"docstring, got {brief(tool)}")
@@ -257,8 +260,6 @@ def _plain(value):
 
 def _alias_reasoning(m):
     """A message's reasoning (under any of _REASONING) also under "thinking" (first) and "reasoning_content"."""
-    if not isinstance(m, dict):
-        return m
     reasoning = next((m[key] for key in _REASONING if m.get(key) is not None), None)
     return m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning}
 
@@ -267,8 +268,6 @@ def _mark_final(chat: list, template: str, field: str, label: str) -> str:
     """continue_final_message: CONTINUE_TAG appended to the final message's `field` (every reasoning alias of
     it; in a list of parts, the last part with "text"), which the text is cut at after rendering. Returns the
     text continued."""
-    if any(not isinstance(m, dict) for m in chat):
-        raise InputError(f"{label}: chat messages must be dicts")
     last = chat[-1]
     final = last.get(field)
     if final is None:

@@ -7,11 +7,12 @@ refimpl's text and ids are identical; wherever transformers raises, refimpl rais
 exception). EXAMPLES conversations per template (6 templates), derandomized so every run draws the same ones.
 """
 
+import dataclasses
 import datetime
 import enum
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Union
 
 import numpy as np
 import pytest
@@ -273,6 +274,26 @@ class Tools:
         """
 
 
+    @classmethod
+    def locate(cls, names: "list[str]", depth: Union[int, list[int]] = 1, anything: Any = None,
+               flag: Literal["a", 1, True] = "a") -> "Tools":
+        """Locate things,
+        over two lines.
+
+        Args:
+            names: The names
+            depth: How deep
+            anything: Whatever
+            flag: A flag
+        Raises:
+            ValueError: never
+        """
+
+
+def ping() -> int:
+    """Ping."""
+
+
 def no_hint(x):
     """No hint.
 
@@ -283,6 +304,14 @@ def no_hint(x):
 
 def no_description(x: int):
     """Only a description."""
+
+
+def one_tuple(x: tuple[int]):
+    """A one-element tuple.
+
+    Args:
+        x: x
+    """
 
 
 def custom(x: Tools):
@@ -297,10 +326,37 @@ def test_functions_as_tools_have_transformers_schemas():
     from transformers.utils import get_json_schema
 
     from refimpl.formats.tool_schema import tool_schema
-    for f in (get_weather, Tools().paint):
+    for f in (get_weather, Tools().paint, Tools.locate, ping):
         assert tool_schema(f) == get_json_schema(f)
-    for f in (no_hint, no_description, custom, lambda: None):
+    for f in (no_hint, no_description, custom, one_tuple, lambda: None):
         with pytest.raises(Exception):  # noqa: B017 — transformers refuses each
             get_json_schema(f)
         with pytest.raises(InputError, match="tool"):
             tool_schema(f)
+
+
+@dataclasses.dataclass
+class Reading:
+    when: datetime.date
+    value: np.float32
+
+
+def test_inputs_are_converted_as_transformers_converts_them(tokenizers):
+    """The issue's cases: NumPy scalars in tool-call arguments, a tool reply holding a date, bytes, an array and a
+    dataclass; a function as a tool; enable_thinking as np.bool_."""
+    make, theirs = tokenizers
+    qwq = next(p for p in TEMPLATES if p.name == "Qwen-QwQ-32B.jinja").read_text()
+    ours = make(qwq, "qwq")
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": np.str_("Paris"), "days": np.int64(3)}}}]},
+            {"role": "tool", "content": {"when": datetime.date(2024, 2, 29), "raw": b"\x00", "grid": np.zeros(2),
+                                         "reading": Reading(datetime.date(2024, 1, 1), np.float32(0.5))}}]
+    kw = {"tools": [get_weather], "enable_thinking": np.bool_(False), "add_generation_prompt": True}
+    text = ours.apply_chat_template(chat, **kw)
+    assert text == theirs.apply_chat_template(chat, chat_template=qwq, tokenize=False, **kw)
+    assert '"arguments": {"city": "Paris", "days": 3}' in text
+    assert "{'when': '<date>', 'raw': '<bytes>', 'grid': '<ndarray>', 'reading': {'when': '<date>', 'value': 0.5}}" \
+        in text
+    assert '"description": "How many days ahead (0 for today)"' in text and text.endswith("<think>\n</think>")
+    assert chat[2]["content"]["raw"] == b"\x00"      # the caller's messages are left as they were
