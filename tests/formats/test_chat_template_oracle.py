@@ -117,9 +117,14 @@ SPECIAL_VALUES = st.sampled_from([np.int64(3), np.float32(0.5), np.float64(-2.25
                                   b"\x00bytes", None])
 scalar = st.one_of(text, st.integers(-5, 10**6), st.floats(allow_nan=False, width=32), st.booleans(), SPECIAL_VALUES,
                    SPECIAL_VALUES, SPECIAL_VALUES)
-value = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                     st.dictionaries(st.sampled_from(["a", "b", "城市", "n"]), inner,
-                                                                     max_size=3)), max_leaves=6)
+
+
+def nested(inner):
+    return st.one_of(st.lists(inner, max_size=3),
+                     st.dictionaries(st.sampled_from(["a", "b", "城市", "n"]), inner, max_size=3))
+
+
+value = st.recursive(scalar, nested, max_leaves=6)
 parts = st.lists(st.one_of(st.builds(lambda t: {"type": "text", "text": t}, text),
                            st.just({"type": "image"}), st.just({"type": "image", "image": np.zeros(2)})),
                  min_size=1, max_size=3)
