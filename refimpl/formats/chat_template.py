@@ -185,7 +185,8 @@ def render(template: str, messages, *, tools=None, documents=None, add_generatio
         k = _message_index(e, chat)
         where = f"at message {k}" if k is not None else "outside any message"
         what = "raise_exception" if isinstance(e, _raised()) else type(e).__name__
-        raise InputError(f"{label}: the template failed {where}: {what}: {e}") from None
+        raise InputError(f"{source or 'chat'}: chat template{f' {name!r}' if name else ''} failed {where}: {what}: "
+                         f"{e}") from None
     if final is None:
         return text
     if final.strip() not in text or CONTINUE_TAG.strip() not in text:

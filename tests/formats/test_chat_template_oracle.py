@@ -254,7 +254,7 @@ def test_continue_final_message_and_chat_template_name(tokenizers):
 def test_template_failure_names_the_template_and_the_message(tokenizers):
     ours = tokenizers[0]({"default": QWEN3, "tool_use": QWEN3}, "tok.json")
     chat = [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]}]
-    with pytest.raises(InputError, match=r"^tok.json \(chat template 'tool_use'\): the template failed at message 1: "
+    with pytest.raises(InputError, match=r"^tok.json: chat template 'tool_use' failed at message 1: "
                                          r"UndefinedError: 'list object' has no attribute 'startswith'$"):
         ours.apply_chat_template(chat, tools=[])
 
