@@ -45,7 +45,7 @@ from tokenizers.decoders import DecodeStream
 
 from ..errors import ConfigError, FormatError, InputError
 from ..files import atomic_path
-from .chat_template import read_chat_templates, render, select
+from .chat_template import choose, read_chat_templates, render
 from .gguf import GGUFFile, tokenizer_metadata
 
 CONVERTER_VERSION = 1   # part of the cache key: bump when the conversion changes
@@ -123,22 +123,31 @@ class Tokenizer:
         """Ids that end a chat turn or a document: <|im_end|> and <|endoftext|> where the vocabulary has them."""
         return [i for i in (self.token_id("<|im_end|>"), self.token_id("<|endoftext|>")) if i is not None]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *, tools=None, documents=None,
+    def apply_chat_template(self, messages, add_generation_prompt: bool | None = None, *, tools=None, documents=None,
+                            chat_template: str | None = None, continue_final_message: bool | str = False,
                             **variables) -> str:
-        """The chat as text: the checkpoint's Jinja template rendered as transformers renders it (tools: JSON
-        schemas; variables: what the template reads, e.g. enable_thinking=False); without one, plain ChatML (each
-        message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then `<|im_start|>assistant\\n` when
-        add_generation_prompt), which takes no tools or variables. A str is one user message."""
-        if self.chat_template is None:
-            if tools is not None or documents is not None or variables:
-                raise InputError(f"{self.source}: no chat template to pass tools, documents or "
-                                 f"{', '.join(variables) or 'variables'} to (plain ChatML takes none)")
-            return chat_template(messages, add_generation_prompt)
-        return render(select(self.chat_template, tools, self.source), messages, tools=tools, documents=documents,
-                      add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens,
-                      source=self.source, **variables)
+        """The chat as text: the checkpoint's Jinja template (or `chat_template`: a template's name among several,
+        or a template) rendered as transformers' apply_chat_template renders it (refimpl/formats/chat_template.py;
+        tools: JSON schemas or functions; continue_final_message: end inside the final message; variables: what the
+        template reads, e.g. enable_thinking=False). add_generation_prompt: default True, False when continuing.
+        Without a template, plain ChatML (each message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then
+        `<|im_start|>assistant\\n` when add_generation_prompt), which takes no options. A str is one user message
+        (refimpl's shorthand)."""
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if self.chat_template is None and chat_template is None:
+            given = [k for k, v in (("tools", tools), ("documents", documents),
+                                    ("continue_final_message", continue_final_message or None)) if v is not None]
+            if given or variables:
+                raise InputError(f"{self.source}: no chat template to pass {', '.join(given + list(variables))} to "
+                                 f"(plain ChatML takes none)")
+            return chatml(messages, add_generation_prompt)
+        name, template = choose(self.chat_template, chat_template, tools, self.source)
+        return render(template, messages, tools=tools, documents=documents,
+                      add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      special_tokens=self.special_tokens, source=self.source, name=name, **variables)
 
-    def chat_ids(self, messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def chat_ids(self, messages, add_generation_prompt: bool | None = None, **kwargs) -> list[int]:
         """apply_chat_template, encoded without adding special tokens (as transformers' tokenize=True)."""
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -160,7 +169,7 @@ class TextStream:
         return self._stream.step(self._tok, int(token_id)) or ""
 
 
-def chat_template(messages, add_generation_prompt: bool = True) -> str:
+def chatml(messages, add_generation_prompt: bool = True) -> str:
     """ChatML text of a conversation: a str (one user message) or a list of {"role", "content"} dicts."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]

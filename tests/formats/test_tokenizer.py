@@ -71,15 +71,15 @@ def test_presets_get_their_vocabulary_with_special_ids(name):
 
 def test_chat_template_is_chatml():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好"}]
-    text = T.chat_template(msgs)
+    text = T.chatml(msgs)
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n"
-    assert T.chat_template("hi", add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    assert T.chatml("hi", add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
     tok = T.qwen_tokenizer("qwen3")
     ids = tok.encode(text)
     assert ids[:3] == [151644, tok.token_id("system"), tok.token_id("Ċ")] and ids.count(151645) == 2
     assert ids[-3:] == [151644, tok.token_id("assistant"), tok.token_id("Ċ")]
     with pytest.raises(InputError, match="chat message 0"):
-        T.chat_template([{"role": "user"}])
+        T.chatml([{"role": "user"}])
 
 
 def test_streaming_decode_holds_back_split_characters():
