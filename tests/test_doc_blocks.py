@@ -7,7 +7,7 @@ or `python` is executed (issue 31), one test per block, named `file:line`.
   file's blocks on one worker.
 - `sh` / `bash` blocks run with `bash -euo pipefail`; `console` blocks are their `$ ` lines (a line ending in `\\`
   continues), the other lines being output; both with the venv's bin (`refimpl`, `python`) first on PATH and this
-  checkout first on PYTHONPATH, stdout and stderr merged as a terminal shows them, 100 columns wide.
+  checkout first on PYTHONPATH, stdout and stderr merged as a terminal shows them, 120 columns wide.
   `python` blocks run in this process, one namespace per file, the working directory set to the file's directory.
 - The fence may say `skip="why"` (the test is skipped with that reason: a device, a large model, a network) and
   `exit=N` (the block's expected exit status, e.g. `exit=1` for a diff that finds a mismatch; default 0).
@@ -36,7 +36,7 @@ RUNNABLE = {"sh", "bash", "console", "python"}
 ATTRIBUTES = {"skip", "exit"}        # key=value on a runnable fence
 TEXT_FLAGS = {"check"}               # bare words on a text fence
 BLOCK_TIMEOUT = 300                  # seconds per shell block
-WIDTH = "100"                        # COLUMNS for the blocks' tables
+WIDTH = "120"                        # COLUMNS for the blocks' tables
 
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*?)[ \t]*$")
 _ATTR = re.compile(r'(\w+)=(?:"([^"]*)"|(\S+))')
