@@ -38,7 +38,8 @@ TEXT_FLAGS = {"check"}               # bare words on a text fence
 BLOCK_TIMEOUT = 300                  # seconds per shell block
 WIDTH = "120"                        # COLUMNS for the blocks' tables
 
-_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*?)[ \t]*$")
+# CommonMark: a fence is indented by at most 3 spaces (4 make an indented code block showing a fence)
+_OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*?)[ \t]*$")
 _ATTR = re.compile(r'(\w+)=(?:"([^"]*)"|(\S+))')
 
 
@@ -76,7 +77,7 @@ def fenced_blocks(path: pathlib.Path, text: str | None = None) -> list[Block]:
             i += 1
             continue
         indent, fence = m.group("indent"), m.group("fence")
-        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        close = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
         body, j = [], i + 1
         while j < len(lines) and not close.match(lines[j]):
             body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j].lstrip())
@@ -241,7 +242,8 @@ def test_the_collector_on_a_page(tmp_path, tmp_path_factory):
                     '\n```python\nprint(open("f").read().strip() * 2)\nx = 3\n```\n\n```text check\noneone\n```\n'
                     '\n```python\nassert x == 3\n```\n\n```sh exit=1\necho a; echo b; echo c; false\n```\n'
                     '```text check\na\n...\nc\n```\n\n```sh\nexit 3\n```\n\n```sh\necho two\n```\n'
-                    '```text check\nthree\n```\n\n   ```sh skip="needs a device"\n   qnn-net-run\n   ```\n')
+                    '```text check\nthree\n```\n\n   ```sh skip="needs a device"\n   qnn-net-run\n   ```\n'
+                    '\n    ```sh\n    an indented code block, not a fence\n')
     blocks = [b for b in fenced_blocks(page) if b.lang in RUNNABLE]
     assert [b.lang for b in blocks] == ["sh", "console", "python", "python", "sh", "sh", "sh", "sh"]
     assert blocks[-1].attrs == {"skip": "needs a device"} and blocks[-1].code == "qnn-net-run\n"
