@@ -20,6 +20,8 @@ $(VENV)/.dev: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
+	command -v jq >/dev/null || (apt-get update -qq && apt-get install -y -qq jq >/dev/null) \
+		|| echo "jq could not be installed: the documentation blocks that use it (docs/bundle.md, docs/cli.md) will fail"
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,oracle,scale]'
 	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
