@@ -20,6 +20,8 @@ $(VENV)/.dev: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "chromium could not be installed: the HTML report's browser test will skip"
+	command -v jq >/dev/null || (apt-get update -qq && apt-get install -y -qq jq >/dev/null) \
+		|| echo "jq could not be installed: the documentation blocks that use it (docs/bundle.md, docs/cli.md) will fail"
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,oracle,scale]'
 	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
@@ -38,10 +40,11 @@ demo: $(VENV)/.runtime
 
 # the linter first (pyflakes, import order, 120 columns: pyproject.toml), then
 # two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
-# slow everything down many times over)
+# slow everything down many times over); --dist loadgroup keeps the blocks of one documentation page on one worker
+# (tests/test_doc_blocks.py: a page's blocks build on each other), every other test is spread as before
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
-	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 -q
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
 
 # the long fuzz run (tests/fuzz): FUZZ_CASES seeded mutations of every format, each in a worker under a memory and a
 # time limit; prints a table per format (ok / clean / crash / hang / memory) and exits 1 if any case crashed, hung or
