@@ -18,6 +18,7 @@ from ..bundle import valid_mask
 from ..conventions.common import tap_token_axis
 from ..errors import InputError
 from ..metrics import sqnr_db
+from .channels import channel_scores, sample_axes
 from .curves import report_notes
 from .dataflow import producer
 from .divergence import localise, model_config
@@ -184,6 +185,9 @@ def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | 
 
 def _metrics(golden, device, rec, dtype):
     m = tensor_metrics(golden, device, rec["valid"], dtype)
+    axes = sample_axes(rec) if not is_integer(golden.dtype) else None
+    if axes is not None:   # the worst channel (refimpl.diff.channels), judged beside the whole tensor
+        m["channels"] = channel_scores(golden, device, valid_mask(golden.shape, rec["valid"]), axes)
     lm = None
     if rec["name"] == "logits" and golden.ndim >= 2 and golden.shape[-1] >= 2:
         rows = valid_mask(golden.shape, rec["valid"]).any(axis=-1)

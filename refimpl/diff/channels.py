@@ -1,0 +1,139 @@
+"""Per-channel judgement: a tensor's channels scored as well as the whole tensor (docs/diff.md, "Per channel").
+
+    scores = channel_scores(golden, device, mask, sample_axes=(0, 1))   # [B, T, C]: channels = C
+    scores["count"], scores["worst"], scores["nmse"], scores["gain"]
+    channel_bar(max_nmse, scores["n"], scores["count"])                # the worst channel's bar
+
+A wrong per-channel scale (one output channel of a projection 2 % off: the most common quantisation bug) moves the
+tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise allows, while that channel's own NMSE is 4e-4.
+So each channel (an index over the tensor's feature axes: everything but its batch and token axes) is judged too,
+with the same bar as the whole tensor, adjusted only for the evidence one channel carries:
+
+    channel c  (n_c valid elements over batch and tokens, e = device - golden)
+        mse_c   = sum e^2 / n_c              power_c = sum g^2 / n_c
+        nmse_c  = mse_c / max(power_c, P)    P: the tensor's own power, as its bar divides by (a channel that sits
+                                             near 0 is judged at the tensor's scale, as judged_nmse does for steps)
+        gain_c  = sum e g / sum g^2          its signed error relative to its values (+0.02 for a scale x1.02)
+    fails when  nmse_c > max_nmse x q(n_c, C)
+        q(n, C) = chi2_n^-1(1 - alpha / C) / n,  alpha = 1e-3
+
+A device whose error is spread over the tensor at exactly the tensor's bar (NMSE max_nmse, the most an honest
+device may show) has each channel's nmse distributed as max_nmse x chi2(n_c) / n_c; q is the quantile that the
+worst of C channels passes with probability 1 - alpha (Bonferroni over the channels; the tensor's own 99.9 %
+small_sample level). q is 4.7 for n = 7, C = 64; 3.6 for n = 16, C = 1024; 18.6 for one token and 64 channels: a
+decode step's channels carry little evidence, a prompt's much. Honest devices sit far under their tensor bar, so
+their worst channel is far under q x the bar (calibration: docs/diff.md). Tensors without a token axis (the GDN
+states, taken whole) and tensors of one channel are not judged per channel.
+"""
+
+import functools
+import math
+
+import mpmath
+import numpy as np
+
+from ..conventions.common import tap_token_axis
+
+ALPHA = 1e-3   # the chance an honest tensor fails on its worst channel by chance (policy.small_sample's level)
+CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from the rest by k in RMS beyond chance
+
+
+@functools.lru_cache(maxsize=4096)
+def chi2_quantile(n: int, tail: float) -> float:
+    """x with P(chi2_n > x) = tail (regularized upper incomplete gamma Q(n/2, x/2), solved by bisection in x)."""
+    mpmath.mp.dps = 20
+    lo, hi = 0.0, max(8.0 * n, 16.0)
+    while mpmath.gammainc(n / 2, hi / 2, mpmath.inf, regularized=True) > tail:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mpmath.gammainc(n / 2, mid / 2, mpmath.inf, regularized=True) > tail:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return hi
+
+
+def q_factor(n: int, count: int, alpha: float = ALPHA) -> float:
+    """How far the worst of `count` channels of n elements each may exceed the tensor's NMSE by chance:
+    chi2_n^-1(1 - alpha / count) / n."""
+    n = max(int(n), 1)
+    return chi2_quantile(n, alpha / max(int(count), 1)) / n
+
+
+def channel_bar(ch: dict, max_nmse: float) -> float:
+    """The worst channel's bar: max(the tensor's bar, CONTRAST x q(n, C) x the NMSE of the tensor's other
+    channels)."""
+    return max(max_nmse, CONTRAST * q_factor(ch["n"], ch["count"]) * ch["rest_nmse"])
+
+
+def sample_axes(rec: dict) -> tuple | None:
+    """The batch and token axes of a bundle tensor (its channels are the other axes), or None when it has no token
+    axis (a state taken whole, token ids): a tap's by its name, a graph input's or output's by its `axes`."""
+    if rec["role"] == "tap":
+        axis = tap_token_axis(rec["name"])
+        return None if axis is None or len(rec["shape"]) <= axis else tuple(sorted({0, axis}))
+    axes = (rec.get("axes") or "").split(",")
+    if "t" not in axes or len(axes) != len(rec["shape"]):
+        return None
+    return tuple(sorted({axes.index(a) for a in ("b", "t") if a in axes}))
+
+
+def channel_scores(golden, device, mask, sample_axes: tuple) -> dict | None:
+    """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
+    valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
+    batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
+    axes), n, mse, power, nmse (its own: mse / power), gain, tensor_power (P, mean g^2 over the tensor), score
+    (nmse against max(power, P), over q(n, count): the worst channel is the one of highest score)."""
+    g, d = np.asarray(golden, np.float64), np.asarray(device, np.float64)
+    axes = [a for a in range(g.ndim) if a not in sample_axes]
+    if not axes:
+        return None
+    order = [*sample_axes, *axes]
+    feature_shape = [g.shape[a] for a in axes]
+    g, d, ok = (np.transpose(x, order).reshape(-1, math.prod(feature_shape)) for x in (g, d, np.asarray(mask)))
+    ok = ok & np.isfinite(g) & np.isfinite(d)                                          # [S, C]
+    n = ok.sum(axis=0)                                                                 # [C]
+    scored = n > 0
+    count = int(scored.sum())
+    if count < 2:
+        return None
+    peak = float(max(np.max(np.abs(g[ok])), np.max(np.abs(d[ok])))) if ok.any() else 0.0
+    s = 2.0 ** math.floor(math.log2(peak)) if peak > 0 else 1.0                        # exact scaling: no overflow
+    gs, es = np.where(ok, g / s, 0.0), np.where(ok, (d - g) / s, 0.0)
+    err = np.sum(es * es, axis=0)                                                      # sum e^2 per channel
+    power = np.sum(gs * gs, axis=0)                                                    # sum g^2 per channel
+    cross = np.sum(es * gs, axis=0)                                                    # sum e g per channel
+    P = float(power.sum() / n.sum())                                                   # mean g^2 of the tensor
+    m = np.maximum(n, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        judged = err / (m * np.maximum(power / m, P))                                  # nmse_c at the floor P
+        rest = (err.sum() - err) / (power.sum() - power)                               # the other channels' nmse
+        q = np.array([q_factor(k, count) for k in m]) if len(set(m.tolist())) > 1 else q_factor(int(m[0]), count)
+        score = np.where(scored, np.nan_to_num(judged / (q * rest), nan=0.0, posinf=np.inf), -np.inf)
+    c = int(np.argmax(score))
+    k = int(n[c])
+    return {
+        "count": count,
+        "worst": [int(i) for i in np.unravel_index(c, feature_shape)],
+        "n": k,
+        "mse": float(err[c] / k) * s * s,
+        "power": float(power[c] / k) * s * s,
+        "nmse": float(err[c] / power[c]) if power[c] > 0 else (0.0 if err[c] == 0 else math.inf),
+        "gain": float(cross[c] / power[c]) if power[c] > 0 else math.nan,
+        "tensor_power": P * s * s,
+        "rest_nmse": float(rest[c]) if np.isfinite(rest[c]) else 0.0,
+        "contrast": float(score[c]),
+    }
+
+
+def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:
+    """The worst channel's nmse as judged: its mse over the larger of its power and the tensor's (reference_power:
+    the power the tensor's bar divides by, when larger than the step's own, e.g. the run's)."""
+    floor = max(ch["tensor_power"], reference_power or 0.0)
+    den = max(ch["power"], floor)
+    if not den > 0:
+        return 0.0 if ch["mse"] == 0 else math.inf
+    return ch["mse"] / den
