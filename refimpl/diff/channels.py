@@ -65,8 +65,9 @@ def q_factor(n: int, count: int, alpha: float = ALPHA) -> float:
 
 def channel_bar(ch: dict, max_nmse: float) -> float:
     """The worst channel's bar: max(the tensor's bar, CONTRAST x q(n, C) x the NMSE of the tensor's other
-    channels)."""
-    return max(max_nmse, CONTRAST * q_factor(ch["n"], ch["count"]) * ch["rest_nmse"])
+    channels, CONTRAST x the emulation's NMSE on that channel (three-way))."""
+    return max(max_nmse, CONTRAST * q_factor(ch["n"], ch["count"]) * ch["rest_nmse"],
+               CONTRAST * (ch.get("emulated_nmse") or 0.0))
 
 
 def sample_axes(rec: dict) -> tuple | None:
@@ -81,7 +82,7 @@ def sample_axes(rec: dict) -> tuple | None:
     return tuple(sorted({axes.index(a) for a in ("b", "t") if a in axes}))
 
 
-def channel_scores(golden, device, mask, sample_axes: tuple) -> dict | None:
+def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> dict | None:
     """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
     valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
     batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
@@ -93,8 +94,9 @@ def channel_scores(golden, device, mask, sample_axes: tuple) -> dict | None:
         return None
     order = [*sample_axes, *axes]
     feature_shape = [g.shape[a] for a in axes]
-    g, d, ok = (np.transpose(x, order).reshape(-1, math.prod(feature_shape)) for x in (g, d, np.asarray(mask)))
-    ok = ok & np.isfinite(g) & np.isfinite(d)                                          # [S, C]
+    e = g if emulation is None else np.asarray(emulation, np.float64)
+    g, d, e, ok = (np.transpose(x, order).reshape(-1, math.prod(feature_shape)) for x in (g, d, e, np.asarray(mask)))
+    ok = ok & np.isfinite(g) & np.isfinite(d) & np.isfinite(e)                         # [S, C]
     n = ok.sum(axis=0)                                                                 # [C]
     scored = n > 0
     count = int(scored.sum())
@@ -104,15 +106,19 @@ def channel_scores(golden, device, mask, sample_axes: tuple) -> dict | None:
     s = 2.0 ** math.floor(math.log2(peak)) if peak > 0 else 1.0                        # exact scaling: no overflow
     gs, es = np.where(ok, g / s, 0.0), np.where(ok, (d - g) / s, 0.0)
     err = np.sum(es * es, axis=0)                                                      # sum e^2 per channel
+    ee = np.where(ok, (e - g) / s, 0.0)
+    err_emulated = np.sum(ee * ee, axis=0)                                             # the emulation's (three-way)
     power = np.sum(gs * gs, axis=0)                                                    # sum g^2 per channel
     cross = np.sum(es * gs, axis=0)                                                    # sum e g per channel
     P = float(power.sum() / n.sum())                                                   # mean g^2 of the tensor
     m = np.maximum(n, 1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        judged = err / (m * np.maximum(power / m, P))                                  # nmse_c at the floor P
+        den = m * np.maximum(power / m, P)
+        judged, emulated = err / den, err_emulated / den                               # nmse_c at the floor P
         rest = (err.sum() - err) / (power.sum() - power)                               # the other channels' nmse
         q = np.array([q_factor(k, count) for k in m]) if len(set(m.tolist())) > 1 else q_factor(int(m[0]), count)
-        score = np.where(scored, np.nan_to_num(judged / (q * rest), nan=0.0, posinf=np.inf), -np.inf)
+        expected = np.maximum(q * np.nan_to_num(rest, posinf=0.0), emulated)
+        score = np.where(scored, np.nan_to_num(judged / expected, nan=0.0, posinf=np.inf), -np.inf)
     c = int(np.argmax(score))
     k = int(n[c])
     return {
@@ -125,6 +131,7 @@ def channel_scores(golden, device, mask, sample_axes: tuple) -> dict | None:
         "gain": float(cross[c] / power[c]) if power[c] > 0 else math.nan,
         "tensor_power": P * s * s,
         "rest_nmse": float(rest[c]) if np.isfinite(rest[c]) else 0.0,
+        "emulated_nmse": float(emulated[c]) if emulation is not None else None,
         "contrast": float(score[c]),
     }
 

@@ -134,7 +134,8 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
             raise InputError(f"{where}: tensors[{i}] must be an object with a 'match' regex")
         crit = {k: v for k, v in r.items() if k != "match"}
         for k, v in crit.items():
-            if not (k in ("exact", "atol", "channels") or (re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES)):
+            named = re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES
+            if not (k in ("exact", "atol", "channels") or named):
                 raise InputError(f"{where}: tensors[{i}]: criterion {brief(k)} is not max_<metric> / min_<metric> of a "
                                  f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol, exact or channels")
             if k in ("exact", "channels"):
@@ -172,6 +173,16 @@ def judged_nmse(metrics: dict) -> float:
     if not power or not run or not run > power or mse is None or not math.isfinite(mse):
         return metrics.get("nmse")   # a saved metrics file may lack them
     return mse / run
+
+
+def bar(criteria: dict, metrics: dict | None) -> dict:
+    """The bar a tensor was judged by, for the record (diff --json): its criteria (max_nmse: the default's, a
+    policy's or three-way's k^2 x the emulation's), and its worst channel's bar (channel_max_nmse) where judged."""
+    out = dict(criteria)
+    ch = (metrics or {}).get("channels")
+    if criteria.get("channels") and ch and criteria.get("max_nmse") is not None:
+        out["channel_max_nmse"] = channel_bar(ch, criteria["max_nmse"])
+    return out
 
 
 def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str]:
