@@ -192,6 +192,7 @@ def emulated_dtype(emulated, dtype: str | None, policy_file: str | None) -> str:
     device's precision); a --dtype or policy file that says another is refused."""
     recorded = emulated.manifest.get("precision") or {}
     want = recorded.get("activations", recorded.get("dtype", "float32"))
+    want = DTYPE_ALIASES.get(want, want)
     spec = read_json(policy_file, "policy") if policy_file and dtype is None else {}
     given = dtype or (spec.get("dtype") if isinstance(spec, dict) else None)   # load_policy checks the file itself
     if given is not None and DTYPE_ALIASES.get(given, given) != want:

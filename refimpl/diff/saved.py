@@ -80,7 +80,11 @@ def _result(r, where: str) -> "Result":
             number(channels.get(k), f"{where}.metrics.channels.{k}", InputError, finite=False)
         for k in ("n", "count"):
             integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1)
+        if channels.get("emulated_nmse") is not None:
+            number(channels["emulated_nmse"], f"{where}.metrics.channels.emulated_nmse", InputError, finite=False)
     for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):
+        if key == "reference" and "equals_golden_or_emulation" in (r.get(key) or {}):
+            continue   # an integer tensor's three-way reference (compare._integer_reference): no nmse
         if r.get(key) is not None and not all(k in r[key] for k in needed):
             raise InputError(f"{where}.{key}: needs {', '.join(needed)}")
     if not all(isinstance(x, str) for x in r.get("failures", [])):

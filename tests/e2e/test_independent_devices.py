@@ -34,22 +34,22 @@ class Case:
     goldens: dict = dataclasses.field(default_factory=dict)
     models: dict = dataclasses.field(default_factory=dict)
 
-    def golden(self, convention: str, precision: str | None = None, params: dict | None = None):
+    def golden(self, convention: str, precision: str | None = None, params: dict | None = None, steps: int = STEPS):
         """The float32 golden, or (precision) the emulated bundle following its tokens (three-way judging)."""
         params = params if params is not None else (GENIE if convention == "genie" else {})
-        key = (convention, precision, tuple(sorted(params.items())))
+        key = (convention, precision, tuple(sorted(params.items())), steps)
         if key not in self.goldens:
-            follow = self.golden(convention, None, params).manifest["generated_ids"] if precision else None
+            follow = self.golden(convention, None, params, steps).manifest["generated_ids"] if precision else None
             path = self.root / f"golden-{len(self.goldens)}"
             self.goldens[key] = read_bundle(write_golden(path, D.reference(self.config, self.arrays, precision),
                                                          PROMPT, source="e2e", convention=convention, params=params,
-                                                         decode_steps=STEPS, taps=".", decode_ids=follow))
+                                                         decode_steps=steps, taps=".", decode_ids=follow))
         return self.goldens[key]
 
-    def hf(self, dtype="float32", attn="eager"):
-        if (dtype, attn) not in self.models:
-            self.models[dtype, attn] = D.load_hf(self.checkpoint, dtype, attn)
-        return self.models[dtype, attn]
+    def hf(self, dtype="float32", attn="eager", experts=None):
+        if (dtype, attn, experts) not in self.models:
+            self.models[dtype, attn, experts] = D.load_hf(self.checkpoint, dtype, attn, experts)
+        return self.models[dtype, attn, experts]
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +272,59 @@ def test_cli_names_step_layer_and_op_in_full_on_an_80_column_terminal(cases, tmp
                  "--step", "0", "--layout", "hf-hooks", "--model", str(case.checkpoint)]) == 1
     out = capsys.readouterr().out   # the conv itself (the module transformers no longer calls) was not dumped
     assert "model.layers.0.linear_attn.conv1d_silu" in out and "ADDS ERROR (this op or the undumped conv1d" in out
+
+
+# ------------------------------------------------------------------------------------------------ per channel
+
+# a projection of every architecture whose output channel a device scales wrongly (its tap: the module's output)
+PROJECTION = {"dense": "model.layers.1.mlp.down_proj", "moe": "model.layers.1.self_attn.o_proj",
+              "hybrid": "model.layers.1.mlp.down_proj", "next": "model.layers.1.mlp.shared_expert.down_proj"}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_one_channel_scaled_is_caught_under_fp16_noise(arch, cases, tmp_path):
+    """ONNX Runtime in float16 (a prompt call of AR = 8, judged three-way against refimpl's fp16 emulation): the
+    honest run passes; the same graph with one output channel of a projection x1.02 (a Mul after it: a wrong
+    per-channel output scale) is named at that projection, by its worst channel, while its whole-tensor NMSE
+    stays under the tensor's bar; replay blames that op alone. The channel is the golden's median-power one."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    case = cases(arch)
+    params = {**GENIE, "ar": 8}
+    golden = case.golden("genie", params=params, steps=0)
+    emulated = case.golden("genie", "fp16", params=params, steps=0)
+    model = case.hf("float16", experts="batched_mm")
+    m = golden.manifest
+    graph = D.ort_graph(model, model.config, params, None, tmp_path / "honest")
+    calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params)
+    report = judge(golden, D.write_dump(calls, tmp_path / "honest-dump"), "fp16", emulated)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+
+    tap = PROJECTION[arch]
+    power = np.mean(golden.tensor(0, "tap", tap).astype(np.float64) ** 2, axis=(0, 1))     # [C]
+    channel = int(np.argsort(power)[len(power) // 2])
+    D.scale_output(tmp_path / "honest" / "genie_ar8.onnx", tmp_path / "fault", tap, channel, 1.02)
+    graph = D.ort_graph(model, model.config, params, None, tmp_path / "fault")
+    calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params)
+    dump = D.write_dump(calls, tmp_path / "fault-dump")
+    report = judge(golden, dump, "fp16", emulated)
+    assert first(report) == (0, tap), [(r.key, r.failures) for r in report.failed][:3]
+    hit = next(r for r in report.results if r.key == f"0/tap/{tap}")
+    assert hit.metrics["nmse"] <= hit.bar["max_nmse"]          # the whole tensor passes its bar ...
+    assert hit.metrics["channels"]["worst"] == [channel]       # ... its channel does not
+    assert hit.failures == [f for f in hit.failures if f.startswith(f"channel [{channel}]")]
+    assert hit.metrics["channels"]["gain"] == pytest.approx(0.02, abs=0.004)
+    rows = replay(golden, read_dump(dump, golden), D.reference(case.config, case.arrays), layer=1, step=0,
+                  policy=make_policy({"layouts": {".": "hf-hooks"}}, "fp16"))
+    assert [r.name for r in rows if r.adds_error] == [tap], [(r.name, r.failures) for r in rows if r.adds_error]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_honest_bf16_passes_per_channel(arch, cases, tmp_path):
+    """transformers in bfloat16 (hf convention, prompt and decode calls), three-way: no channel of an honest run
+    fails (the Qwen3.5 run is test_transformers_bf16_passes_three_way's)."""
+    case = cases(arch)
+    golden, emulated = case.golden("hf"), case.golden("hf", "bf16")
+    report = judge(golden, device_dump(case, golden, tmp_path / "dump", dtype="bfloat16"), "bf16", emulated)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+    assert sum(bool((r.metrics or {}).get("channels")) for r in report.results) > 100
