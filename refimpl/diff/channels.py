@@ -1,29 +1,30 @@
 """Per-channel judgement: a tensor's channels scored as well as the whole tensor (docs/diff.md, "Per channel").
 
-    scores = channel_scores(golden, device, mask, sample_axes=(0, 1))   # [B, T, C]: channels = C
-    scores["count"], scores["worst"], scores["nmse"], scores["gain"]
-    channel_bar(max_nmse, scores["n"], scores["count"])                # the worst channel's bar
+    ch = channel_scores(golden, device, mask, sample_axes=(0, 1))    # [B, T, C]: channels = C; None if < 2
+    ch["worst"], ch["nmse"], ch["gain"], ch["rest_nmse"]              # its worst channel
+    channel_bar(ch, max_nmse)                                         # that channel's bar (policy.judge applies it)
 
 A wrong per-channel scale (one output channel of a projection 2 % off: the most common quantisation bug) moves the
-tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise allows, while that channel's own NMSE is 4e-4.
-So each channel (an index over the tensor's feature axes: everything but its batch and token axes) is judged too,
-with the same bar as the whole tensor, adjusted only for the evidence one channel carries:
+tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise needs, while that channel's own NMSE is 4e-4.
+So each channel (an index over the tensor's feature axes: everything but its batch and token axes) is judged too:
 
-    channel c  (n_c valid elements over batch and tokens, e = device - golden)
-        mse_c   = sum e^2 / n_c              power_c = sum g^2 / n_c
-        nmse_c  = mse_c / max(power_c, P)    P: the tensor's own power, as its bar divides by (a channel that sits
-                                             near 0 is judged at the tensor's scale, as judged_nmse does for steps)
-        gain_c  = sum e g / sum g^2          its signed error relative to its values (+0.02 for a scale x1.02)
-    fails when  nmse_c > max_nmse x q(n_c, C)
-        q(n, C) = chi2_n^-1(1 - alpha / C) / n,  alpha = 1e-3
+    channel c  (n_c valid elements over batch and tokens, e = device - golden, E = the emulated run three-way)
+        nmse_c  = sum e^2 / (n_c max(mean g^2 of c, P))   P: the tensor's mean g^2 (a channel that sits near 0 is
+                                                         judged at the tensor's scale, as judged_nmse does for steps)
+        rest_c  = the NMSE of the other channels
+        gain_c  = sum e g / sum g^2                      its signed error relative to its values (+0.02 for x1.02)
+    fails when  nmse_c > max(max_nmse, CONTRAST q(n_c, C) rest_c, CONTRAST nmse_c(E))
+        q(n, C) = chi2_n^-1(1 - ALPHA / C) / n
 
-A device whose error is spread over the tensor at exactly the tensor's bar (NMSE max_nmse, the most an honest
-device may show) has each channel's nmse distributed as max_nmse x chi2(n_c) / n_c; q is the quantile that the
-worst of C channels passes with probability 1 - alpha (Bonferroni over the channels; the tensor's own 99.9 %
-small_sample level). q is 4.7 for n = 7, C = 64; 3.6 for n = 16, C = 1024; 18.6 for one token and 64 channels: a
-decode step's channels carry little evidence, a prompt's much. Honest devices sit far under their tensor bar, so
-their worst channel is far under q x the bar (calibration: docs/diff.md). Tensors without a token axis (the GDN
-states, taken whole) and tensors of one channel are not judged per channel.
+the tensor's own bar (max_nmse: the dtype default, a policy's, three-way's k^2 x the emulation's), its contrast
+with the rest of the same tensor (were the rest's error spread evenly, a channel's nmse over n elements would be
+rest x chi2_n / n: q is the quantile the worst of C channels stays under with probability 1 - ALPHA, Bonferroni
+over the channels; CONTRAST = k^2 with three-way's k = 4 allows an honest unevenness of 4 in RMS beyond chance),
+and (three-way) k x the emulated run's own error on that channel (an honest bf16 / fp16 GDN decode step puts most
+of its error in a few elements, the emulation in the same ones). The worst channel is the one of the largest
+nmse_c / max(q rest_c, nmse_c(E)). q is 4.7 for n = 7, C = 64; 3.6 for n = 16, C = 1024; 18.6 for one token and
+64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
+GDN states, taken whole) and tensors of one channel are not judged per channel.
 """
 
 import functools
@@ -86,8 +87,8 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
     """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
     valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
     batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
-    axes), n, mse, power, nmse (its own: mse / power), gain, tensor_power (P, mean g^2 over the tensor), score
-    (nmse against max(power, P), over q(n, count): the worst channel is the one of highest score)."""
+    axes), n, mse, power, nmse (its own: mse / power), gain, tensor_power (P), rest_nmse, emulated_nmse (the
+    emulation's nmse_c, three-way; else None), contrast (nmse_c / max(q rest_c, nmse_c(E)), the largest)."""
     g, d = np.asarray(golden, np.float64), np.asarray(device, np.float64)
     axes = [a for a in range(g.ndim) if a not in sample_axes]
     if not axes:

@@ -295,6 +295,7 @@ def test_one_channel_scaled_is_caught_under_fp16_noise(arch, cases, tmp_path):
     emulated = case.golden("genie", "fp16", params=params, steps=0)
     model = case.hf("float16", experts="batched_mm")
     m = golden.manifest
+    (tmp_path / "honest").mkdir()
     graph = D.ort_graph(model, model.config, params, None, tmp_path / "honest")
     calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params)
     report = judge(golden, D.write_dump(calls, tmp_path / "honest-dump"), "fp16", emulated)
