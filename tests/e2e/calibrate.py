@@ -8,7 +8,8 @@ reduced-precision runtimes also the emulated bundle at that precision), an hones
 the verdict, the number of compared tensors, the worst SQNR over every compared float tensor of every step and
 where it sits, and the margin to the bar (fp32: worst SQNR - the bar's SQNR; three-way: how far the worst tensor's
 NMSE stays under its three-way bar, in dB; tensors after an exact tie the device broke the other way are not
-judged), and how far the worst channel stays under its per-channel bar (refimpl.diff.channels), in dB. Notes the report raised are printed too (an honest run raises none but a tie's).
+judged), and how far the worst channel stays under its per-channel bar (refimpl.diff.channels), in dB. Notes the
+report raised are printed too (an honest run raises none but a tie's).
 Not a test: it takes minutes (the ONNX exports of the prompt graphs dominate).
 """
 
@@ -25,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import devices as D
 
 from refimpl.bundle import read_bundle
+from refimpl.diff.channels import channel_bar, judged_channel_nmse
 from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
-from refimpl.diff.channels import channel_bar, judged_channel_nmse
 from refimpl.diff.policy import judged_nmse, make_policy
 from refimpl.golden import write_golden
 from refimpl.presets import PRESETS, build, save_preset
