@@ -281,40 +281,60 @@ PROJECTION = {"dense": "model.layers.1.mlp.down_proj", "moe": "model.layers.1.se
               "hybrid": "model.layers.1.mlp.down_proj", "next": "model.layers.1.mlp.shared_expert.down_proj"}
 
 
+# the fp16 device and the channel's scale: ONNX Runtime, x1.02; for the hybrids transformers itself in float16
+# (torch.onnx.export of their chunked Gated DeltaNet prompt graph takes longer than a test may: ~25 s for the
+# attention-only models, over 15 min here), x1.05: transformers' fp16 hybrids are noisier (the down projections'
+# other channels at NMSE 1e-5 to 2e-5, ONNX Runtime's dense one 1.3e-6), and a x1.02 channel (NMSE 3-5e-4) stands
+# out of them by a contrast of 6.5-9.8 (7 or 28 tokens) where the bar allows 16 (docs/diff.md, "Per channel")
+FP16_DEVICE = {"dense": ("ort", 1.02), "moe": ("ort", 1.02), "hybrid": ("eager", 1.05), "next": ("eager", 1.05)}
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_one_channel_scaled_is_caught_under_fp16_noise(arch, cases, tmp_path):
-    """ONNX Runtime in float16 (a prompt call of AR = 8, judged three-way against refimpl's fp16 emulation): the
-    honest run passes; the same graph with one output channel of a projection x1.02 (a Mul after it: a wrong
-    per-channel output scale) is named at that projection, by its worst channel, while its whole-tensor NMSE
-    stays under the tensor's bar; replay blames that op alone. The channel is the golden's median-power one."""
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
+    """A float16 device (a prompt call of AR = 8, judged three-way against refimpl's fp16 emulation): the honest
+    run passes; the same run with one output channel of a projection scaled (FP16_DEVICE; ONNX Runtime: a Mul after
+    it in the exported graph, a wrong per-channel output scale; transformers: that weight row) is named at that
+    projection, by its worst channel, while its whole-tensor NMSE stays under the tensor's bar; replay blames that
+    op alone. The channel is the golden's median-power one."""
     case = cases(arch)
     params = {**GENIE, "ar": 8}
     golden = case.golden("genie", params=params, steps=0)
     emulated = case.golden("genie", "fp16", params=params, steps=0)
-    model = case.hf("float16", experts="batched_mm")
-    m = golden.manifest
-    (tmp_path / "honest").mkdir()
-    graph = D.ort_graph(model, model.config, params, None, tmp_path / "honest")
-    calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params)
-    report = judge(golden, D.write_dump(calls, tmp_path / "honest-dump"), "fp16", emulated)
-    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
-
     tap = PROJECTION[arch]
     power = np.mean(golden.tensor(0, "tap", tap).astype(np.float64) ** 2, axis=(0, 1))     # [C]
     channel = int(np.argsort(power)[len(power) // 2])
-    D.scale_output(tmp_path / "honest" / "genie_ar8.onnx", tmp_path / "fault", tap, channel, 1.02)
-    graph = D.ort_graph(model, model.config, params, None, tmp_path / "fault")
-    calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params)
-    dump = D.write_dump(calls, tmp_path / "fault-dump")
+    steps = [(s["graph"], s["tokens"]) for s in golden.manifest["steps"]]
+    params = golden.manifest["convention"]["params"]   # the bundle's genie options in full (conv state length, ...)
+    runtime, factor = FP16_DEVICE[arch]
+    if runtime == "ort":
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+        model = case.hf("float16", experts="batched_mm")
+        (tmp_path / "honest").mkdir()
+        graph = D.ort_graph(model, model.config, params, None, tmp_path / "honest")
+        honest = D.run_genie(graph, model.config, steps, params)
+        D.scale_output(tmp_path / "honest" / "genie_ar8.onnx", tmp_path / "fault", tap, channel, factor)
+        faulty = D.run_genie(D.ort_graph(model, model.config, params, None, tmp_path / "fault"), model.config, steps,
+                             params)
+    else:
+        model = case.hf("float16")
+        runs = []
+        for fault in (None, D.Fault(scale_channel=(f"{tap}.weight", channel, factor))):
+            graph = D.eager_graph(model, model.config, params, fault)
+            runs.append(D.run_genie(graph, model.config, steps, params, fault))
+            graph.close()
+        honest, faulty = runs
+    report = judge(golden, D.write_dump(honest, tmp_path / "honest-dump"), "fp16", emulated)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+
+    dump = D.write_dump(faulty, tmp_path / "fault-dump")
     report = judge(golden, dump, "fp16", emulated)
     assert first(report) == (0, tap), [(r.key, r.failures) for r in report.failed][:3]
     hit = next(r for r in report.results if r.key == f"0/tap/{tap}")
     assert hit.metrics["nmse"] <= hit.bar["max_nmse"]          # the whole tensor passes its bar ...
     assert hit.metrics["channels"]["worst"] == [channel]       # ... its channel does not
     assert hit.failures == [f for f in hit.failures if f.startswith(f"channel [{channel}]")]
-    assert hit.metrics["channels"]["gain"] == pytest.approx(0.02, abs=0.004)
+    assert hit.metrics["channels"]["gain"] == pytest.approx(factor - 1, abs=0.004)
     rows = replay(golden, read_dump(dump, golden), D.reference(case.config, case.arrays), layer=1, step=0,
                   policy=make_policy({"layouts": {".": "hf-hooks"}}, "fp16"))
     assert [r.name for r in rows if r.adds_error] == [tap], [(r.name, r.failures) for r in rows if r.adds_error]
