@@ -22,8 +22,8 @@ rest x chi2_n / n: q is the quantile the worst of C channels stays under with pr
 over the channels; CONTRAST = k^2 with three-way's k = 4 allows an honest unevenness of 4 in RMS beyond chance),
 and (three-way) k x the emulated run's own error on that channel (an honest bf16 / fp16 GDN decode step puts most
 of its error in a few elements, the emulation in the same ones). The worst channel is the one of the largest
-nmse_c / max(q rest_c, nmse_c(E)). q is 4.7 for n = 7, C = 64; 3.6 for n = 16, C = 1024; 18.6 for one token and
-64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
+nmse_c / max(q rest_c, nmse_c(E)). q is 4.9 for n = 7, C = 64; 3.65 for n = 16, C = 1024; 18.7 for one token
+and 64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
 GDN states, taken whole) and tensors of one channel are not judged per channel.
 """
 
