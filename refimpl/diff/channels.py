@@ -42,6 +42,8 @@ CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from 
 @functools.lru_cache(maxsize=4096)
 def chi2_quantile(n: int, tail: float) -> float:
     """x with P(chi2_n > x) = tail (regularized upper incomplete gamma Q(n/2, x/2), solved by bisection in x)."""
+    if not tail > 0:
+        return math.inf
     mpmath.mp.dps = 20
     lo, hi = 0.0, max(8.0 * n, 16.0)
     while mpmath.gammainc(n / 2, hi / 2, mpmath.inf, regularized=True) > tail:

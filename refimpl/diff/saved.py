@@ -79,7 +79,7 @@ def _result(r, where: str) -> "Result":
         for k in _CHANNEL_NUMBERS:
             number(channels.get(k), f"{where}.metrics.channels.{k}", InputError, finite=False)
         for k in ("n", "count"):
-            integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1)
+            integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1, hi=2 ** 48)
         if channels.get("emulated_nmse") is not None:
             number(channels["emulated_nmse"], f"{where}.metrics.channels.emulated_nmse", InputError, finite=False)
     for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):
