@@ -340,7 +340,7 @@ def test_one_channel_scaled_is_caught_under_fp16_noise(arch, cases, tmp_path):
     assert [r.name for r in rows if r.adds_error] == [tap], [(r.name, r.failures) for r in rows if r.adds_error]
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", ["dense", "moe", "next"])
 def test_honest_bf16_passes_per_channel(arch, cases, tmp_path):
     """transformers in bfloat16 (hf convention, prompt and decode calls), three-way: no channel of an honest run
     fails (the Qwen3.5 run is test_transformers_bf16_passes_three_way's)."""
