@@ -3,6 +3,8 @@
 Exit codes: 0 every compared tensor passes, 1 a mismatch (fail, layout or unreadable tensor), 2 bad input.
 """
 
+import dataclasses
+import json
 import sys
 
 import numpy as np
@@ -12,11 +14,12 @@ from ..arguments import nonnegative, size
 from ..bundle import read_bundle, valid_mask
 from ..errors import InputError
 from ..files import output_file, write_atomic
+from ..metrics import DTYPE_ALIASES
 from ..precision import from_manifest
 from ..sources import load
 from .compare import compare
 from .divergence import model_config
-from .dump import read_dump, read_mapping, refuse_renamed_taps
+from .dump import read_dump, read_json, read_mapping, refuse_renamed_taps
 from .explain import explain, parse
 from .layouts import candidates, conv_kernel
 from .policy import load_policy, make_policy
@@ -40,7 +43,7 @@ def add_commands(sub) -> None:
                    help="declare a dump layout: transposed, nhwc, aimet or hf-hooks (PyTorch module hooks), for "
                         "the tensors REGEX matches (e.g. '.=aimet', 'past_key_.*=transposed'); a bare name: all")
     d.add_argument("--emulated", help="bundle of the same case at the device's precision: three-way judging "
-                                      "(device error within k x the emulation's)")
+                                      "(device error within k x the emulation's), at the dtype its manifest records")
     d.add_argument("--k", type=float, help="k of three-way judging (default 4)")
     d.add_argument("--float", dest="float_bundle", metavar="FLOAT_BUNDLE",
                    help="quantised device: BUNDLE is the quantised golden (--encodings), FLOAT_BUNDLE the float golden "
@@ -68,6 +71,7 @@ def add_commands(sub) -> None:
     r.add_argument("--model", help="model source (default: the bundle's)")
     r.add_argument("--dtype", help="device compute dtype for the verdict: fp32 (default), fp16, bf16")
     r.add_argument("--policy")
+    r.add_argument("--json", help="write the rows (total, inherited and added metrics, verdict) as JSON")
     _reading_flags(r)
     r.set_defaults(func=cmd_replay)
 
@@ -143,6 +147,9 @@ def cmd_diff(args) -> int:
     else:
         if args.device is None:
             raise InputError("diff: give a device dump (or --rejudge METRICS_JSON)")
+        emulated = _bundle(args.emulated) if args.emulated else None
+        if emulated is not None:
+            args.dtype = emulated_dtype(emulated, args.dtype, args.policy)
         policy = _policy(args)
         bundle = _bundle(args.bundle)
         dump = _dump(args, bundle)
@@ -152,7 +159,6 @@ def cmd_diff(args) -> int:
             raise InputError("--excess applies to --float")
         if args.encodings:
             decode_codes(dump, bundle, tap_encodings(bundle, args.encodings))
-        emulated = _bundle(args.emulated) if args.emulated else None
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
                       disable=args.quiet or not sys.stdout.isatty()) as bar:  # a hidden bar still ends with a newline
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))
@@ -170,11 +176,29 @@ def cmd_diff(args) -> int:
     else:
         print_report(report, top=args.top)
     page = render_html(report, first_error) if args.html else None
+    duplicates = [] if args.rejudge else dump.duplicates
+    if duplicates:
+        print(f"{len(duplicates)} dump files hold a tensor another file holds too (e.g. {duplicates[0]}); the file "
+              f"named after it was compared")
     if args.json:
         save_metrics(report, args.json)
     if page is not None:
         write_atomic(args.html, page)
     return report.exit_code
+
+
+def emulated_dtype(emulated, dtype: str | None, policy_file: str | None) -> str:
+    """The device dtype three-way judging uses: the activation dtype the emulated bundle's manifest records (the
+    device's precision); a --dtype or policy file that says another is refused."""
+    recorded = emulated.manifest.get("precision") or {}
+    want = recorded.get("activations", recorded.get("dtype", "float32"))
+    want = DTYPE_ALIASES.get(want, want)
+    spec = read_json(policy_file, "policy") if policy_file and dtype is None else {}
+    given = dtype or (spec.get("dtype") if isinstance(spec, dict) else None)   # load_policy checks the file itself
+    if given is not None and DTYPE_ALIASES.get(given, given) != want:
+        raise InputError(f"--emulated {emulated.path}: computed at {want} (its manifest), but the device dtype is "
+                         f"given as {given}; give the emulation at the device's precision")
+    return want
 
 
 def _first_error(bundle, dump, report, policy):
@@ -198,6 +222,8 @@ def _first_error(bundle, dump, report, policy):
 
 
 def cmd_replay(args) -> int:
+    if args.json and not output_file(args.json, "--json output").resolve().parent.is_dir():
+        raise InputError(f"{args.json}: its directory does not exist")
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
@@ -205,6 +231,11 @@ def cmd_replay(args) -> int:
                   tensor=args.tensor, step=args.step, policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
+    if args.json:
+        write_atomic(args.json, json.dumps({"bundle": str(bundle.path), "dump": str(dump.path),
+                                            "layer": args.layer, "tensor": args.tensor, "step": args.step,
+                                            "policy": policy.to_dict(), "rows": [dataclasses.asdict(r) for r in rows]},
+                                           indent=1, default=str))
     cells, styles = [], []
     for r in rows:
         if r.not_forced:

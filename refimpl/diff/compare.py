@@ -18,12 +18,13 @@ from ..bundle import valid_mask
 from ..conventions.common import tap_token_axis
 from ..errors import InputError
 from ..metrics import sqnr_db
+from .channels import channel_scores, sample_axes
 from .curves import report_notes
 from .dataflow import producer
 from .divergence import localise, model_config
 from .layouts import ADAPTERS, candidates, conv_kernel
 from .metrics import logits_metrics, tensor_metrics
-from .policy import Policy, judge
+from .policy import Policy, bar, judge
 from .results import Report, Result
 
 
@@ -115,8 +116,10 @@ def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated,
     last, rest), rest(run_power) scoring the readings after them (it reads the golden again); None when no reading
     fits (r is then an error)."""
     integer = is_integer(golden.dtype)
+    emulation = None   # the emulated run's tensor (three-way): its channels' errors are the channels' references
     if emulated is not None and not integer:
-        r.reference = _emulated_metrics(emulated, rec, golden, policy)
+        emulation = _emulated_tensor(emulated, rec, golden)
+        r.reference = None if emulation is None else tensor_metrics(golden, emulation, rec["valid"], policy.dtype)
     declared = policy.layout(rec["name"])
     found = candidates(item, rec, declared, kernel)
     if not found:
@@ -129,7 +132,7 @@ def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated,
     criteria = policy.criteria(rec["name"], integer, r.reference)
 
     def score(adapter, device, golden):
-        m, lm = _metrics(golden, device, rec, policy.dtype)
+        m, lm = _metrics(golden, device, rec, policy.dtype, emulation)
         if integer:
             m["integer"] = True
         return adapter, m, lm
@@ -171,10 +174,10 @@ def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | 
     if passing is None:
         adapter, m, lm = readings[0]
         r.layout, r.metrics, r.logits, r.positions = adapter, m, lm, positions[adapter]
-        r.failures, r.status = judge(m, lm, criteria), "fail"
+        r.failures, r.status, r.bar = judge(m, lm, criteria), "fail", bar(criteria, m)
         return
     r.layout, r.metrics, r.logits, r.positions = passing
-    r.failures = []
+    r.failures, r.bar = [], bar(criteria, r.metrics)
     if r.layout in ADAPTERS and r.layout != declared:
         r.status = "layout"
         r.problem = f"matches the golden only when read as '{r.layout}': {ADAPTERS[r.layout][2]}"
@@ -182,8 +185,11 @@ def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | 
         r.status = "pass"
 
 
-def _metrics(golden, device, rec, dtype):
+def _metrics(golden, device, rec, dtype, emulation=None):
     m = tensor_metrics(golden, device, rec["valid"], dtype)
+    axes = sample_axes(rec) if not is_integer(golden.dtype) else None
+    if axes is not None:   # the worst channel (refimpl.diff.channels), judged beside the whole tensor
+        m["channels"] = channel_scores(golden, device, valid_mask(golden.shape, rec["valid"]), axes, emulation)
     lm = None
     if rec["name"] == "logits" and golden.ndim >= 2 and golden.shape[-1] >= 2:
         rows = valid_mask(golden.shape, rec["valid"]).any(axis=-1)
@@ -207,14 +213,13 @@ def check_same_case(bundle, emulated) -> list[int]:
     return list(range(diverged[0], len(g["steps"]))) if diverged else []
 
 
-def _emulated_metrics(emulated, rec, golden, policy):
+def _emulated_tensor(emulated, rec, golden):
+    """The emulated run's tensor of `rec`, or None (not in it, another shape)."""
     try:
         e = emulated.tensor(rec["step"], rec["role"], rec["name"])
     except InputError:
         return None
-    if e.shape != golden.shape:
-        return None
-    return tensor_metrics(golden, e, rec["valid"], policy.dtype)
+    return e if e.shape == golden.shape else None
 
 
 def _integer_reference(emulated, rec, golden, device) -> dict | None:

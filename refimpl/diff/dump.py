@@ -63,6 +63,7 @@ class Dump:
     path: Path
     items: dict                     # bundle key -> Item
     unknown: list                   # sources matching no bundle tensor, with the reason
+    duplicates: list = dataclasses.field(default_factory=list)   # sources holding a tensor another source gives too
 
 
 def sanitize(name: str) -> str:
@@ -94,8 +95,9 @@ def read_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = 
     """Read a device dump and match its tensors to `bundle`'s (a refimpl.bundle.Bundle).
     mapping: {device name: golden name}. dtype: of raw files: a dtype name, or "native" (the bundle's); default
     float32 (qnn-net-run), native when the dump is itself a refimpl bundle (has a manifest.json)."""
-    matched, unknown = match_dump(path, bundle, mapping=mapping, dtype=dtype)
-    dump = Dump(Path(path), {}, unknown)
+    duplicates = []
+    matched, unknown = match_dump(path, bundle, mapping=mapping, dtype=dtype, duplicates=duplicates)
+    dump = Dump(Path(path), {}, unknown, duplicates)
     for key, (source, load) in matched.items():
         try:
             array, problem = load(), None
@@ -123,9 +125,14 @@ def refuse_renamed_taps(manifest: dict, where) -> None:
                               f"this refimpl")
 
 
-def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None) -> tuple[dict, list]:
+def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None = None,
+               duplicates: list | None = None) -> tuple[dict, list]:
     """The matching of read_dump without reading: ({bundle key: (source, load)}, unknown sources), where load()
-    returns the array or raises FormatError. For dumps too large to hold at once (one window at a time)."""
+    returns the array or raises FormatError. For dumps too large to hold at once (one window at a time).
+    A file holding a tensor another file holds too (a module hook and the hook of the module whose output it
+    returns: `mlp` and `mlp.down_proj`, `o_proj.input` and `eager_attention_forward`) is matched to it: the file
+    named after the tensor (a mapping's, exactly, sanitised) is read, the other listed in `duplicates` (given a
+    list; else in unknown)."""
     path = Path(path)
     refuse_renamed_taps(bundle.manifest, getattr(bundle, "path", "reference"))   # a Bundle, or a dataset reference
     is_bundle = (path / "manifest.json").is_file()   # the dump is itself a refimpl bundle
@@ -153,14 +160,19 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
         entries = _safetensors(path)
     else:
         raise InputError(f"{path}: a dump must be a directory, a .npz or a .safetensors file")
+    ranks = {}   # bundle key -> how its file matched: 0 by name, 1 as a hook name, 2 loosely
     for parts, source, load in entries:
-        keys, why = matcher.match(parts)
+        keys, why, rank = matcher.match(parts)
         if not keys:
             unknown.append(f"{source} ({why})")
             continue
         taken = [k for k in keys if k in matched]
-        if taken:
-            unknown.append(f"{source} (duplicate of {matched[taken[0]][0]} for {taken[0]})")
+        if taken and len(keys) == 1 and rank < ranks[keys[0]] and matched[keys[0]][1].part is None:
+            old = matched.pop(keys[0])[0]   # a file named after the tensor wins over a hook holding it too
+            (unknown if duplicates is None else duplicates).append(f"{old} (the same tensor as {source}: {keys[0]})")
+        elif taken:
+            (unknown if duplicates is None else duplicates).append(
+                f"{source} (the same tensor as {matched[taken[0]][0]}: {taken[0]})")
             continue
         recs = [bundle.manifest["tensors"][k] for k in keys]
         widths = [r["shape"][-1] if r["shape"] else 1 for r in recs]
@@ -169,6 +181,7 @@ def match_dump(path, bundle, *, mapping: dict | None = None, dtype: str | None =
         for key, rec, width in zip(keys, recs, widths):
             part = None if len(keys) == 1 else (start, start + width, sum(widths), [k.split("/", 2)[2] for k in keys])
             matched[key] = (source, _Loader(load, rec, dtype, part, reading))
+            ranks[key] = rank
             start += width
     if not matched:
         raise InputError(f"{path}: no file of the dump matches a tensor of the bundle "
@@ -347,8 +360,9 @@ class _Matcher:
                     loose.setdefault(_loose(n), []).append((role, n))
             self.by_step.append((exact, loose))
 
-    def match(self, parts: tuple) -> tuple[list[str], str]:
-        """The bundle keys a dumped file holds (several: a fused projection) or [] and why not."""
+    def match(self, parts: tuple) -> tuple[list[str], str, int]:
+        """The bundle keys a dumped file holds (several: a fused projection) or [] and why not, and how it
+        matched: 0 by name (a mapping's, exactly or sanitised), 1 as a module-hook name, 2 loosely."""
         *dirs, name = parts
         step, role = None, None
         for i, d in enumerate(dirs):  # the first Result_<k> / layer_outputs_<k> / <k> directory is the step
@@ -362,28 +376,28 @@ class _Matcher:
             name = "/".join([*dirs, name])
         if step is None:
             if len(self.steps) != 1:
-                return [], "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)"
+                return [], "no step: put it under Result_<k>/ or steps/<k>/ (the bundle has several steps)", 0
             step = 0
         if step >= len(self.steps):
-            return [], f"step {step}, the bundle has {len(self.steps)}"
+            return [], f"step {step}, the bundle has {len(self.steps)}", 0
         exact, loose = self.by_step[step]
         golden = self.mapping.get(name) or self.mapping.get(sanitize(name))
         for candidate in (golden, name, sanitize(name)):
             roles = exact.get(candidate) if candidate else None
             if roles:
                 r = role if role in roles else roles[0]
-                return [f"{step}/{r}/{candidate}"], ""
+                return [f"{step}/{r}/{candidate}"], "", 0
         alternatives, _ = hooks.rename(name)  # a module-hook name (refimpl.diff.hooks)
         for taps in alternatives:
             if all("tap" in exact.get(t, ()) for t in taps):
-                return [f"{step}/tap/{t}" for t in taps], ""
+                return [f"{step}/tap/{t}" for t in taps], "", 1
         hits = loose.get(_loose(name), [])
         if role:
             hits = [h for h in hits if h[0] == role] or hits
         names = {n for _, n in hits}
         if len(names) == 1:
             r, n = hits[0]
-            return [f"{step}/{r}/{n}"], ""
+            return [f"{step}/{r}/{n}"], "", 2
         if len(names) > 1:
-            return [], f"ambiguous: matches {sorted(names)}; give a mapping file"
-        return [], f"no tensor of step {step} is named like it"
+            return [], f"ambiguous: matches {sorted(names)}; give a mapping file", 0
+        return [], f"no tensor of step {step} is named like it", 0

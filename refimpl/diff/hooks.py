@@ -58,6 +58,12 @@ RENAMES = (
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.1", "linear_attn.recurrent_state", None),
     (r"linear_attn\.norm\.input\.0", "linear_attn.core", "reshape"),
     (r"linear_attn\.norm\.input\.1", "linear_attn.z", "reshape"),
+    # block outputs that are a tap: a dense MLP's (and a shared expert's) is its down projection, attention's its
+    # o_proj (the first tensor of its tuple), a linear-attention block's its out_proj (a MoE block's `mlp` is a tap)
+    (r"mlp", "mlp|mlp.down_proj", None),
+    (r"mlp\.shared_expert", "mlp.shared_expert.down_proj", None),
+    (r"self_attn(\.0)?", "self_attn.o_proj", None),
+    (r"linear_attn(\.0)?", "linear_attn.out_proj", None),
     (r"self_attn\.qkv_proj", "self_attn.q_proj+self_attn.k_proj+self_attn.v_proj", "split"),
     (r"mlp\.(shared_expert\.)?gate_up_proj", r"mlp.\1gate_proj+mlp.\1up_proj", "split"),
 )

@@ -30,6 +30,7 @@ from ..errors import InputError, brief
 from ..files import expect
 from ..metrics import DTYPE_ALIASES
 from . import hooks
+from .channels import channel_bar, judged_channel_nmse
 from .dump import read_json
 from .layouts import ADAPTERS
 
@@ -63,7 +64,7 @@ class Policy:
         """The criteria for tensor `name`. reference: the emulated run's metrics on it (three-way judging):
         max_nmse becomes k^2 x its NMSE, at least k^2 x one rounding to the device dtype (ROUNDING_NMSE), unless
         a policy rule sets max_nmse itself; an integer tensor passes where it equals the golden or the emulation."""
-        c = {"exact": True} if integer else {**DEFAULTS[self.dtype], "run_power": True}
+        c = {"exact": True} if integer else {**DEFAULTS[self.dtype], "run_power": True, "channels": True}
         c.update({"max_n_nan": 0, "max_n_inf": 0})
         if reference is not None and not integer:
             c["max_nmse"] = (self.three_way_k ** 2 * max(reference["nmse"], ROUNDING_NMSE[self.dtype])
@@ -133,11 +134,12 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
             raise InputError(f"{where}: tensors[{i}] must be an object with a 'match' regex")
         crit = {k: v for k, v in r.items() if k != "match"}
         for k, v in crit.items():
-            if not (k in ("exact", "atol") or (re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES)):
+            named = re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES
+            if not (k in ("exact", "atol", "channels") or named):
                 raise InputError(f"{where}: tensors[{i}]: criterion {brief(k)} is not max_<metric> / min_<metric> of a "
-                                 f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol or exact")
-            if k == "exact":
-                expect(v, bool, f"{where}: tensors[{i}].exact", InputError)
+                                 f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol, exact or channels")
+            if k in ("exact", "channels"):
+                expect(v, bool, f"{where}: tensors[{i}].{k}", InputError)
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {brief(v)}")
         rules.append((_regex(r["match"], where), crit))
@@ -173,6 +175,16 @@ def judged_nmse(metrics: dict) -> float:
     return mse / run
 
 
+def bar(criteria: dict, metrics: dict | None) -> dict:
+    """The bar a tensor was judged by, for the record (diff --json): its criteria (max_nmse: the default's, a
+    policy's or three-way's k^2 x the emulation's), and its worst channel's bar (channel_max_nmse) where judged."""
+    out = dict(criteria)
+    ch = (metrics or {}).get("channels")
+    if criteria.get("channels") and ch and criteria.get("max_nmse") is not None:
+        out["channel_max_nmse"] = channel_bar(ch, criteria["max_nmse"])
+    return out
+
+
 def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str]:
     """The criteria a tensor fails (empty: it passes). metrics / logits: refimpl.diff.metrics dicts."""
     if metrics is None:
@@ -192,7 +204,7 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
                     and metrics.get("golden_max_abs", math.inf) <= floor
                     and not metrics["n_nan"] and not metrics["n_inf"])
     for key, limit in criteria.items():
-        if key in ("exact", "atol", "run_power"):
+        if key in ("exact", "atol", "run_power", "channels"):
             continue
         kind, metric = key.split("_", 1)
         value = values.get(metric)
@@ -203,4 +215,11 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
             ok = False
         if not ok and not (within_floor and metric not in ("n_nan", "n_inf")):
             failed.append(f"{metric} {value:.3g} {'>' if kind == 'max' else '<'} {limit:g}")
+    ch = metrics.get("channels")
+    if criteria.get("channels") and ch and criteria.get("max_nmse") is not None and not within_floor:
+        value, limit = judged_channel_nmse(ch, metrics.get("run_power") if criteria.get("run_power") else None), \
+            channel_bar(ch, criteria["max_nmse"])
+        if not value <= limit:   # the worst channel stands out of the rest and fails the tensor's bar (channels.py)
+            failed.append(f"channel {ch['worst']} of {ch['count']}: nmse {value:.3g} > {limit:.3g} "
+                          f"(gain {100 * ch['gain']:+.2f} %)")
     return failed

@@ -31,6 +31,7 @@ from ..bundle import DTYPES, valid_mask
 from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
+from .channels import channel_scores, sample_axes
 from .compare import is_integer
 from .dataflow import producer
 from .layouts import candidates, conv_kernel
@@ -130,7 +131,11 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
             r = np.asarray(ref[n])
             total, inherited = (tensor_metrics(a, b, rec["valid"], policy.dtype) for a, b in ((g, d), (g, r)))
             # where the op's reference value is itself NaN / Inf (fed one), the device's value there adds nothing
-            added = tensor_metrics(r, d, valid_mask(r.shape, rec["valid"]) & np.isfinite(r), policy.dtype)
+            scored = valid_mask(r.shape, rec["valid"]) & np.isfinite(r)
+            added = tensor_metrics(r, d, scored, policy.dtype)
+            axes = sample_axes(rec) if not is_integer(g.dtype) else None
+            if axes is not None:   # the op's worst channel too (refimpl.diff.channels): a wrong per-channel scale
+                added["channels"] = channel_scores(r, d, scored, axes)
             failures = judge(added, None, policy.criteria(n, is_integer(g.dtype)))
             through, outside = span(cfg, conv, n, given, ref)
             rows.append(ReplayRow(k, n, total, inherited, added, bool(failures) and not outside, failures, lacking,

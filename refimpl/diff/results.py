@@ -29,6 +29,7 @@ class Result:
     origin: str | None = None        # for failures: "added" (all inputs pass) or "inherited"
     reference: dict | None = None    # three-way: the emulated run's metrics on this tensor
     source: str | None = None
+    bar: dict | None = None          # the criteria it was judged by (policy.bar): max_nmse, channel_max_nmse, ...
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from ..errors import InputError, brief
 from ..files import expect, integer, load_json, number, write_atomic
 from .curves import report_notes
 from .divergence import localise
-from .policy import METRIC_NAMES, Policy, judge
+from .policy import METRIC_NAMES, Policy, bar, judge
 from .results import FAILING, Report, Result
 
 
@@ -56,6 +56,7 @@ def _check_fields(d: dict, cls, where: str) -> None:
 
 # the numbers judge(), rejudge() and the report read from a result's metrics (others are recorded, not read)
 _READ_METRICS = METRIC_NAMES | {"n", "n_compared", "golden_max_abs", "golden_power", "run_power"}
+_CHANNEL_NUMBERS = ("count", "n", "mse", "power", "tensor_power", "rest_nmse", "gain", "nmse")
 
 
 def _result(r, where: str) -> "Result":
@@ -72,7 +73,18 @@ def _result(r, where: str) -> "Result":
         for k, v in (r.get(key) or {}).items():
             if k in _READ_METRICS:
                 number(v, f"{where}.{key}.{k}", InputError, finite=False)
+    channels = (r.get("metrics") or {}).get("channels")
+    if channels is not None:   # the worst channel judge() reads (refimpl.diff.channels)
+        expect(channels, dict, f"{where}.metrics.channels", InputError)
+        for k in _CHANNEL_NUMBERS:
+            number(channels.get(k), f"{where}.metrics.channels.{k}", InputError, finite=False)
+        for k in ("n", "count"):
+            integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1, hi=2 ** 48)
+        if channels.get("emulated_nmse") is not None:
+            number(channels["emulated_nmse"], f"{where}.metrics.channels.emulated_nmse", InputError, finite=False)
     for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):
+        if key == "reference" and "equals_golden_or_emulation" in (r.get(key) or {}):
+            continue   # an integer tensor's three-way reference (compare._integer_reference): no nmse
         if r.get(key) is not None and not all(k in r[key] for k in needed):
             raise InputError(f"{where}.{key}: needs {', '.join(needed)}")
     if not all(isinstance(x, str) for x in r.get("failures", [])):
@@ -96,7 +108,7 @@ def rejudge(report: Report, policy: Policy) -> Report:
             r.status = "ignored"
             continue
         criteria = policy.criteria(r.name, bool(r.metrics.get("integer")), r.reference)
-        r.failures = judge(r.metrics, r.logits, criteria)
+        r.failures, r.bar = judge(r.metrics, r.logits, criteria), bar(criteria, r.metrics)
         r.status = "fail" if r.failures else ("layout" if r.status == "layout" else "pass")
     report.policy = policy.to_dict()
     localise(report)

@@ -8,7 +8,8 @@ reduced-precision runtimes also the emulated bundle at that precision), an hones
 the verdict, the number of compared tensors, the worst SQNR over every compared float tensor of every step and
 where it sits, and the margin to the bar (fp32: worst SQNR - the bar's SQNR; three-way: how far the worst tensor's
 NMSE stays under its three-way bar, in dB; tensors after an exact tie the device broke the other way are not
-judged). Notes the report raised are printed too (an honest run raises none but a tie's).
+judged), and how far the worst channel stays under its per-channel bar (refimpl.diff.channels), in dB. Notes the
+report raised are printed too (an honest run raises none but a tie's).
 Not a test: it takes minutes (the ONNX exports of the prompt graphs dominate).
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import devices as D
 
 from refimpl.bundle import read_bundle
+from refimpl.diff.channels import channel_bar, judged_channel_nmse
 from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
 from refimpl.diff.policy import judged_nmse, make_policy
@@ -110,7 +112,17 @@ def honest_run(preset: str, runtime: str, case: str, steps: int, root: Path, gol
             return 10 * math.log10(limit / max(r.metrics["nmse"], 1e-300))
         where = min(scored, key=slack)
         margin = slack(where)
+    def channel_slack(r):  # how far the worst channel stays under its bar, in dB (refimpl.diff.channels)
+        ch, c = r.metrics.get("channels"), policy.criteria(r.name, False, r.reference)
+        if not ch or c.get("max_nmse") is None:
+            return math.inf
+        value = judged_channel_nmse(ch, r.metrics.get("run_power") if c.get("run_power") else None)
+        return 10 * math.log10(channel_bar(ch, c["max_nmse"]) / max(value, 1e-300))
+    channel_at = min(scored, key=channel_slack)
     return {"preset": preset, "runtime": runtime, "case": case, "verdict": "PASS" if report.exit_code == 0 else "FAIL",
+            "channel_margin": channel_slack(channel_at),
+            "channel_at": f"step {channel_at.step} {channel_at.name} channel {channel_at.metrics['channels']['worst']}"
+            if channel_at.metrics.get("channels") else "",
             "tensors": len(report.results), "failed": len(report.failed), "worst_sqnr": judged_sqnr(worst),
             "worst": f"step {worst.step} {worst.name}", "margin": margin,
             "margin_at": f"step {where.step} {where.name}",
@@ -141,6 +153,7 @@ def main(argv=None):
                     print(f"{preset:18} {runtime:9} {case:13} {r['verdict']:7} {r['tensors']:5d} {r['failed']:4d} "
                           f"{r['worst_sqnr']:10.1f} {r['margin']:9.1f}  {r['margin_at']} ({r['seconds']:.0f} s)",
                           flush=True)
+                    print(f"    worst channel: {r['channel_margin']:.1f} dB under its bar at {r['channel_at']}")
                     for note in r["notes"]:
                         print(f"    note: {note}")
                     for key, why in r["failures"]:

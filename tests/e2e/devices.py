@@ -47,6 +47,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class Fault:
     """One planted fault (all off by default). Layers / steps are indices; None = not planted."""
     scale_weight: tuple | None = None        # (parameter name, factor): a mis-converted weight
+    scale_channel: tuple | None = None       # (parameter name, output channel, factor): one row of a weight off
     interleaved_rope_layer: int | None = None    # RoPE over (2i, 2i+1) pairs in this layer's attention
     fp16_overflow_layer: int | None = None   # this layer's MLP down projection in fp16 on a 2^16-scaled input
     mask_floor: float | None = None          # genie host: clamp the mask here instead of the golden's floor
@@ -103,6 +104,13 @@ def planted(model, fault: Fault | None):
             with torch.no_grad():
                 p.mul_(factor)
             stack.callback(lambda: p.data.copy_(old))
+        if fault.scale_channel:   # a wrong per-channel scale: one output channel (weight row) of a projection
+            name, row, factor = fault.scale_channel
+            q = dict(model.named_parameters())[name]
+            kept = q.detach().clone()
+            with torch.no_grad():
+                q[row].mul_(factor)
+            stack.callback(lambda: q.data.copy_(kept))
         if fault.fp16_overflow_layer is not None:
             down = model.get_submodule(f"model.layers.{fault.fp16_overflow_layer}.mlp.down_proj")
 
@@ -495,10 +503,11 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
                 args = tuple(_arg(inputs[n], dtype) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"genie_ar{ar}.onnx"
-                with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
-                    warnings.simplefilter("ignore", FutureWarning)
-                    torch.onnx.export(wrapped, args, f, input_names=ins, output_names=outs + wrapped.tap_names,
-                                      dynamo=True, external_data=False, optimize=True, verbose=False)
+                if not f.exists():   # else a graph exported before (and edited: scale_output)
+                    with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
+                        warnings.simplefilter("ignore", FutureWarning)
+                        torch.onnx.export(wrapped, args, f, input_names=ins, output_names=outs + wrapped.tap_names,
+                                          dynamo=True, external_data=False, optimize=True, verbose=False)
             options = onnxruntime.SessionOptions()
             options.intra_op_num_threads = 1
             sessions[ar] = (onnxruntime.InferenceSession(str(f), options, providers=["CPUExecutionProvider"]),
@@ -513,6 +522,26 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
         as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
         return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
     return graph
+
+
+def scale_output(source: Path, target: Path, tensor: str, channel: int, factor: float) -> Path:
+    """A copy of an exported graph with one channel (last axis) of the named tensor scaled: a Mul by a per-channel
+    constant inserted after the node producing it, as a device applying a wrong per-channel output scale does."""
+    import onnx
+    from onnx import helper, numpy_helper
+    model = onnx.load(source)
+    index, node = next((i, n) for i, n in enumerate(model.graph.node) if tensor in n.output)
+    raw = f"{tensor}.unscaled"
+    node.output[list(node.output).index(tensor)] = raw
+    elem = next(v for v in model.graph.output if v.name == tensor).type.tensor_type.elem_type
+    dims = [d.dim_value for d in next(v for v in model.graph.output if v.name == tensor).type.tensor_type.shape.dim]
+    scale = np.ones(dims[-1], helper.tensor_dtype_to_np_dtype(elem))
+    scale[channel] = factor
+    model.graph.initializer.append(numpy_helper.from_array(scale, f"{tensor}.scale"))
+    model.graph.node.insert(index + 1, helper.make_node("Mul", [raw, f"{tensor}.scale"], [tensor]))   # in order
+    target.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, target / source.name)
+    return target
 
 
 def _arg(a: np.ndarray, dtype):

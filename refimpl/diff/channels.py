@@ -1,0 +1,149 @@
+"""Per-channel judgement: a tensor's channels scored as well as the whole tensor (docs/diff.md, "Per channel").
+
+    ch = channel_scores(golden, device, mask, sample_axes=(0, 1))    # [B, T, C]: channels = C; None if < 2
+    ch["worst"], ch["nmse"], ch["gain"], ch["rest_nmse"]              # its worst channel
+    channel_bar(ch, max_nmse)                                         # that channel's bar (policy.judge applies it)
+
+A wrong per-channel scale (one output channel of a projection 2 % off: the most common quantisation bug) moves the
+tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise needs, while that channel's own NMSE is 4e-4.
+So each channel (an index over the tensor's feature axes: everything but its batch and token axes) is judged too:
+
+    channel c  (n_c valid elements over batch and tokens, e = device - golden, E = the emulated run three-way)
+        nmse_c  = sum e^2 / (n_c max(mean g^2 of c, P))   P: the tensor's mean g^2 (a channel that sits near 0 is
+                                                         judged at the tensor's scale, as judged_nmse does for steps)
+        rest_c  = the NMSE of the other channels
+        gain_c  = sum e g / sum g^2                      its signed error relative to its values (+0.02 for x1.02)
+    fails when  nmse_c > max(max_nmse, CONTRAST q(n_c, C) rest_c, CONTRAST nmse_c(E))
+        q(n, C) = chi2_n^-1(1 - ALPHA / C) / n
+
+the tensor's own bar (max_nmse: the dtype default, a policy's, three-way's k^2 x the emulation's), its contrast
+with the rest of the same tensor (were the rest's error spread evenly, a channel's nmse over n elements would be
+rest x chi2_n / n: q is the quantile the worst of C channels stays under with probability 1 - ALPHA, Bonferroni
+over the channels; CONTRAST = k^2 with three-way's k = 4 allows an honest unevenness of 4 in RMS beyond chance),
+and (three-way) k x the emulated run's own error on that channel (an honest bf16 / fp16 GDN decode step puts most
+of its error in a few elements, the emulation in the same ones). The worst channel is the one of the largest
+nmse_c / max(q rest_c, nmse_c(E)). q is 4.9 for n = 7, C = 64; 3.65 for n = 16, C = 1024; 18.7 for one token
+and 64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
+GDN states, taken whole) and tensors of one channel are not judged per channel.
+"""
+
+import functools
+import math
+
+import mpmath
+import numpy as np
+
+from ..conventions.common import tap_token_axis
+
+ALPHA = 1e-3   # the chance an honest tensor fails on its worst channel by chance (policy.small_sample's level)
+CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from the rest by k in RMS beyond chance
+
+
+@functools.lru_cache(maxsize=4096)
+def chi2_quantile(n: int, tail: float) -> float:
+    """x with P(chi2_n > x) = tail (regularized upper incomplete gamma Q(n/2, x/2), solved by bisection in x)."""
+    if not tail > 0:
+        return math.inf
+    mpmath.mp.dps = 20
+    lo, hi = 0.0, max(8.0 * n, 16.0)
+    while mpmath.gammainc(n / 2, hi / 2, mpmath.inf, regularized=True) > tail:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if mpmath.gammainc(n / 2, mid / 2, mpmath.inf, regularized=True) > tail:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-7 * hi:
+            break
+    return hi
+
+
+def q_factor(n: int, count: int, alpha: float = ALPHA) -> float:
+    """How far the worst of `count` channels of n elements each may exceed the tensor's NMSE by chance:
+    chi2_n^-1(1 - alpha / count) / n."""
+    n = max(int(n), 1)
+    return chi2_quantile(n, alpha / max(int(count), 1)) / n
+
+
+def channel_bar(ch: dict, max_nmse: float) -> float:
+    """The worst channel's bar: max(the tensor's bar, CONTRAST x q(n, C) x the NMSE of the tensor's other
+    channels, CONTRAST x the emulation's NMSE on that channel (three-way))."""
+    return max(max_nmse, CONTRAST * q_factor(ch["n"], ch["count"]) * ch["rest_nmse"],
+               CONTRAST * (ch.get("emulated_nmse") or 0.0))
+
+
+def sample_axes(rec: dict) -> tuple | None:
+    """The batch and token axes of a bundle tensor (its channels are the other axes), or None when it has no token
+    axis (a state taken whole, token ids): a tap's by its name, a graph input's or output's by its `axes`."""
+    if rec["role"] == "tap":
+        axis = tap_token_axis(rec["name"])
+        return None if axis is None or len(rec["shape"]) <= axis else tuple(sorted({0, axis}))
+    axes = (rec.get("axes") or "").split(",")
+    if "t" not in axes or len(axes) != len(rec["shape"]):
+        return None
+    return tuple(sorted({axes.index(a) for a in ("b", "t") if a in axes}))
+
+
+def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> dict | None:
+    """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
+    valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
+    batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
+    axes), n, mse, power, nmse (its own: mse / power), gain, tensor_power (P), rest_nmse, emulated_nmse (the
+    emulation's nmse_c, three-way; else None), contrast (nmse_c / max(q rest_c, nmse_c(E)), the largest)."""
+    g, d = np.asarray(golden, np.float64), np.asarray(device, np.float64)
+    axes = [a for a in range(g.ndim) if a not in sample_axes]
+    if not axes:
+        return None
+    order = [*sample_axes, *axes]
+    feature_shape = [g.shape[a] for a in axes]
+    e = g if emulation is None else np.asarray(emulation, np.float64)
+    g, d, e, ok = (np.transpose(x, order).reshape(-1, math.prod(feature_shape)) for x in (g, d, e, np.asarray(mask)))
+    ok = ok & np.isfinite(g) & np.isfinite(d) & np.isfinite(e)                         # [S, C]
+    n = ok.sum(axis=0)                                                                 # [C]
+    scored = n > 0
+    count = int(scored.sum())
+    if count < 2:
+        return None
+    peak = float(max(np.max(np.abs(g[ok])), np.max(np.abs(d[ok])))) if ok.any() else 0.0
+    s = 2.0 ** math.floor(math.log2(peak)) if peak > 0 else 1.0                        # exact scaling: no overflow
+    gs, es = np.where(ok, g / s, 0.0), np.where(ok, (d - g) / s, 0.0)
+    err = np.sum(es * es, axis=0)                                                      # sum e^2 per channel
+    ee = np.where(ok, (e - g) / s, 0.0)
+    err_emulated = np.sum(ee * ee, axis=0)                                             # the emulation's (three-way)
+    power = np.sum(gs * gs, axis=0)                                                    # sum g^2 per channel
+    cross = np.sum(es * gs, axis=0)                                                    # sum e g per channel
+    P = float(power.sum() / n.sum())                                                   # mean g^2 of the tensor
+    m = np.maximum(n, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        den = m * np.maximum(power / m, P)
+        judged, emulated = err / den, err_emulated / den                               # nmse_c at the floor P
+        rest = (err.sum() - err) / (power.sum() - power)                               # the other channels' nmse
+        q = np.array([q_factor(k, count) for k in m]) if len(set(m.tolist())) > 1 else q_factor(int(m[0]), count)
+        expected = np.maximum(q * np.nan_to_num(rest, posinf=0.0), emulated)
+        score = np.where(scored, np.nan_to_num(judged / expected, nan=0.0, posinf=np.inf), -np.inf)
+    c = int(np.argmax(score))
+    k = int(n[c])
+    return {
+        "count": count,
+        "worst": [int(i) for i in np.unravel_index(c, feature_shape)],
+        "n": k,
+        "mse": float(err[c] / k) * s * s,
+        "power": float(power[c] / k) * s * s,
+        "nmse": float(err[c] / power[c]) if power[c] > 0 else (0.0 if err[c] == 0 else math.inf),
+        "gain": float(cross[c] / power[c]) if power[c] > 0 else math.nan,
+        "tensor_power": P * s * s,
+        "rest_nmse": float(rest[c]) if np.isfinite(rest[c]) else 0.0,
+        "emulated_nmse": float(emulated[c]) if emulation is not None else None,
+        "contrast": float(score[c]),
+    }
+
+
+def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:
+    """The worst channel's nmse as judged: its mse over the larger of its power and the tensor's (reference_power:
+    the power the tensor's bar divides by, when larger than the step's own, e.g. the run's)."""
+    floor = max(ch["tensor_power"], reference_power or 0.0)
+    den = max(ch["power"], floor)
+    if not den > 0:
+        return 0.0 if ch["mse"] == 0 else math.inf
+    return ch["mse"] / den
