@@ -30,6 +30,7 @@ import signal
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..diff.dump import read_json
 from ..errors import FormatError, InputError, RefimplError, brief
@@ -126,8 +127,23 @@ def with_digest(arrays: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ executors
 
-def _ignore_sigint():
+def cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        return os.cpu_count() or 1
+
+
+def blas_share(workers: int) -> int:
+    """BLAS / OpenMP threads for each of `workers` workers on this machine: its share of the cores (at least 1).
+    Each worker's BLAS would otherwise start a thread per core, and N workers' threads fight over the cores."""
+    return max(1, cores() // workers)
+
+
+def _start_worker(threads: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver handles Ctrl-C and stops the workers
+    threadpool_limits(threads)                     # this process's share of the cores, for BLAS and OpenMP
 
 
 def _pool_task(args):
@@ -141,7 +157,8 @@ def _serial(job, items):
 
 
 def _processes(job, items, workers: int):
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_sigint)
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
+                                                     initargs=(blas_share(workers),))
     try:
         yield from pool.imap_unordered(_pool_task, [(job, k, t, g) for k, t, g in items], chunksize=1)
         pool.close()
@@ -151,9 +168,10 @@ def _processes(job, items, workers: int):
 
 
 class _Actor:
-    """A Ray actor: loads the model once, then computes windows."""
+    """A Ray actor: loads the model once, then computes windows, its BLAS limited to `threads`."""
 
-    def __init__(self, job):
+    def __init__(self, job, threads: int):
+        threadpool_limits(threads)
         self.job = job
         _model(job)
 
@@ -177,7 +195,10 @@ def _ray(job, items, workers: int | None, address: str | None):
     actors = []
     try:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        actors = [ray.remote(num_cpus=1)(_Actor).remote(job) for _ in range(n)]
+        # one CPU each; on a local instance of ours, the machine's cores shared among the actors (a cluster's
+        # nodes differ: there an actor takes the one CPU Ray gives it)
+        threads = blas_share(n) if started and not (address or os.environ.get("RAY_ADDRESS")) else 1
+        actors = [ray.remote(num_cpus=1)(_Actor).remote(job, threads) for _ in range(n)]
         pending, items = {}, list(items)
         nxt = 0
         while nxt < len(items) or pending:
