@@ -165,9 +165,3 @@ def llama_summary(rows: dict) -> dict:
 DEFINITION = ("llama.cpp's (llama-perplexity --kl-divergence on this reference's export-kld-base file): the base "
               "log-probs are the 16-bit rows, not renormalised, entries at or below -16 nats left out of the KLD; "
               "float32 per-token values")
-
-
-def llama_kld(codes, scale, min_log_prob, device_logits) -> tuple[np.ndarray, np.ndarray]:
-    """(kld, same top) of llama_rows, for callers without targets."""
-    rows = llama_rows(codes, scale, min_log_prob, device_logits, np.zeros(len(codes), np.int64))
-    return rows["kld"], rows["same_top"]
