@@ -75,6 +75,3 @@ def test_both_columns_on_a_real_vocabulary(case, device):
     assert abs(report["kld"]["mean"] - exact.mean()) <= b["mean"]
     es = np.sort(exact)
     assert abs(report["kld"]["max"] - es[-1]) <= b["max"] and abs(report["kld"]["median"] - np.median(es)) <= b["max"]
-    # 3. on this vocabulary the definitions differ by far more than either's error: llama.cpp's leaves out the
-    #    mass below -16 nats, so its mean is lower
-    assert ll["kld"]["mean"] < report["kld"]["mean"] - 50 * b["mean"]
