@@ -58,14 +58,17 @@ def test_both_columns_on_a_real_vocabulary(case, device):
     np.savez(root / f"{device}.npz", **{f"{k}/logits": x for k, x in enumerate(logits)})
     report = compare_logits(ref, root / f"{device}.npz")
     printed = PRINTED["ci"][device]["statistics"]
-    # 1. llama.cpp's definition: every statistic llama-perplexity printed, within 1e-4 relative or the printed
-    #    resolution (6 decimals; Δp, RMS Δp and same top p: 3 decimals of a percent), whichever is larger
+    # 1. llama.cpp's definition: every statistic llama-perplexity printed, within 1e-4 relative of it beyond the
+    #    printed resolution (6 decimals; Δp, RMS Δp and same top p: 3 decimals of a percent). The logits here are
+    #    E h in float64, llama.cpp's its float32 GEMM (5e-6 apart at most): a per-token KLD moves by ~1e-5 relative,
+    #    enough to cross a printed rounding boundary (measured on llama.cpp's own logits, vocab_measured.json, every
+    #    statistic is within the printed resolution)
     ll, misses = report["llama_cpp"], []
     for key, (value, _) in printed.items():
         a, _, b = key.partition("/")
         unit = 5e-6 if a in ("p_diff", "rms_p_diff", "same_top") else 5e-7
         size = printed["ppl"][0] if a == "ppl_difference" else abs(value)
-        if not abs(ll[a][b or "value"] - value) <= max(REL * size, unit):
+        if not abs(ll[a][b or "value"] - value) <= REL * size + unit:
             misses.append((key, ll[a][b or "value"], value))
     assert not misses
     # 2. the exact column: within the compact form's stated bound of float64 KLD from refimpl's float32 logits
