@@ -9,6 +9,9 @@
 
 Our rows are that row with our range (compact.RANGE nats instead of 16), so the export is a copy. It needs the
 default windows (llama-perplexity's KL mode has no stride).
+
+And llama.cpp's definition of the statistics it prints from such a row (llama_rows per token, llama_summary over
+them): compare-logits' second column, beside the exact KL divergence (compact.kld, stats.summarise).
 """
 
 import math
