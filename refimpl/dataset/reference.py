@@ -141,7 +141,7 @@ def blas_share(workers: int) -> int:
     return max(1, cores() // workers)
 
 
-def _start_worker(threads: int):
+def start_worker(threads: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver handles Ctrl-C and stops the workers
     threadpool_limits(threads)                     # this process's share of the cores, for BLAS and OpenMP
 
@@ -157,7 +157,7 @@ def _serial(job, items):
 
 
 def _processes(job, items, workers: int):
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_start_worker,
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=start_worker,
                                                      initargs=(blas_share(workers),))
     try:
         yield from pool.imap_unordered(_pool_task, [(job, k, t, g) for k, t, g in items], chunksize=1)

@@ -16,7 +16,7 @@ import gguf_cases
 import refimpl
 from refimpl.cli import main
 from refimpl.dataset import cut, open_reference, write_reference
-from refimpl.dataset.reference import Job, _start_worker, blas_share, window_logits, with_digest
+from refimpl.dataset.reference import Job, blas_share, start_worker, window_logits, with_digest
 from refimpl.formats.safetensors import read_safetensors, write_safetensors
 from refimpl.precision import Policy
 
@@ -137,7 +137,7 @@ def test_workers_get_their_share_of_the_cores(monkeypatch):
     monkeypatch.setattr(reference, "cores", lambda: 8)
     assert [blas_share(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
     # a spawned worker started as the pool starts it has its BLAS at that share
-    with multiprocessing.get_context("spawn").Pool(1, initializer=_start_worker, initargs=(1,)) as pool:
+    with multiprocessing.get_context("spawn").Pool(1, initializer=start_worker, initargs=(1,)) as pool:
         info = pool.apply(threadpool_info)
     blas = [lib for lib in info if lib.get("user_api") == "blas"]
     assert blas and all(lib["num_threads"] == 1 for lib in blas)
