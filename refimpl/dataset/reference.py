@@ -451,7 +451,7 @@ def check_manifest(mf: Path, m) -> dict:
     ctx = integer(field(w, "ctx", "windows.", int), f"{mf}: windows.ctx", lo=4, hi=2 ** 31 - 1)
     first = integer(field(w, "first", "windows.", int), f"{mf}: windows.first", lo=0, hi=ctx - 2)
     integer(field(w, "scored", "windows.", int), f"{mf}: windows.scored", lo=1, hi=ctx - 1 - first)
-    if w.get("stride") is not None:
+    if field(w, "stride", "windows.", (int, type(None))) is not None:        # null: llama-perplexity's windows
         integer(w["stride"], f"{mf}: windows.stride", lo=1, hi=ctx - 1)
     if w.get("bos") is not None:
         integer(w["bos"], f"{mf}: windows.bos", lo=0)
