@@ -1,13 +1,15 @@
 """Dataset-reference benchmark: windows per minute of `refimpl reference` on a Qwen3-0.6B-shaped model (seeded
 random weights, float32, written once as an HF checkpoint that every worker memory-maps), with 1 local worker,
-2 local processes and 2 Ray actors on a local Ray instance; Ray's overhead over local processes; the compact
-reference's bytes per scored token.
+N local processes and N Ray actors on a local Ray instance (N = --workers, default: the cores), side by side;
+Ray's overhead over local processes; the compact reference's bytes per scored token. The single worker runs in
+this process with the BLAS's default threads (every core); each of N workers gets its share of the cores
+(refimpl.dataset.reference.blas_share), as `refimpl reference --workers N` gives it.
 
 Each mode computes the same windows into its own directory, from start (worker start-up and model load
 included) to the last window written; the files of every mode are checked to be byte-identical. The modes run
 in rounds, their order alternating (A B C, C B A), and each time is the median over rounds. A mode's
-windows per minute = windows / wall time. Ray's overhead = Ray's wall time / the local processes' - 1 (target
-<= 10 %).
+windows per minute = windows / wall time (the median, and min / ... / max over the rounds). Ray's overhead =
+Ray's wall time / the local processes' - 1 (target <= 10 %).
 
     python bench/dataset.py                   # ctx 512, 6 windows per mode (the 28-layer model, ~2.4 GB)
     python bench/dataset.py --quick           # 4 layers, ctx 128, 4 windows: a smoke run
@@ -18,14 +20,12 @@ Prints times and ratios; never asserts.
 import argparse
 import filecmp
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # one BLAS thread per worker: two workers on two cores
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import cpu_pressure_total, fmt_bytes, print_table, verdict, wait_idle  # noqa: E402
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int)
     ap.add_argument("--windows", type=int)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating their order")
+    ap.add_argument("--workers", type=int, help="N (default: the cores this process may use)")
     ap.add_argument("--plain", action="store_true")
     a = ap.parse_args()
     layers, ctx, n = (4, 128, 4) if a.quick else (28, 512, 6)
@@ -92,9 +93,12 @@ def main() -> None:
         windows = cut([np.random.default_rng(SEED).integers(0, 151643, ctx * n).tolist()], ctx)
         print(f"{n} windows of {ctx} tokens, {windows.scored} scored each; waiting for an idle CPU ...", flush=True)
         idle = wait_idle(60)
-        modes = [("1 local worker", 1, False), ("2 local processes", 2, False)]
+        from refimpl.dataset.reference import blas_share, cores
+        N = a.workers or cores()
+        print(f"{cores()} cores; BLAS threads per worker: 1 worker: every core, {N} workers: {blas_share(N)} each")
+        modes = [("1 local worker", 1, False), (f"{N} local processes", N, False)]
         if have_ray:
-            modes.append(("2 Ray actors (local Ray instance)", 2, True))
+            modes.append((f"{N} Ray actors (local Ray instance)", N, True))
         runs, p0, ray_starts = {name: [] for name, _, _ in modes}, cpu_pressure_total(), []
         for r in range(a.rounds):                 # modes alternate order between rounds (A B C, C B A, ...)
             for name, workers, ray in (modes if r % 2 == 0 else modes[::-1]):
@@ -114,16 +118,19 @@ def main() -> None:
         pressure = None if p0 is None else (cpu_pressure_total() - p0) / sum(t for v in runs.values() for t, _ in v)
         summary = json.loads((tmp / "mode0-0" / "summary.json").read_text())
         base = times[modes[0][0]]
-        rows = [[name, f"{t:.1f} s", f"{60 * n / t:.2f}", f"{60 / per:.2f}", f"{base[0] / t:.2f}x",
+        spread = {name: "/".join(f"{60 * n / t:.2f}" for t in sorted((t for t, _ in v), reverse=True))
+                  for name, v in runs.items()}
+        rows = [[name, f"{t:.1f} s", f"{60 * n / t:.2f} ({spread[name]})", f"{60 / per:.2f}", f"{base[0] / t:.2f}x",
                  "yes" if all(same_files(tmp / "mode0-0", tmp / f"mode{i}-{r}") for r in range(a.rounds)) else "NO"]
                 for i, (name, (t, per)) in enumerate(times.items())]
         print_table(f"refimpl reference: Qwen3-0.6B shape ({layers} layers), ctx {ctx}, {n} windows, median of "
                     f"{a.rounds} rounds",
-                    ["mode", "wall time (start-up, load, windows)", "windows / min", "windows / min after the "
+                    ["mode", "wall time (start-up, load, windows)", "windows / min (min/…/max)",
+                     "windows / min after the "
                      "first", "speed-up vs 1 worker", "files identical to 1 worker"], rows, a.plain)
         if have_ray:
             (tr, pr), (tp, pp) = times[modes[2][0]], times[modes[1][0]]
-            print_table("Ray overhead over local processes (2 workers each)", ["measure", "value", "target",
+            print_table(f"Ray overhead over local processes ({N} workers each)", ["measure", "value", "target",
                                                                                "verdict"],
                         [["wall time (actors + model loads + windows) / processes' - 1",
                           f"{100 * (tr / tp - 1):+.1f} %",

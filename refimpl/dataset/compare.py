@@ -15,7 +15,7 @@ import numpy as np
 from ..diff.dump import match_dump, read_json
 from ..errors import FormatError, InputError, brief
 from ..files import number
-from . import compact, stats
+from . import compact, llama, stats
 from .reference import Reference, top_ids
 
 BARS = {  # --policy key -> (statistic path, direction)
@@ -57,13 +57,16 @@ def _rows(a: np.ndarray, ref: Reference, k: int) -> np.ndarray:
     return a[ref.first:ref.first + ref.scored] if a.shape[0] == ref.ctx else a
 
 
+LLAMA = ("llama_kld", "llama_nll", "llama_nll_base", "llama_p_diff", "llama_same_top")   # llama.llama_rows'
+
+
 def window_metrics(ref: Reference, k: int, device: np.ndarray, top_k: int) -> dict:
     """Per scored position of window k: kld, its compact-form bound, device and reference NLL, same top,
-    top-k overlap, device top token."""
+    top-k overlap, device top token; and llama.cpp's definition of each (LLAMA: llama.llama_rows)."""
     w = ref.window(k)
     dev = _rows(device, ref, k)
     targets = ref.targets[k]
-    out = {n: [] for n in ("kld", "bound", "nll", "nll_ref", "same_top", "overlap", "top1")}
+    out = {n: [] for n in ("kld", "bound", "nll", "nll_ref", "same_top", "overlap", "top1", *LLAMA)}
     for s in range(0, ref.scored, 64):
         rows = slice(s, s + 64)
         logits = dev[rows].astype(np.float64)
@@ -81,6 +84,9 @@ def window_metrics(ref: Reference, k: int, device: np.ndarray, top_k: int) -> di
         out["same_top"].append(finite & (dev_top[:, 0] == ref_top[:, 0]))
         out["overlap"].append(np.array([len(set(a) & set(b)) / top_k for a, b in zip(dev_top, ref_top, strict=True)]))
         out["top1"].append(dev_top[:, 0])
+        ll = llama.llama_rows(w["codes"][rows], w["scale"][rows], w["floor"][rows], dev[rows], targets[rows])
+        for n in LLAMA:
+            out[n].append(ll[n.removeprefix("llama_")])
     return {n: np.concatenate(v) for n, v in out.items()}
 
 
@@ -96,6 +102,7 @@ def compare_logits(ref: Reference, device_path, *, mapping=None, dtype=None, top
     missing = [k for k in range(ref.count) if k not in loads]
     per, problems = {}, {}
     for i, k in enumerate(sorted(loads)):
+        ref.window(k)       # a damaged reference window is an error of the reference (raised), not of the device
         try:
             per[k] = window_metrics(ref, k, loads[k](), top_k)
         except FormatError as e:
@@ -112,6 +119,7 @@ def compare_logits(ref: Reference, device_path, *, mapping=None, dtype=None, top
               "ctx": ref.ctx, "first": ref.first, "scored_per_window": ref.scored, "top_k": top_k,
               **stats.summarise(cat["kld"], cat["nll"], cat["nll_ref"], cat["same_top"], cat["overlap"],
                                 cat["bound"])}
+    report["llama_cpp"] = llama.llama_summary({n.removeprefix("llama_"): cat[n] for n in LLAMA})
     curve = np.stack([per[k]["kld"] for k in keys])                          # [windows, S]
     report["per_position"] = {"position": list(range(ref.first, ref.first + ref.scored)),
                               "mean_kld": curve.mean(0).tolist(), "max_kld": curve.max(0).tolist()}

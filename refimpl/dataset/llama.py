@@ -9,14 +9,19 @@
 
 Our rows are that row with our range (compact.RANGE nats instead of 16), so the export is a copy. It needs the
 default windows (llama-perplexity's KL mode has no stride).
+
+And llama.cpp's definition of the statistics it prints from such a row (llama_rows per token, llama_summary over
+them): compare-logits' second column, beside the exact KL divergence (compact.kld, stats.summarise).
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import InputError
 from ..files import write_atomic
+from . import stats
 from .reference import Reference
 
 MAGIC = b"_logits_"
@@ -68,15 +73,98 @@ def read_kld_base(path) -> dict:
             "scale": head[..., 0], "min_log_prob": head[..., 1], "codes": rows[..., 4:4 + n_vocab]}
 
 
-def llama_kld(codes, scale, min_log_prob, device_logits) -> tuple[np.ndarray, np.ndarray]:
-    """KLD and "same top" per row exactly as llama-perplexity's --kl-divergence computes them from a base row:
-    log p_base_i = scale * code_i + min_log_prob (not renormalised), entries with log p_base <= -16 left out,
-    base top = the first largest code. (float64 here; llama.cpp mixes float32 and double.) For comparing our
-    statistics with numbers llama-perplexity printed; refimpl's own KLD is compact.kld."""
-    lq = device_logits.astype(np.float64)
-    lq = lq - lq.max(-1, keepdims=True)
-    lq = lq - np.log(np.exp(lq).sum(-1, keepdims=True))
-    lp = scale.astype(np.float32)[:, None] * codes.astype(np.float32) + min_log_prob.astype(np.float32)[:, None]
-    lp = lp.astype(np.float64)
-    kld = np.where(lp > -16, np.exp(lp) * (lp - lq), 0.0).sum(-1)
-    return kld, np.argmax(codes, -1) == np.argmax(device_logits, -1)
+def llama_rows(codes, scale, min_log_prob, device_logits, targets) -> dict:
+    """Per scored position, what llama-perplexity --kl-divergence computes from a base-file row and the device's
+    logits (perplexity.cpp, `log_softmax(n_vocab, logits, base_log_prob, tok, kld)`), in its float32 / double
+    arithmetic:
+
+        m = max_i x_i (f32), imax its first index;  lse = f32(log(sum_i f64(expf(x_i - m))))
+        nll = (m + lse) - x_tok                                               f32
+        log p_base_i = scale * code_i + min_log_prob                         f32; not renormalised
+        nll_base = -log p_base_tok                                           f32
+        kld = sum_{i: log p_base_i > -16} f64(expf(log p_base_i) * ((log p_base_i - x_i) + (m + lse)))
+        same top: imax == the first index of the largest log p_base;  dp = expf(-nll) - expf(-nll_base)   f32
+
+    So its KLD keeps only the base entries above -16 nats and does not renormalise them, and its base NLL is the
+    16-bit row's: this is llama.cpp's definition (the numbers llama-perplexity prints), not the KL divergence
+    (compact.kld). codes [S, V] uint16, scale / min_log_prob [S] float32, device_logits [S, V] (read as float32,
+    as llama.cpp holds them), targets [S]. Returns {kld float64, nll, nll_base, p_diff float32, same_top bool}."""
+    x = np.asarray(device_logits).astype(np.float32)                                     # [S, V]
+    r = np.arange(x.shape[0])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = x.max(-1)                                                                    # [S] f32
+        lse = np.log(np.exp(x - m[:, None]).astype(np.float64).sum(-1)).astype(np.float32)
+        top = (m + lse).astype(np.float32)                                               # f32 m + lse
+        nll = top - x[r, targets]                                                        # f32
+        lp = scale.astype(np.float32)[:, None] * codes.astype(np.float32) \
+            + min_log_prob.astype(np.float32)[:, None]                                   # f32 log p_base [S, V]
+        terms = np.exp(lp) * ((lp - x) + top[:, None])                                   # f32
+        kld = np.where(lp > np.float32(-16), terms, np.float32(0)).astype(np.float64).sum(-1)
+        nll_base = -lp[r, targets]
+        p_diff = np.exp(-nll) - np.exp(-nll_base)
+    return {"kld": kld, "nll": nll, "nll_base": nll_base, "p_diff": p_diff,
+            "same_top": np.argmax(x, -1) == np.argmax(lp, -1)}
+
+
+def percentile_f32(sorted_values: np.ndarray, fraction: float) -> float:
+    """llama-perplexity's percentile of float32 values, in its float arithmetic."""
+    v = np.asarray(sorted_values, np.float32)
+    if fraction <= 0:
+        return float(v[0])
+    if fraction >= 1:
+        return float(v[-1])
+    p = np.float32(fraction) * np.float32(len(v) - 1)
+    i = int(p)
+    t = np.float32(p - np.float32(i))
+    return float((np.float32(1) - t) * v[i] + t * v[min(i + 1, len(v) - 1)])
+
+
+def distribution_f32(values: np.ndarray, sums: np.ndarray | None = None) -> dict:
+    """stats.distribution as llama-perplexity prints it: mean +- u from the double values (`sums`, default
+    `values`), order statistics of the values stored as float32."""
+    v = np.sort(np.asarray(values, np.float32))
+    m, u = stats.mean_and_uncertainty(np.asarray(values if sums is None else sums, np.float64))
+    n = len(v)
+    med = np.float32(0.5) * (v[n // 2] + v[n // 2 - 1]) if n % 2 == 0 else v[n // 2]
+    return {"mean": m, "uncertainty": u, "min": float(v[0]), "median": float(med), "max": float(v[-1]),
+            **{f"p{100 * f:g}": percentile_f32(v, f) for f in stats.PERCENTILES}}
+
+
+def llama_summary(rows: dict) -> dict:
+    """llama-perplexity's statistics over llama_rows' per-token arrays (concatenated): the keys of
+    stats.summarise it prints (PPL(Q), PPL(base), their ratio, difference and correlation, KLD, dp, RMS dp, same
+    top p), each computed as perplexity.cpp computes it."""
+    nll, base = rows["nll"].astype(np.float64), rows["nll_base"].astype(np.float64)
+    n = len(nll)
+    log_ppl, log_base = stats.mean_and_uncertainty(nll), stats.mean_and_uncertainty(base)
+    cov = stats.covariance(nll, base)
+    ppl, ppl_base = math.exp(log_ppl[0]), math.exp(log_base[0])
+    ppl_u, base_u = ppl * log_ppl[1], ppl_base * log_base[1]
+    ratio = log_ppl[0] - log_base[0]
+    ratio_u = math.sqrt(max(0.0, log_ppl[1] ** 2 + log_base[1] ** 2 - 2 * cov))
+    diff_u = math.sqrt(max(0.0, ppl_u ** 2 + base_u ** 2 - 2 * ppl * ppl_base * cov))
+    dp = rows["p_diff"].astype(np.float32)
+    dp2 = (dp * dp).astype(np.float64)                                       # f32 square, summed in double
+    mse = stats.mean_and_uncertainty(dp2)
+    rms = math.sqrt(mse[0])
+    top = float(np.mean(rows["same_top"]))
+    return {
+        "tokens": n,
+        "ppl": {"value": ppl, "uncertainty": ppl_u},
+        "ppl_reference": {"value": ppl_base, "uncertainty": base_u},
+        "ppl_correlation": cov / (log_ppl[1] * log_base[1]) if log_ppl[1] and log_base[1] else None,
+        "ln_ppl_ratio": {"value": ratio, "uncertainty": ratio_u},
+        "ppl_ratio": {"value": math.exp(ratio), "uncertainty": math.exp(ratio) * ratio_u},
+        "ppl_difference": {"value": ppl - ppl_base, "uncertainty": diff_u,
+                           "ci95": [ppl - ppl_base - 1.959964 * diff_u, ppl - ppl_base + 1.959964 * diff_u]},
+        "kld": distribution_f32(rows["kld"]),
+        "p_diff": distribution_f32(dp),
+        "rms_p_diff": {"value": rms, "uncertainty": 0.5 / rms * mse[1] if rms > 0 else 0.0},
+        "same_top": {"value": top, "uncertainty": math.sqrt(top * (1 - top) / (n - 1)) if n > 1 else 0.0},
+        "definition": DEFINITION,
+    }
+
+
+DEFINITION = ("llama.cpp's (llama-perplexity --kl-divergence on this reference's export-kld-base file): the base "
+              "log-probs are the 16-bit rows, not renormalised, entries at or below -16 nats left out of the KLD; "
+              "float32 per-token values")

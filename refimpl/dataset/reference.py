@@ -5,6 +5,7 @@ every window, written window by window so that a run can stop anywhere and resum
     REF/tokens.safetensors            tokens [n, ctx] int32, targets [n, S] int32, documents [n, 2] int64
     REF/windows/<k:06d>.safetensors   codes uint16 [S, V], scale / floor float32 [S], nll float64 [S],
                                       top_ids int32 [S, K], top_logprobs float64 [S, K]
+    (each .safetensors also holds sha256 uint8 [32]: the digest of its other tensors, `digest`)
     REF/summary.json                  written last: the reference perplexity, counts and sizes
 
 Every file is written to a temporary name and renamed into place, so a file that exists is complete; a window
@@ -19,6 +20,7 @@ load per actor, the model read from a path every node sees).
 """
 
 import dataclasses
+import hashlib
 import json
 import math
 import multiprocessing
@@ -28,11 +30,12 @@ import signal
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..diff.dump import read_json
-from ..errors import FormatError, InputError, RefimplError
-from ..files import write_atomic
-from ..formats.safetensors import read_safetensors, write_safetensors
+from ..errors import FormatError, InputError, RefimplError, brief
+from ..files import expect, integer, load_json, write_atomic
+from ..formats.safetensors import header_bytes, read_safetensors, write_safetensors
 from ..golden import run_convention
 from ..sources import load
 from ..version import __version__
@@ -40,7 +43,7 @@ from . import compact
 from .windows import Windows
 
 FORMAT = "refimpl-dataset-reference"
-VERSION = 1
+VERSION = 2                 # 2: every window and tokens.safetensors carry the sha256 of their tensors
 ROW_CHUNK = 32          # scored rows encoded at a time (bounds the float64 temporaries: ROW_CHUNK x V x 8 bytes)
 
 
@@ -105,13 +108,42 @@ def compute_window(job: Job, tokens: np.ndarray, targets: np.ndarray) -> dict:
         parts.append({"codes": codes, "scale": scale, "floor": floor,
                       "nll": -logp[rows, targets[s:s + ROW_CHUNK]],
                       "top_ids": top, "top_logprobs": np.take_along_axis(logp, top, -1)})
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    return with_digest({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+
+
+def digest(arrays: dict) -> np.ndarray:
+    """sha256 (uint8 [32]) of a file's tensors other than `sha256`: name, dtype, shape and bytes, by name."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in arrays if n != "sha256"):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{list(a.shape)};".encode())
+        h.update(memoryview(a).cast("B"))
+    return np.frombuffer(h.digest(), np.uint8).copy()
+
+
+def with_digest(arrays: dict) -> dict:
+    return {**arrays, "sha256": digest(arrays)}
 
 
 # ------------------------------------------------------------------------------------------------ executors
 
-def _ignore_sigint():
+def cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        return os.cpu_count() or 1
+
+
+def blas_share(workers: int) -> int:
+    """BLAS / OpenMP threads for each of `workers` workers on this machine: its share of the cores (at least 1).
+    Each worker's BLAS would otherwise start a thread per core, and N workers' threads fight over the cores."""
+    return max(1, cores() // workers)
+
+
+def start_worker(threads: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver handles Ctrl-C and stops the workers
+    threadpool_limits(threads)                     # this process's share of the cores, for BLAS and OpenMP
 
 
 def _pool_task(args):
@@ -125,7 +157,8 @@ def _serial(job, items):
 
 
 def _processes(job, items, workers: int):
-    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_ignore_sigint)
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=start_worker,
+                                                     initargs=(blas_share(workers),))
     try:
         yield from pool.imap_unordered(_pool_task, [(job, k, t, g) for k, t, g in items], chunksize=1)
         pool.close()
@@ -135,9 +168,10 @@ def _processes(job, items, workers: int):
 
 
 class _Actor:
-    """A Ray actor: loads the model once, then computes windows."""
+    """A Ray actor: loads the model once, then computes windows, its BLAS limited to `threads`."""
 
-    def __init__(self, job):
+    def __init__(self, job, threads: int):
+        threadpool_limits(threads)
         self.job = job
         _model(job)
 
@@ -161,7 +195,10 @@ def _ray(job, items, workers: int | None, address: str | None):
     actors = []
     try:
         n = workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        actors = [ray.remote(num_cpus=1)(_Actor).remote(job) for _ in range(n)]
+        # one CPU each; on a local instance of ours, the machine's cores shared among the actors (a cluster's
+        # nodes differ: there an actor takes the one CPU Ray gives it)
+        threads = blas_share(n) if started and not (address or os.environ.get("RAY_ADDRESS")) else 1
+        actors = [ray.remote(num_cpus=1)(_Actor).remote(job, threads) for _ in range(n)]
         pending, items = {}, list(items)
         nxt = 0
         while nxt < len(items) or pending:
@@ -190,6 +227,10 @@ def _json(obj) -> str:
     return json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
 
+def window_metadata(k: int) -> dict:
+    return {"window": str(k)}
+
+
 def window_path(root, k: int) -> Path:
     return Path(root) / "windows" / f"{k:06d}.safetensors"
 
@@ -216,14 +257,83 @@ def build_manifest(job: Job, model, windows: Windows, data: dict, bos) -> dict:
     }
 
 
-def _check_window_file(path: Path, S: int, V: int, K: int) -> bool:
-    """True if the window file is complete and of the expected shapes."""
+def _tokens_arrays(windows: Windows) -> dict:
+    return with_digest({"tokens": windows.tokens, "targets": windows.targets,
+                        "documents": np.asarray(windows.documents, np.int64).reshape(-1, 2)})
+
+
+def _resume_tokens(out: Path, windows: Windows) -> None:
+    """A resumed run's tokens.safetensors must hold these windows; a damaged one is written again (it is a
+    function of the data and the windows, which the manifest already matched)."""
+    path = out / "tokens.safetensors"
+    want = _tokens_arrays(windows)
     try:
-        a = read_safetensors(path)
+        have = read_safetensors(path)
+        _check_layout(path, have)
+        same = set(have) == set(want) and all(have[n].dtype == want[n].dtype and np.array_equal(have[n], want[n])
+                                              for n in want)
+    except FormatError:
+        same = False
+    if not same:
+        write_safetensors(path, want)
+
+
+def _window_is_whole(path: Path, k: int, S: int, V: int, K: int) -> bool:
+    """True if the window file is complete, of the expected tensors, and its digest holds (else it is computed
+    again)."""
+    try:
+        check_window(path, k, read_safetensors(path), S, V, K)
     except FormatError:
         return False
-    want = {"codes": (S, V), "scale": (S,), "floor": (S,), "nll": (S,), "top_ids": (S, K), "top_logprobs": (S, K)}
-    return all(n in a and a[n].shape == s for n, s in want.items())
+    return True
+
+
+def check_window(path: Path, k: int, a: dict, S: int, V: int, K: int) -> dict:
+    """Window k's tensors, checked: names, dtypes, shapes (from the manifest), the file laid out as
+    write_safetensors lays it out (nothing added or moved: _check_layout), the digest, and values (scale
+    finite and in (0, RANGE / LEVELS], or 0 for a constant row; floor, nll and top_logprobs finite; top_ids in
+    [0, V)). A FormatError naming the file and what is wrong."""
+    want = {"codes": ("uint16", (S, V)), "scale": ("float32", (S,)), "floor": ("float32", (S,)),
+            "nll": ("float64", (S,)), "top_ids": ("int32", (S, K)), "top_logprobs": ("float64", (S, K)),
+            "sha256": ("uint8", (32,))}
+    _check_tensors(path, a, want)
+    _check_layout(path, a, window_metadata(k))
+    if not np.array_equal(a["sha256"], digest(a)):
+        raise FormatError(f"{path}: the tensors do not match their sha256 (the file was changed or damaged)")
+    scale = a["scale"]
+    bad = ~(np.isfinite(scale) & (scale >= 0) & (scale <= np.float32(compact.RANGE / compact.LEVELS * (1 + 1e-6))))
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise FormatError(f"{path}: scale[{r}] = {scale[r]!r}, expected a finite step in (0, "
+                          f"{compact.RANGE / compact.LEVELS:.3g}] nats")
+    for name in ("floor", "nll", "top_logprobs"):
+        if not np.isfinite(a[name]).all():
+            raise FormatError(f"{path}: {name} holds non-finite values")
+    if a["top_ids"].size and (a["top_ids"].min() < 0 or a["top_ids"].max() >= V):
+        raise FormatError(f"{path}: top_ids outside the vocabulary [0, {V})")
+    return a
+
+
+def _check_layout(path: Path, a: dict, metadata: dict | None = None) -> None:
+    """The file is byte for byte laid out as write_safetensors writes these arrays: its header, then exactly their
+    data (so a file that passes is the file refimpl wrote, given its digest holds)."""
+    head = header_bytes(a, metadata, path)
+    with open(path, "rb") as f:
+        ok = f.read(len(head)) == head and os.fstat(f.fileno()).st_size == len(head) + sum(x.nbytes for x in a.values())
+    if not ok:
+        raise FormatError(f"{path}: not laid out as `refimpl reference` writes it (header or length changed)")
+
+
+def _check_tensors(path: Path, a: dict, want: dict) -> None:
+    if set(a) != set(want):
+        missing, extra = sorted(set(want) - set(a)), sorted(set(a) - set(want))
+        raise FormatError(f"{path}: expected the tensors {', '.join(want)}"
+                          + (f"; missing {', '.join(missing)}" if missing else "")
+                          + (f"; unexpected {', '.join(map(brief, extra))}" if extra else ""))
+    for name, (dtype, shape) in want.items():
+        if a[name].dtype != np.dtype(dtype) or a[name].shape != shape:
+            raise FormatError(f"{path}: {name} is {a[name].dtype} {list(a[name].shape)}, expected {dtype} "
+                              f"{list(shape)} (from manifest.json)")
 
 
 def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, workers: int = 1,
@@ -241,8 +351,8 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
     mf = out / "manifest.json"
     if mf.is_file():
         try:
-            old = json.loads(mf.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = load_json(mf, "dataset reference manifest", FormatError)
+        except FormatError:
             old = None
         if old != manifest:
             if not overwrite:
@@ -257,12 +367,12 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
     for stale in [*out.glob(".*.tmp-*"), *(out / "windows").glob(".*.tmp-*")]:   # left by a run that was killed
         stale.unlink(missing_ok=True)
     if not mf.is_file():
-        write_safetensors(out / "tokens.safetensors",
-                          {"tokens": windows.tokens, "targets": windows.targets,
-                           "documents": np.asarray(windows.documents, np.int64).reshape(-1, 2)})
+        write_safetensors(out / "tokens.safetensors", _tokens_arrays(windows))
         write_atomic(mf, _json(manifest))
+    else:
+        _resume_tokens(out, windows)
     n, S, V, K = len(windows.tokens), windows.scored, int(model.config.vocab_size), job.top_k
-    todo = [k for k in range(n) if not _check_window_file(window_path(out, k), S, V, min(K, V))]
+    todo = [k for k in range(n) if not _window_is_whole(window_path(out, k), k, S, V, min(K, V))]
     if progress is not None:
         progress(n - len(todo), n, 0)
     items = [(k, windows.tokens[k], windows.targets[k]) for k in todo]
@@ -274,7 +384,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
         results = _serial(job, items)
     done = n - len(todo)
     for k, arrays in results:
-        write_safetensors(window_path(out, k), arrays, {"window": str(k)})
+        write_safetensors(window_path(out, k), arrays, window_metadata(k))
         done += 1
         if progress is not None:
             progress(done, n, S)
@@ -297,41 +407,87 @@ def finish(out) -> dict:
 # ------------------------------------------------------------------------------------------------ reading
 
 class Reference:
-    """An opened reference directory; windows are read lazily (memory-mapped)."""
+    """An opened reference directory; windows are read lazily (memory-mapped) and checked when read."""
 
     def __init__(self, path: Path, manifest: dict, tokens: dict):
         self.path, self.manifest, self.tokens, self.targets = path, manifest, tokens["tokens"], tokens["targets"]
         w = manifest["windows"]
         self.count, self.ctx, self.first, self.scored = w["count"], w["ctx"], w["first"], w["scored"]
         self.vocab, self.top_k = manifest["vocab_size"], min(manifest["top_k"], manifest["vocab_size"])
+        self._last = None
 
     def finished(self) -> list[int]:
         return [k for k in range(self.count) if window_path(self.path, k).is_file()]
 
     def window(self, k: int) -> dict:
+        """Window k's tensors, checked (check_window): a damaged window is a FormatError naming its file."""
+        if self._last is not None and self._last[0] == k:
+            return self._last[1]
         path = window_path(self.path, k)
         if not path.is_file():
             raise InputError(f"{self.path}: window {k} is not computed yet ({len(self.finished())} of {self.count} "
                              f"done); run `refimpl reference` again to finish it")
-        a = read_safetensors(path)
-        if not _check_window_file(path, self.scored, self.vocab, self.top_k):
-            raise FormatError(f"{path}: not a window of this reference (shapes differ from manifest.json)")
+        a = check_window(path, k, read_safetensors(path), self.scored, self.vocab, self.top_k)
+        self._last = (k, a)
         return a
 
 
+def check_manifest(mf: Path, m) -> dict:
+    """manifest.json's fields that readers use, with their types and ranges (a FormatError naming the field)."""
+    expect(m, dict, f"{mf}", what="a dataset reference manifest (a JSON object)")
+    if m.get("format") != FORMAT:
+        raise FormatError(f"{mf}: not a dataset reference manifest (format {brief(m.get('format'))})")
+    if m.get("version") != VERSION:
+        raise FormatError(f"{mf}: version {brief(m.get('version'))}, this refimpl reads {VERSION}"
+                          + (" (references of version 1 carry no digests: make it again)" if m.get("version") == 1
+                             else ""))
+
+    def field(obj, key, where, types):
+        if key not in obj:
+            raise FormatError(f"{mf}: {where}{key} is missing")
+        return expect(obj[key], types, f"{mf}: {where}{key}")
+    w = field(m, "windows", "", dict)
+    integer(field(w, "count", "windows.", int), f"{mf}: windows.count", lo=1)
+    ctx = integer(field(w, "ctx", "windows.", int), f"{mf}: windows.ctx", lo=4, hi=2 ** 31 - 1)
+    first = integer(field(w, "first", "windows.", int), f"{mf}: windows.first", lo=0, hi=ctx - 2)
+    integer(field(w, "scored", "windows.", int), f"{mf}: windows.scored", lo=1, hi=ctx - 1 - first)
+    if field(w, "stride", "windows.", (int, type(None))) is not None:        # null: llama-perplexity's windows
+        integer(w["stride"], f"{mf}: windows.stride", lo=1, hi=ctx - 1)
+    if w.get("bos") is not None:
+        integer(w["bos"], f"{mf}: windows.bos", lo=0)
+    integer(field(m, "vocab_size", "", int), f"{mf}: vocab_size", lo=1, hi=2 ** 31 - 1)
+    integer(field(m, "top_k", "", int), f"{mf}: top_k", lo=1)
+    field(field(m, "model", "", dict), "source", "model.", str)
+    p = field(m, "precision", "", dict)
+    for key in ("activations", "weights", "kv"):
+        if p.get(key) is not None:
+            expect(p[key], str, f"{mf}: precision.{key}")
+    if p.get("encodings") is not None:
+        enc = expect(p["encodings"], dict, f"{mf}: precision.encodings")
+        if enc.get("file") is not None:
+            expect(enc["file"], str, f"{mf}: precision.encodings.file")
+    c = field(m, "convention", "", dict)
+    field(c, "name", "convention.", str)
+    for key, value in field(c, "params", "convention.", dict).items():
+        expect(value, (int, float, str, type(None)), f"{mf}: convention.params.{key}")
+    return m
+
+
 def open_reference(path) -> Reference:
+    """An opened reference, its manifest and tokens.safetensors checked (windows are checked as they are read)."""
     path = Path(path)
     mf = path / "manifest.json"
-    manifest = read_json(mf, "dataset reference manifest (written by `refimpl reference`)")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FormatError(f"{mf}: not a dataset reference manifest (format {manifest.get('format')!r})"
-                          if isinstance(manifest, dict) else f"{mf}: not a JSON object")
-    if manifest.get("version") != VERSION:
-        raise FormatError(f"{mf}: version {manifest.get('version')!r}, this refimpl reads {VERSION}")
-    tokens = read_safetensors(path / "tokens.safetensors")
-    w = manifest["windows"]
-    if tokens["tokens"].shape != (w["count"], w["ctx"]) or tokens["targets"].shape != (w["count"], w["scored"]):
-        raise FormatError(f"{path / 'tokens.safetensors'}: shapes {tokens['tokens'].shape} / "
-                          f"{tokens['targets'].shape} disagree with manifest.json")
+    manifest = check_manifest(mf, read_json(mf, "dataset reference manifest (written by `refimpl reference`)"))
+    tf = path / "tokens.safetensors"
+    tokens = read_safetensors(tf)
+    w, V = manifest["windows"], manifest["vocab_size"]
+    _check_tensors(tf, tokens, {"tokens": ("int32", (w["count"], w["ctx"])),
+                                "targets": ("int32", (w["count"], w["scored"])),
+                                "documents": ("int64", (w["count"], 2)), "sha256": ("uint8", (32,))})
+    _check_layout(tf, tokens)
+    if not np.array_equal(tokens["sha256"], digest(tokens)):
+        raise FormatError(f"{tf}: the tensors do not match their sha256 (the file was changed or damaged)")
+    for name in ("tokens", "targets"):
+        if tokens[name].min() < 0 or tokens[name].max() >= V:
+            raise FormatError(f"{tf}: {name} outside the vocabulary [0, {V})")
     return Reference(path, manifest, tokens)
-

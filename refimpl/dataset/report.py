@@ -14,32 +14,48 @@ def _pm(d: dict, scale: float = 1.0, fmt: str = ".6f", unit: str = "") -> str:
     return f"{scale * d['value']:{fmt}} ± {scale * d['uncertainty']:{fmt}}{unit}"
 
 
-def rows(report: dict) -> list[tuple[str, str]]:
-    """(statistic, value) in llama-perplexity's order and wording."""
-    k, dp = report["kld"], report["p_diff"]
+def _column(r: dict) -> dict:
+    """One column's statistics (the exact report or its llama_cpp part) as text, keyed by row name."""
+    k, dp = r["kld"], r["p_diff"]
+    out = {"Mean PPL(device)": _pm(r["ppl"]), "Mean PPL(reference)": _pm(r["ppl_reference"]),
+           "Cor(ln PPL(device), ln PPL(reference))": "-" if r["ppl_correlation"] is None
+           else f"{100 * r['ppl_correlation']:.2f} %",
+           "Mean ln(PPL(device) / PPL(reference))": _pm(r["ln_ppl_ratio"]),
+           "Mean PPL(device) / PPL(reference)": _pm(r["ppl_ratio"]),
+           "Mean PPL(device) − PPL(reference)": _pm(r["ppl_difference"]),
+           "Mean KLD": f"{k['mean']:.6f} ± {k['uncertainty']:.6f}"}
+    out.update({f"{name} KLD": f"{k[key]:.6f}" for name, key in KLD_ROWS})
+    out.update({"Mean Δp": f"{100 * dp['mean']:.3f} ± {100 * dp['uncertainty']:.3f} %",
+                "Maximum / median / minimum Δp": f"{100 * dp['max']:.3f} / {100 * dp['median']:.3f} / "
+                                                  f"{100 * dp['min']:.3f} %",
+                "RMS Δp": _pm(r["rms_p_diff"], 100, ".3f", " %"),
+                "Same top p (top-1 agreement)": _pm(r["same_top"], 100, ".3f", " %")})
+    return out
+
+
+KLD_ROWS = (("Maximum", "max"), ("99.9 %", "p99.9"), ("99.0 %", "p99"), ("95.0 %", "p95"), ("90.0 %", "p90"),
+            ("Median", "median"), ("10.0 %", "p10"), ("5.0 %", "p5"), ("1.0 %", "p1"), ("0.1 %", "p0.1"),
+            ("Minimum", "min"))
+COLUMNS = ("refimpl (exact KL divergence)", "llama.cpp's definition (llama-perplexity)")
+
+
+def rows(report: dict) -> list[tuple[str, str, str]]:
+    """(statistic, exact value, llama.cpp's definition) in llama-perplexity's order and wording; "" where a
+    statistic has no llama.cpp counterpart (docs/dataset.md: which is which and why they differ)."""
+    exact = _column(report)
+    ll = _column(report["llama_cpp"]) if "llama_cpp" in report else {}
     b = report["kld_bound"]
     out = [("Scored tokens", f"{report['tokens']} ({report['windows']['compared']} windows × "
-                             f"{report['scored_per_window']})"),
-           ("Mean PPL(device)", _pm(report["ppl"])),
-           ("Mean PPL(reference)", _pm(report["ppl_reference"])),
-           ("Cor(ln PPL(device), ln PPL(reference))", "-" if report["ppl_correlation"] is None
-            else f"{100 * report['ppl_correlation']:.2f} %"),
-           ("Mean ln(PPL(device) / PPL(reference))", _pm(report["ln_ppl_ratio"])),
-           ("Mean PPL(device) / PPL(reference)", _pm(report["ppl_ratio"])),
-           ("Mean PPL(device) − PPL(reference)", _pm(report["ppl_difference"]) + "  (95 % CI "
-            f"{report['ppl_difference']['ci95'][0]:.6f} … {report['ppl_difference']['ci95'][1]:.6f})"),
-           ("Mean KLD", f"{k['mean']:.6f} ± {k['uncertainty']:.6f}")]
-    out += [(f"{name} KLD", f"{k[key]:.6f}") for name, key in
-            (("Maximum", "max"), ("99.9 %", "p99.9"), ("99.0 %", "p99"), ("95.0 %", "p95"), ("90.0 %", "p90"),
-             ("Median", "median"), ("10.0 %", "p10"), ("5.0 %", "p5"), ("1.0 %", "p1"), ("0.1 %", "p0.1"),
-             ("Minimum", "min"))]
-    out += [("KLD error of the compact reference", f"mean ≤ {b['mean']:.2e}, any percentile ≤ {b['max']:.2e}"),
-            ("Mean Δp", f"{100 * dp['mean']:.3f} ± {100 * dp['uncertainty']:.3f} %"),
-            ("Maximum / median / minimum Δp", f"{100 * dp['max']:.3f} / {100 * dp['median']:.3f} / "
-                                              f"{100 * dp['min']:.3f} %"),
-            ("RMS Δp", _pm(report["rms_p_diff"], 100, ".3f", " %")),
-            ("Same top p (top-1 agreement)", _pm(report["same_top"], 100, ".3f", " %")),
-            (f"Top-{report['top_k']} overlap", f"{100 * report['topk_overlap']:.3f} %")]
+                             f"{report['scored_per_window']})", "")]
+    for name, value in exact.items():
+        out.append((name, value, ll.get(name, "")))
+        if name == "Mean PPL(device) − PPL(reference)":
+            out.append(("  95 % interval", f"{report['ppl_difference']['ci95'][0]:.6f} … "
+                                           f"{report['ppl_difference']['ci95'][1]:.6f}", ""))
+        if name == "Minimum KLD":
+            out.append(("KLD error of the compact reference", f"mean ≤ {b['mean']:.2e}, any percentile ≤ "
+                                                              f"{b['max']:.2e}", ""))
+    out.append((f"Top-{report['top_k']} overlap", f"{100 * report['topk_overlap']:.3f} %", ""))
     return out
 
 
@@ -47,9 +63,10 @@ def print_report(report: dict, failures: list, console: Console | None = None, w
     console = console or Console()
     t = Table(title=f"device {report['device']} vs reference {report['reference']} ({report['model']})")
     t.add_column("statistic")
-    t.add_column("value", justify="right")
-    for name, value in rows(report):
-        t.add_row(name, value)
+    for c in COLUMNS:
+        t.add_column(c, justify="right")
+    for row in rows(report):
+        t.add_row(*row)
     console.print(t)
     w = Table(title="largest KLD (drill down: the `drill_down` command of each in --json / --html)")
     for c in ("window", "position", "KLD", "target", "reference top-1", "device top-1"):
@@ -108,8 +125,9 @@ def render_html(report: dict, failures: list) -> str:
                                "no --policy bars given") + "</p>"]
     if report["notes"]:
         parts.append("<ul>" + "".join(f"<li>{esc(n)}</li>" for n in report["notes"]) + "</ul>")
-    parts.append("<h2>Statistics</h2><table>" + "".join(f"<tr><td>{esc(n)}</td><td>{esc(v)}</td></tr>"
-                                                         for n, v in rows(report)) + "</table><h2>Plots</h2>")
+    parts.append("<h2>Statistics</h2><table><tr><th>statistic</th>" + "".join(f"<th>{esc(c)}</th>" for c in COLUMNS)
+                 + "</tr>" + "".join("<tr>" + "".join(f"<td>{esc(v)}</td>" for v in row) + "</tr>"
+                                     for row in rows(report)) + "</table><h2>Plots</h2>")
     for title, uri in plots(report).items():
         parts.append(f"<h3>{esc(title)}</h3><img alt='{esc(title)}' src='{uri}'>")
     parts.append("<h2>Windows with the largest mean KLD</h2><table><tr><th>window</th><th>mean KLD</th>"

@@ -11,9 +11,10 @@ defines them (tools/perplexity/perplexity.cpp, `kl_divergence`), over n scored t
     dp = p_device(token) - p_reference(token): mean +- u, percentiles; RMS dp = sqrt(mean dp^2) +- u(dp^2) / (2 RMS)
     same top p: fraction of positions where the device's argmax is the reference's, +- sqrt(f (1 - f) / (n - 1))
 
-Differences from llama-perplexity, all by design: the reference NLL and top token are exact (float64 from the
-reference's float32 logits; llama.cpp reads both back from the 16-bit base file), the KLD renormalises the stored
-distribution and keeps every entry (llama.cpp drops base entries with log p <= -16), and everything is float64.
+These are the exact column of compare-logits: the reference NLL and top token exact (float64 from the
+reference's float32 logits), the KLD over the renormalised stored distribution and every entry, everything in
+float64. llama.cpp's definition of each (its 16-bit base rows as stored, entries at or below -16 nats left out of
+the KLD, its float32 arithmetic) is the second column: llama.py, llama_rows and llama_summary.
 """
 
 import math

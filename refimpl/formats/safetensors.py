@@ -131,9 +131,16 @@ def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata:
     """Write arrays (F32/F16/BF16/ints) as one safetensors file, atomically (refimpl.files.write_atomic: a temporary
     file beside it, renamed into place when whole), one tensor at a time."""
     path = Path(path)
-    header, offset = {}, 0
     items = sorted(arrays.items())
-    for name, a in items:
+    data = (np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for _, a in items)
+    write_atomic(path, itertools.chain([header_bytes(arrays, metadata, path)], data), "safetensors file")
+
+
+def header_bytes(arrays: dict[str, np.ndarray], metadata: dict | None = None, path: str | Path = "") -> bytes:
+    """The first bytes write_safetensors writes for these arrays: the header's length and the header (tensors by
+    name, contiguous, compact JSON, padded to 8 bytes); the data follows, sum of the arrays' nbytes."""
+    header, offset = {}, 0
+    for name, a in sorted(arrays.items()):
         if a.dtype not in _NAMES:
             raise FormatError(f"{path}: tensor {name!r}: dtype {a.dtype} has no safetensors name")
         header[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
@@ -142,5 +149,4 @@ def write_safetensors(path: str | Path, arrays: dict[str, np.ndarray], metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    data = (np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for _, a in items)
-    write_atomic(path, itertools.chain([struct.pack("<Q", len(blob)) + blob], data), "safetensors file")
+    return struct.pack("<Q", len(blob)) + blob

@@ -421,8 +421,10 @@ def _encodings(root: Path) -> None:
     """Encodings files of the qwen3 case in both AIMET schemas: per-tensor, per-channel, per-block, LPBQ and float
     parameters; activations at module inputs and outputs (legacy) or tensor names (1.0.0)."""
     import refimpl
-    model_dir = root / "_model"
-    _hf_dir(model_dir, "qwen3", shards=1)
+    model_dir = root.parent / "dataset-model"    # beside the bases: its path is in the manifest, and a base is
+    if not model_dir.exists():                   # built under a temporary name
+        _hf_dir(root.parent / ".dataset-model.tmp", "qwen3", shards=1)
+        (root.parent / ".dataset-model.tmp").rename(model_dir)
     model = refimpl.load(model_dir)
     w = model.weights
     with refimpl.trace() as tr:
@@ -698,4 +700,142 @@ class CLIFailure(Exception):
         self.signature = signature
 
 
-FORMATS = {f.name: f for f in (GGUF(), Safetensors(), Config(), Bundle(), Dump(), Encodings(), DiffInputs(), CLI())}
+
+# ---------------------------------------------------------------------------------------------- dataset references
+
+class SilentAcceptance(Exception):
+    """A damaged file read without error to other numbers than the undamaged one gives (or, resumed, to other
+    files): what validation must refuse."""
+
+    def __init__(self, message: str, signature: str):
+        super().__init__(message)
+        self.signature = signature
+
+
+def _dataset(root: Path) -> dict:
+    """A finished reference of the tiny qwen3 case (3 windows of 16 tokens, top-4), a device's logits of it and
+    what reading them gives: the shared parts of both dataset formats (in root/_*, not a base)."""
+    import refimpl
+    from refimpl.dataset import compare_logits, cut, open_reference, write_kld_base, write_reference
+    from refimpl.dataset.reference import Job, window_logits
+    from refimpl.precision import Policy
+    model_dir = root.parent / "dataset-model"    # beside the bases: its path is in the manifest, and a base is
+    if not model_dir.exists():                   # built under a temporary name
+        _hf_dir(root.parent / ".dataset-model.tmp", "qwen3", shards=1)
+        (root.parent / ".dataset-model.tmp").rename(model_dir)
+    model = refimpl.load(model_dir)
+    ids = np.random.default_rng(28).integers(0, 300, 48).tolist()
+    windows = cut([ids], 16)
+    job = Job(str(model_dir), Policy(), first=windows.first, scored=windows.scored, top_k=4)
+    write_reference(root / "_full", job, windows, {"stride": None}, model=model)
+    noise = np.random.default_rng(1)
+    np.savez(root / "_device.npz", **{f"{k}/logits": (window_logits(model, t) + 0.3 * noise.standard_normal(
+        (16, 320))).astype(np.float32) for k, t in enumerate(windows.tokens)})
+    write_kld_base(open_reference(root / "_full"), root / "_full.kld")
+    expected = {"report": _dataset_numbers(compare_logits(open_reference(root / "_full"), root / "_device.npz")),
+                "kld": (root / "_full.kld").read_bytes().hex()}
+    (root / "_expected.json").write_text(json.dumps(expected, sort_keys=True))
+    (root / "_full.kld").unlink()
+    return expected
+
+
+def _dataset_numbers(report: dict) -> str:
+    """A report's numbers (not the paths, model name and drill-down commands the manifest's text fields make)."""
+    drop = ("reference", "device", "model", "worst_positions", "notes")
+    return json.dumps({k: v for k, v in report.items() if k not in drop}, sort_keys=True, default=str)
+
+
+def _dataset_op(fmt: Format, rng: random.Random, base: str) -> list:
+    files = fmt.files(base)
+    f = rng.choice(files)
+    size = (fmt.root / base / f).stat().st_size
+    r = rng.random()
+    if f.endswith("manifest.json") and r < 0.6:
+        doc, paths = fmt._json(base, f)
+        return json_op(rng, f, doc, paths, prefer=lambda p: 3 if p and p[0] in ("windows", "vocab_size", "top_k",
+                                                                                "format", "version") else 1)
+    if f.endswith(".safetensors") and r < 0.45:
+        import struct
+        data = (fmt.root / base / f).read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        return json_op(rng, f, header, json_paths(header), kind="st")
+    if r < 0.92:
+        return byte_op(rng, f, size)
+    return fs_op(rng, f, files)
+
+
+class DatasetReference(Format):
+    """A finished dataset reference (manifest.json, tokens.safetensors, windows/*.safetensors) read as
+    compare-logits and export-kld-base read it: every case either fails with a refimpl error or gives exactly
+    the numbers (and the base file) of the undamaged reference."""
+    name = "dataset-reference"
+
+    def build(self, root):
+        _dataset(root)
+        shutil.copytree(root / "_full", root / "full" / "ref")
+
+    def op(self, rng, base):
+        return _dataset_op(self, rng, base)
+
+    def target(self, case, base):
+        from refimpl.dataset import compare_logits, open_reference, write_kld_base
+        expected = json.loads((self.root / "_expected.json").read_text())
+
+        def compare():
+            got = _dataset_numbers(compare_logits(open_reference(case / "ref"), self.root / "_device.npz"))
+            if got != expected["report"]:
+                raise SilentAcceptance("compare-logits read a damaged reference to other numbers",
+                                       "silent acceptance (compare-logits)")
+
+        def export():
+            write_kld_base(open_reference(case / "ref"), case / "out.kld")
+            if (case / "out.kld").read_bytes().hex() != expected["kld"]:
+                raise SilentAcceptance("export-kld-base wrote another base file from a damaged reference",
+                                       "silent acceptance (export-kld-base)")
+        _all(compare, export)
+
+
+class DatasetResume(Format):
+    """The state a stopped `refimpl reference` leaves (manifest, tokens, the first window of three), resumed:
+    every case either fails with a refimpl error or ends with the files of the uninterrupted run."""
+    name = "dataset-resume"
+
+    def build(self, root):
+        _dataset(root)
+        shutil.copytree(root / "_full", root / "partial" / "ref")
+        for f in ("windows/000001.safetensors", "windows/000002.safetensors", "summary.json"):
+            (root / "partial" / "ref" / f).unlink()
+
+    def op(self, rng, base):
+        return _dataset_op(self, rng, base)
+
+    @functools.cached_property
+    def _run(self):
+        import refimpl
+        from refimpl.dataset import cut
+        from refimpl.dataset.reference import Job
+        from refimpl.precision import Policy
+        manifest = json.loads((self.root / "_full" / "manifest.json").read_text())
+        ids = np.random.default_rng(28).integers(0, 300, 48).tolist()
+        windows = cut([ids], 16)
+        job = Job(manifest["model"]["source"], Policy(), first=windows.first, scored=windows.scored, top_k=4)
+        return job, windows, refimpl.load(manifest["model"]["source"])
+
+    def target(self, case, base):
+        from refimpl.dataset import write_reference
+        job, windows, model = self._run
+        write_reference(case / "ref", job, windows, {"stride": None}, model=model)
+        full = self.root / "_full"
+        for f in sorted(p.relative_to(full) for p in full.rglob("*") if p.is_file()):
+            got, want = case / "ref" / f, full / f
+            if f.suffix == ".json" and got.is_file():   # the same document (a mutation of its spacing is no damage)
+                same = json.loads(got.read_bytes()) == json.loads(want.read_bytes())
+            else:
+                same = got.is_file() and got.read_bytes() == want.read_bytes()
+            if not same:
+                raise SilentAcceptance(f"the resumed run ended with another {f}", f"silent acceptance ({f.name})")
+
+
+FORMATS = {f.name: f for f in (GGUF(), Safetensors(), Config(), Bundle(), Dump(), Encodings(), DiffInputs(), CLI(),
+                               DatasetReference(), DatasetResume())}
