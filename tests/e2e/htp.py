@@ -1,0 +1,233 @@
+"""Qualcomm's HTP as a device of the end-to-end tests: libQnnHtp.so, the Hexagon NPU backend of QNN, runs on this
+CPU as Qualcomm's simulator (the PyPI wheel onnxruntime-qnn, QNN SDK 2.51) through ONNX Runtime's plugin-EP API,
+with the NPU's own fp16 arithmetic and graph compiler. docs/htp.md is the walkthrough.
+
+The graphs are transformers' models in float16 (`GenieGraph` of tests/e2e/devices.py for the genie convention, the
+plain prefill forward for the hf form), exported with torch.onnx.export with the hooked taps as extra graph outputs
+(so a tap is named as its hook, `model.layers.0.self_attn.q_norm`), compiled for the HTP with the CPU fallback
+disabled: every node runs on the HTP or the session fails.
+
+Where the HTP compiler rejects an op or mis-compiles it, the exported graph is rewritten to the same real function
+(`HTP_REWRITES`; the facts are docs/htp.md's):
+  - ScatterElements (an in-place write `out[:, :, i] = ...` exports as one) is rejected: transformers' gated delta
+    rules write their outputs so. They are replaced by transformers' own recurrent rule, op for op, with the
+    per-token outputs stacked instead of written into a zeros buffer (`recurrent_gated_delta_rule`); the chunked
+    prompt form is the same maths (spec gated_deltanet.md §3.2) and is replaced by it too.
+  - GatherND (transformers' expert-weight gather in the batched_mm experts) returns wrong expert rows: replaced by
+    Gather on axis 0 with the index column (`gathernd_as_gather`), the same selection.
+  - The RMSNorm chain Pow -> ReduceMean -> Add -> Sqrt -> Reciprocal -> Mul -> Mul is fused by the compiler into
+    its RmsNorm kernel: `unfused_rms_norm` writes x^2 as Mul(x, x) (the same value: both are one correctly rounded
+    product), which the fusion does not match.
+"""
+
+import contextlib
+import sys
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+import devices as D  # noqa: E402  (after the skips: it imports torch)
+
+QNN_OPTIONS = {"backend_type": "htp", "soc_model": "60", "htp_arch": "75", "enable_htp_fp16_precision": "1"}
+GDN_RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+
+
+def unavailable() -> str | None:
+    """Why the HTP simulator cannot run here (None: it can)."""
+    try:
+        import onnxruntime_qnn
+    except ImportError as e:
+        return f"onnxruntime-qnn is not installed ({e}); `make test` installs it"
+    try:
+        if not any(d.ep_name == "QNNExecutionProvider" for d in ort.get_ep_devices()):
+            ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+        if not any(d.ep_name == "QNNExecutionProvider" for d in ort.get_ep_devices()):
+            return "onnxruntime-qnn loaded but offers no QNNExecutionProvider device"
+    except Exception as e:  # the wheel's library failing to load on this platform
+        return f"the QNN HTP library cannot load here: {e}"
+    return None
+
+
+def session(model_bytes: bytes):
+    """An ONNX Runtime session on the HTP: fp16 arithmetic, no CPU fallback (an unsupported node is an error)."""
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_provider_for_devices(devices, QNN_OPTIONS)
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return ort.InferenceSession(model_bytes, options)
+
+
+# ------------------------------------------------------------------------------------------------ torch-level rewrites
+
+def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers 5.23's torch_recurrent_gated_delta_rule op for op (its casts, its order), the per-token outputs
+    stacked rather than written into a zeros buffer (an index write exports as ScatterElements, which the HTP
+    rejects). Serves the chunked prompt form too: the same function of the inputs (spec gated_deltanet.md §3.2)."""
+    initial_dtype = query.dtype
+    B, T, Hk, Dk = key.shape
+    Hv, Dv = value.shape[-2:]
+    if Hk != Hv:
+        query = query.repeat_interleave(Hv // Hk, dim=2)
+        key = key.repeat_interleave(Hv // Hk, dim=2)
+    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                      for x in (query, key, value, beta, g)]
+    if use_qk_l2norm_in_kernel:
+        query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+    S = torch.zeros((B, Hv, Dk, Dv), dtype=value.dtype) if initial_state is None else initial_state.to(value)
+    out = []
+    for i in range(T):
+        q_t, k_t, v_t = query[:, :, i], key[:, :, i], value[:, :, i]
+        S = S * decay[:, :, i].exp()[..., None, None]                     # S <- exp(g_t) S
+        kv_mem = (S * k_t.unsqueeze(-1)).sum(dim=-2)                      # S^T k_t
+        delta = (v_t - kv_mem) * beta[:, :, i].unsqueeze(-1)              # beta_t (v_t - S^T k_t)
+        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)                   # S <- S + k_t delta^T
+        out.append((S * q_t.unsqueeze(-1)).sum(dim=-2))                   # o_t = S^T q_t
+    core = torch.stack(out, dim=2).transpose(1, 2).contiguous().to(initial_dtype)
+    return core, (S if output_final_state else None)
+
+
+@contextlib.contextmanager
+def htp_functions(model):
+    """transformers' gated delta rules replaced by `recurrent_gated_delta_rule` (entered before the Recorder, so its
+    hooks keep the names a bring-up engineer hooks)."""
+    modeling = sys.modules[type(model).__module__]
+    with contextlib.ExitStack() as stack:
+        for name in GDN_RULES:
+            if hasattr(modeling, name):
+                stack.enter_context(mock.patch.object(modeling, name, recurrent_gated_delta_rule))
+        yield
+
+
+# ------------------------------------------------------------------------------------------------ graph rewrites
+
+def gathernd_as_gather(m) -> int:
+    """GatherND(data, idx[..., 1]) with batch_dims 0 -> Gather(data, Squeeze(idx, -1), axis 0): the same rows."""
+    helper, n = onnx.helper, 0
+    nodes = []
+    for node in m.graph.node:
+        batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
+        if node.op_type == "GatherND" and batch_dims == 0:
+            data, idx = node.input
+            axes = f"{node.name}_last_axis"
+            m.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), axes))
+            rows = f"{node.name}_rows"
+            nodes += [helper.make_node("Squeeze", [idx, axes], [rows], name=f"{node.name}_squeeze"),
+                      helper.make_node("Gather", [data, rows], list(node.output), name=node.name, axis=0)]
+            n += 1
+        else:
+            nodes.append(node)
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return n
+
+
+def unfused_rms_norm(m) -> int:
+    """Pow(x, 2) -> Mul(x, x) where it starts an RMSNorm chain (Pow feeding ReduceMean): one correctly rounded
+    product either way; the HTP compiler's RmsNorm fusion matches Pow only."""
+    consumers = {}
+    for node in m.graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    n = 0
+    for node in m.graph.node:
+        if node.op_type == "Pow" and all(c.op_type == "ReduceMean" for c in consumers.get(node.output[0], [])):
+            node.op_type = "Mul"
+            node.input[1] = node.input[0]
+            n += 1
+    return n
+
+
+HTP_REWRITES = {"rms_norm": unfused_rms_norm, "gathernd": gathernd_as_gather}
+
+
+def rewrite(path: Path, skip=()) -> bytes:
+    """The exported graph with HTP_REWRITES applied (but those named in `skip`: to reproduce a compiler bug)."""
+    m = onnx.load(str(path))
+    for name, fn in HTP_REWRITES.items():
+        if name not in skip:
+            fn(m)
+    return m.SerializeToString()
+
+
+# ------------------------------------------------------------------------------------------------ devices
+
+def _export(wrapped, args, names_in, names_out, f: Path):
+    with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.onnx.export(wrapped, args, f, input_names=names_in, output_names=names_out, dynamo=True,
+                          external_data=False, optimize=True, verbose=False)
+
+
+def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None = None, skip=(), exports=None):
+    """graph(inputs, step) -> (outputs, taps): GenieGraph exported in float16 and run on the HTP. One export per
+    call shape (prompt AR, token AR); `exports` (a dict) caches the ONNX files across graphs of the same model and
+    fault (keyed by AR). The fault's host-side and weight parts are the caller's (run_genie, planted)."""
+    fault = fault or D.Fault()
+    ins, outs = D.genie_names(cfg)
+    exports = {} if exports is None else exports
+    sessions = {}
+
+    def compiled(inputs):
+        ar = inputs["input_ids"].shape[1]
+        if ar not in exports:
+            with torch.no_grad(), D.planted(model, fault), htp_functions(model), D.Recorder(model, fault) as rec:
+                wrapped = D._WithTaps(D.GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
+                args = tuple(D._arg(inputs[n], torch.float16) for n in ins)
+                wrapped(*args)                                           # learn the tap names
+                f = path / f"htp_genie_ar{ar}.onnx"
+                _export(wrapped, args, ins, outs + wrapped.tap_names, f)
+            exports[ar] = (f, wrapped.tap_names)
+        if ar not in sessions:
+            f, tap_names = exports[ar]
+            sessions[ar] = (session(rewrite(f, skip)), tap_names)
+        return sessions[ar]
+
+    def graph(inputs, step):
+        sess, tap_names = compiled(inputs)
+        feed = {n: (inputs[n].astype(np.float16) if inputs[n].dtype == np.float32 else inputs[n]) for n in ins}
+        named = dict(zip(outs + tap_names, sess.run(None, feed)))
+        as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
+        return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
+    return graph
+
+
+class _Prefill(torch.nn.Module):
+    """transformers' forward on a prompt (the hf form's prefill call): input_ids, position_ids -> logits, taps."""
+
+    def __init__(self, model, recorder):
+        super().__init__()
+        self.model, self.recorder, self.tap_names = model, recorder, []
+
+    def forward(self, input_ids, position_ids):
+        self.recorder.take()
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        taps = self.recorder.take()
+        self.tap_names = list(taps)
+        return (logits, *taps.values())
+
+
+def htp_prefill(model, prompt: list, path: Path, fault: D.Fault | None = None, skip=()) -> D.Call:
+    """The hf form's prefill call on the HTP (float16 export of transformers' forward): one Call."""
+    fault = fault or D.Fault()
+    ids = np.array([prompt], np.int64)
+    pos = np.arange(len(prompt), dtype=np.int64)[None]
+    with torch.no_grad(), D.planted(model, fault), htp_functions(model), D.Recorder(model, fault) as rec:
+        wrapped = _Prefill(model, rec).eval()
+        args = (torch.as_tensor(ids), torch.as_tensor(pos))
+        wrapped(*args)
+        f = path / "htp_prefill.onnx"
+        _export(wrapped, args, ["input_ids", "position_ids"], ["logits"] + wrapped.tap_names, f)
+    result = session(rewrite(f, skip)).run(None, {"input_ids": ids, "position_ids": pos})
+    named = {n: (a.astype(np.float32) if a.dtype == np.float16 else a)
+             for n, a in zip(["logits"] + wrapped.tap_names, result)}
+    return D.Call({"input_ids": ids, "position_ids": pos}, {"logits": named.pop("logits")}, named)
