@@ -4,7 +4,8 @@
     refimpl.load(src, precision="bf16")                 # bf16 activations and weights, as transformers in bf16
     refimpl.load(src, precision=Policy(activations="fp16", weights="int8-per-channel-qnn", kv="int8"))
 
-activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced precision is *emulated*: arrays stay float32,
+activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced precision is *emulated*: arrays stay
+             float32,
              and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op boundaries where
              transformers casts when the model runs in that dtype: every nn.Linear output, each elementwise op
              of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after the scale,
@@ -146,7 +147,12 @@ class Policy:
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": list(HTP_CAST_POINTS if self.rounds_recurrence else CAST_POINTS if self.emulated else ()), "arithmetic": self.arithmetic}
+                "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+
+    @property
+    def cast_points(self) -> list:
+        """Where the emulation rounds (recorded in manifests)."""
+        return list(HTP_CAST_POINTS if self.rounds_recurrence else CAST_POINTS if self.emulated else ())
 
     @property
     def arithmetic(self) -> str:

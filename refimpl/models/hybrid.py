@@ -23,8 +23,13 @@ from ..graph import Node, declare
 from ..kernels.activation import sigmoid, silu, softplus
 from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
-from ..kernels.gated_delta import (gated_delta_chunked, gated_delta_rounded, gated_delta_step, l2_normalize,
-                                   l2_normalize_rounded)
+from ..kernels.gated_delta import (
+    gated_delta_chunked,
+    gated_delta_rounded,
+    gated_delta_step,
+    l2_normalize,
+    l2_normalize_rounded,
+)
 from ..kernels.norm import rms_norm_gated
 from ..trace import conform, override, tap
 from . import qwen3

@@ -47,6 +47,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 class Fault:
     """One planted fault (all off by default). Layers / steps are indices; None = not planted."""
     scale_weight: tuple | None = None        # (parameter name, factor): a mis-converted weight
+    scale_channel: tuple | None = None       # (parameter name, output channel, factor): one row of a weight off
+    swap_rows: tuple | None = None           # (parameter name, row i, row j): two rows exchanged (router rows)
     interleaved_rope_layer: int | None = None    # RoPE over (2i, 2i+1) pairs in this layer's attention
     fp16_overflow_layer: int | None = None   # this layer's MLP down projection in fp16 on a 2^16-scaled input
     mask_floor: float | None = None          # genie host: clamp the mask here instead of the golden's floor
@@ -103,6 +105,20 @@ def planted(model, fault: Fault | None):
             with torch.no_grad():
                 p.mul_(factor)
             stack.callback(lambda: p.data.copy_(old))
+        if fault.scale_channel:   # a wrong per-channel scale: one output channel (weight row) of a projection
+            name, row, factor = fault.scale_channel
+            q = dict(model.named_parameters())[name]
+            kept = q.detach().clone()
+            with torch.no_grad():
+                q[row].mul_(factor)
+            stack.callback(lambda: q.data.copy_(kept))
+        if fault.swap_rows:
+            name, i, j = fault.swap_rows
+            s = dict(model.named_parameters())[name]
+            held = s.detach().clone()
+            with torch.no_grad():
+                s[[i, j]] = held[[j, i]]
+            stack.callback(lambda: s.data.copy_(held))
         if fault.fp16_overflow_layer is not None:
             down = model.get_submodule(f"model.layers.{fault.fp16_overflow_layer}.mlp.down_proj")
 

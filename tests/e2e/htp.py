@@ -150,12 +150,35 @@ def unfused_rms_norm(m) -> int:
 HTP_REWRITES = {"rms_norm": unfused_rms_norm, "gathernd": gathernd_as_gather}
 
 
-def rewrite(path: Path, skip=()) -> bytes:
-    """The exported graph with HTP_REWRITES applied (but those named in `skip`: to reproduce a compiler bug)."""
+def plant(m, fault: D.Fault) -> None:
+    """A fault's weight parts planted in the exported graph's initializers (named as the checkpoint's parameters,
+    under the wrapper's prefix): the graph is exported once, each fault patches a copy."""
+    by_name = {i.name: i for i in m.graph.initializer}
+
+    def change(param, fn):
+        name = next((n for n in by_name if n == param or n.endswith("." + param)), None)
+        assert name is not None, f"no initializer holds {param}"
+        a = onnx.numpy_helper.to_array(by_name[name]).copy()
+        by_name[name].CopyFrom(onnx.numpy_helper.from_array(fn(a).astype(a.dtype), name))
+    if fault.scale_weight:
+        param, factor = fault.scale_weight
+        change(param, lambda a: a * np.float32(factor))
+    if fault.scale_channel:
+        param, row, factor = fault.scale_channel
+        change(param, lambda a: np.concatenate([a[:row], a[row:row + 1] * np.float32(factor), a[row + 1:]]))
+    if fault.swap_rows:
+        param, i, j = fault.swap_rows
+        change(param, lambda a: a[[j if r == i else i if r == j else r for r in range(len(a))]])
+
+
+def rewrite(path: Path, skip=(), fault: D.Fault | None = None) -> bytes:
+    """The exported graph with HTP_REWRITES applied (but those named in `skip`: to reproduce a compiler bug) and
+    the fault's weights planted."""
     m = onnx.load(str(path))
     for name, fn in HTP_REWRITES.items():
         if name not in skip:
             fn(m)
+    plant(m, fault or D.Fault())
     return m.SerializeToString()
 
 
@@ -165,13 +188,13 @@ def _export(wrapped, args, names_in, names_out, f: Path):
     with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
         warnings.simplefilter("ignore", FutureWarning)
         torch.onnx.export(wrapped, args, f, input_names=names_in, output_names=names_out, dynamo=True,
-                          external_data=False, optimize=True, verbose=False)
+                          external_data=False, optimize=False, verbose=False)
 
 
 def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None = None, skip=(), exports=None):
-    """graph(inputs, step) -> (outputs, taps): GenieGraph exported in float16 and run on the HTP. One export per
-    call shape (prompt AR, token AR); `exports` (a dict) caches the ONNX files across graphs of the same model and
-    fault (keyed by AR). The fault's host-side and weight parts are the caller's (run_genie, planted)."""
+    """graph(inputs, step) -> (outputs, taps): GenieGraph exported in float16 and run on the HTP. One honest export
+    per call shape (prompt AR, token AR); `exports` (a dict) caches the ONNX files across graphs of the same model
+    (keyed by AR). The fault's weights are planted in the graph (`plant`), its host parts are run_genie's."""
     fault = fault or D.Fault()
     ins, outs = D.genie_names(cfg)
     exports = {} if exports is None else exports
@@ -180,8 +203,8 @@ def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None 
     def compiled(inputs):
         ar = inputs["input_ids"].shape[1]
         if ar not in exports:
-            with torch.no_grad(), D.planted(model, fault), htp_functions(model), D.Recorder(model, fault) as rec:
-                wrapped = D._WithTaps(D.GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
+            with torch.no_grad(), htp_functions(model), D.Recorder(model) as rec:
+                wrapped = D._WithTaps(D.GenieGraph(model, params.get("key_transposed", True)), rec).eval()
                 args = tuple(D._arg(inputs[n], torch.float16) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"htp_genie_ar{ar}.onnx"
@@ -189,7 +212,7 @@ def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None 
             exports[ar] = (f, wrapped.tap_names)
         if ar not in sessions:
             f, tap_names = exports[ar]
-            sessions[ar] = (session(rewrite(f, skip)), tap_names)
+            sessions[ar] = (session(rewrite(f, skip, fault)), tap_names)
         return sessions[ar]
 
     def graph(inputs, step):
@@ -221,13 +244,13 @@ def htp_prefill(model, prompt: list, path: Path, fault: D.Fault | None = None, s
     fault = fault or D.Fault()
     ids = np.array([prompt], np.int64)
     pos = np.arange(len(prompt), dtype=np.int64)[None]
-    with torch.no_grad(), D.planted(model, fault), htp_functions(model), D.Recorder(model, fault) as rec:
+    with torch.no_grad(), htp_functions(model), D.Recorder(model) as rec:
         wrapped = _Prefill(model, rec).eval()
         args = (torch.as_tensor(ids), torch.as_tensor(pos))
         wrapped(*args)
         f = path / "htp_prefill.onnx"
         _export(wrapped, args, ["input_ids", "position_ids"], ["logits"] + wrapped.tap_names, f)
-    result = session(rewrite(f, skip)).run(None, {"input_ids": ids, "position_ids": pos})
+    result = session(rewrite(f, skip, fault)).run(None, {"input_ids": ids, "position_ids": pos})
     named = {n: (a.astype(np.float32) if a.dtype == np.float16 else a)
              for n, a in zip(["logits"] + wrapped.tap_names, result)}
     return D.Call({"input_ids": ids, "position_ids": pos}, {"logits": named.pop("logits")}, named)
