@@ -4,12 +4,11 @@
     refimpl.load(src, precision="bf16")                 # bf16 activations and weights, as transformers in bf16
     refimpl.load(src, precision=Policy(activations="fp16", weights="int8-per-channel-qnn", kv="int8"))
 
-activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced precision is *emulated*: arrays stay
-             float32,
-             and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op boundaries where
-             transformers casts when the model runs in that dtype: every nn.Linear output, each elementwise op
-             of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after the scale,
-             after the mask), the probabilities, the norms' outputs (computed in float32 inside), the MoE
+activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced precision is *emulated*: arrays
+             stay float32, and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op
+             boundaries where transformers casts when the model runs in that dtype: every nn.Linear output, each
+             elementwise op of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after
+             the scale, after the mask), the probabilities, the norms' outputs (computed in float32 inside), the MoE
              routing weights and each expert's contribution, the conv output and its silu, the GDN core output.
              Between boundaries the arithmetic is float32 (matmuls accumulate in float32, as CPU/NPU kernels do);
              the GDN core and its recurrent state stay float32, g is float32 (transformers computes both so).
