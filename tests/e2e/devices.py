@@ -49,6 +49,7 @@ class Fault:
     scale_weight: tuple | None = None        # (parameter name, factor): a mis-converted weight
     scale_channel: tuple | None = None       # (parameter name, output channel, factor): one row of a weight off
     swap_rows: tuple | None = None           # (parameter name, row i, row j): two rows exchanged (router rows)
+    shift_weight: tuple | None = None        # (parameter name, delta): a weight off by a constant (A_log + 0.1)
     interleaved_rope_layer: int | None = None    # RoPE over (2i, 2i+1) pairs in this layer's attention
     fp16_overflow_layer: int | None = None   # this layer's MLP down projection in fp16 on a 2^16-scaled input
     mask_floor: float | None = None          # genie host: clamp the mask here instead of the golden's floor
@@ -119,6 +120,13 @@ def planted(model, fault: Fault | None):
             with torch.no_grad():
                 s[[i, j]] = held[[j, i]]
             stack.callback(lambda: s.data.copy_(held))
+        if fault.shift_weight:
+            name, delta = fault.shift_weight
+            t = dict(model.named_parameters())[name]
+            before = t.detach().clone()
+            with torch.no_grad():
+                t.add_(delta)
+            stack.callback(lambda: t.data.copy_(before))
         if fault.fp16_overflow_layer is not None:
             down = model.get_submodule(f"model.layers.{fault.fp16_overflow_layer}.mlp.down_proj")
 

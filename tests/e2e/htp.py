@@ -166,6 +166,9 @@ def plant(m, fault: D.Fault) -> None:
     if fault.scale_channel:
         param, row, factor = fault.scale_channel
         change(param, lambda a: np.concatenate([a[:row], a[row:row + 1] * np.float32(factor), a[row + 1:]]))
+    if fault.shift_weight:
+        param, delta = fault.shift_weight
+        change(param, lambda a: a + np.float32(delta))
     if fault.swap_rows:
         param, i, j = fault.swap_rows
         change(param, lambda a: a[[j if r == i else i if r == j else r for r in range(len(a))]])
