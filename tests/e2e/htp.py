@@ -174,15 +174,27 @@ def plant(m, fault: D.Fault) -> None:
         change(param, lambda a: a[[j if r == i else i if r == j else r for r in range(len(a))]])
 
 
+_COMPILED = {}   # (raw export, skipped rewrites, weight fault) -> the graph given to the HTP
+
+
 def rewrite(path: Path, skip=(), fault: D.Fault | None = None) -> bytes:
-    """The exported graph with HTP_REWRITES applied (but those named in `skip`: to reproduce a compiler bug) and
-    the fault's weights planted."""
-    m = onnx.load(str(path))
-    for name, fn in HTP_REWRITES.items():
-        if name not in skip:
-            fn(m)
-    plant(m, fault or D.Fault())
-    return m.SerializeToString()
+    """The raw export (torch.onnx.export without its optimizer, so the initializers keep the checkpoint's names) with
+    the fault's weights planted, then optimized as torch.onnx.export(optimize=True) does (onnxscript's optimizer),
+    then HTP_REWRITES applied (but those named in `skip`: to reproduce a compiler bug)."""
+    import onnxscript.optimizer
+    fault = fault or D.Fault()
+    key = (str(path), tuple(skip), fault.scale_weight, fault.scale_channel, fault.swap_rows, fault.shift_weight)
+    if key not in _COMPILED:
+        m = onnx.load(str(path))
+        plant(m, fault)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = onnxscript.optimizer.optimize(m)
+        for name, fn in HTP_REWRITES.items():
+            if name not in skip:
+                fn(m)
+        _COMPILED[key] = m.SerializeToString()
+    return _COMPILED[key]
 
 
 # ------------------------------------------------------------------------------------------------ devices
