@@ -20,7 +20,7 @@ rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_d
 import numpy as np
 
 from ..graph import Node, declare
-from ..kernels.activation import sigmoid, silu, softplus
+from ..kernels.activation import sigmoid, sigmoid_rounded, silu, softplus, softplus_rounded
 from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
 from ..kernels.gated_delta import (
@@ -94,9 +94,9 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     k = put("k", l2(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
-    beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
+    beta = put("beta", sigmoid_rounded(b, r) if npu else r(sigmoid(b)))               # [B, T, Hv]
     if npu:   # -exp(A_log) a constant of the graph; a + dt_bias, softplus and the product on the NPU
-        g = put("g", r(r(-exp(w[f"{p}.A_log"])) * r(softplus(r(a + w[f"{p}.dt_bias"])))))
+        g = put("g", r(r(-exp(w[f"{p}.A_log"])) * softplus_rounded(r(a + w[f"{p}.dt_bias"]), r)))
     else:
         g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))      # [B, T, Hv], < 0
     if npu:   # token by token, as a static NPU graph runs the rule (prompt and decode alike)

@@ -113,10 +113,11 @@ def htp_functions(model):
 def gathernd_as_gather(m) -> int:
     """GatherND(data, idx[..., 1]) with batch_dims 0 -> Gather(data, Squeeze(idx, -1), axis 0): the same rows."""
     helper, n = onnx.helper, 0
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
     nodes = []
     for node in m.graph.node:
         batch_dims = next((a.i for a in node.attribute if a.name == "batch_dims"), 0)
-        if node.op_type == "GatherND" and batch_dims == 0:
+        if node.op_type == "GatherND" and batch_dims == 0 and shapes.get(node.input[1], [0])[-1:] == [1]:
             data, idx = node.input
             axes = f"{node.name}_last_axis"
             m.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), axes))
@@ -147,7 +148,45 @@ def unfused_rms_norm(m) -> int:
     return n
 
 
-HTP_REWRITES = {"rms_norm": unfused_rms_norm, "gathernd": gathernd_as_gather}
+def composed_gates(m) -> int:
+    """Softplus -> Log(1 + Exp(x)), and a Sigmoid outside a SiLU (x * sigmoid(x)) -> Reciprocal(1 + Exp(-x)): the
+    same functions, from ops the HTP computes within an ulp or two; its own Softplus and Sigmoid kernels are up to
+    132 and 727 ulp off (docs/htp.md)."""
+    helper, n = onnx.helper, 0
+    consumers = {}
+    for node in m.graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    nodes = []
+    for node in m.graph.node:
+        x, y, t = node.input[0] if node.input else None, node.output[0], node.name or node.output[0]
+        silu = node.op_type == "Sigmoid" and any(c.op_type == "Mul" and x in c.input for c in consumers.get(y, []))
+        if node.op_type not in ("Softplus", "Sigmoid") or silu:
+            nodes.append(node)
+            continue
+        one = f"{t}_one"
+        m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, _elem_dtype(m, x)), one))
+        if node.op_type == "Softplus":
+            nodes += [helper.make_node("Exp", [x], [f"{t}_exp"]),
+                      helper.make_node("Add", [f"{t}_exp", one], [f"{t}_1p"]),
+                      helper.make_node("Log", [f"{t}_1p"], [y])]
+        else:
+            nodes += [helper.make_node("Neg", [x], [f"{t}_neg"]), helper.make_node("Exp", [f"{t}_neg"], [f"{t}_exp"]),
+                      helper.make_node("Add", [f"{t}_exp", one], [f"{t}_1p"]),
+                      helper.make_node("Reciprocal", [f"{t}_1p"], [y])]
+        n += 1
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return n
+
+
+def _elem_dtype(m, name):
+    """The numpy dtype of tensor `name` (float16 unless shape inference says float32)."""
+    typed = {v.name: v.type.tensor_type.elem_type for v in (*m.graph.value_info, *m.graph.input, *m.graph.output)}
+    return np.float32 if typed.get(name) == onnx.TensorProto.FLOAT else np.float16
+
+
+HTP_REWRITES = {"rms_norm": unfused_rms_norm, "gathernd": gathernd_as_gather, "gates": composed_gates}
 
 
 def plant(m, fault: D.Fault) -> None:
@@ -190,6 +229,7 @@ def rewrite(path: Path, skip=(), fault: D.Fault | None = None) -> bytes:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             m = onnxscript.optimizer.optimize(m)
+        m = onnx.shape_inference.infer_shapes(m)
         for name, fn in HTP_REWRITES.items():
             if name not in skip:
                 fn(m)
