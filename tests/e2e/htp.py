@@ -2,10 +2,11 @@
 CPU as Qualcomm's simulator (the PyPI wheel onnxruntime-qnn, QNN SDK 2.51) through ONNX Runtime's plugin-EP API,
 with the NPU's own fp16 arithmetic and graph compiler. docs/htp.md is the walkthrough.
 
-The graphs are transformers' models in float16 (`GenieGraph` of tests/e2e/devices.py for the genie convention, the
-plain prefill forward for the hf form), exported with torch.onnx.export with the hooked taps as extra graph outputs
-(so a tap is named as its hook, `model.layers.0.self_attn.q_norm`), compiled for the HTP with the CPU fallback
-disabled: every node runs on the HTP or the session fails.
+The graphs are transformers' models in float16 behind the genie convention's static I/O (`GenieGraph` of
+tests/e2e/devices.py: the prompt call is the prefill, KV windows / conv and recurrent state in and out), exported
+with torch.onnx.export with the hooked taps as extra graph outputs (so a tap is named as its hook,
+`model.layers.0.self_attn.q_norm`), compiled for the HTP with the CPU fallback disabled: every node runs on the HTP
+or the session fails.
 
 Where the HTP compiler rejects an op or mis-compiles it, the exported graph is rewritten to the same real function
 (`HTP_REWRITES`; the facts are docs/htp.md's):
@@ -15,6 +16,8 @@ Where the HTP compiler rejects an op or mis-compiles it, the exported graph is r
     prompt form is the same maths (spec gated_deltanet.md §3.2) and is replaced by it too.
   - GatherND (transformers' expert-weight gather in the batched_mm experts) returns wrong expert rows: replaced by
     Gather on axis 0 with the index column (`gathernd_as_gather`), the same selection.
+  - transformers' own forward (the hf form: causal mask and RoPE tables built in the graph) crashes the HTP
+    compiler (a segmentation fault creating the session, dense and Qwen3.5 alike): the hf form is not run.
   - The RMSNorm chain Pow -> ReduceMean -> Add -> Sqrt -> Reciprocal -> Mul -> Mul is fused by the compiler into
     its RmsNorm kernel: `unfused_rms_norm` writes x^2 as Mul(x, x) (the same value: both are one correctly rounded
     product), which the fusion does not match.
@@ -56,6 +59,8 @@ def unavailable() -> str | None:
 
 def session(model_bytes: bytes):
     """An ONNX Runtime session on the HTP: fp16 arithmetic, no CPU fallback (an unsupported node is an error)."""
+    why = unavailable()   # registers the plugin EP once
+    assert why is None, why
     devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -277,35 +282,3 @@ def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None 
         as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
         return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
     return graph
-
-
-class _Prefill(torch.nn.Module):
-    """transformers' forward on a prompt (the hf form's prefill call): input_ids, position_ids -> logits, taps."""
-
-    def __init__(self, model, recorder):
-        super().__init__()
-        self.model, self.recorder, self.tap_names = model, recorder, []
-
-    def forward(self, input_ids, position_ids):
-        self.recorder.take()
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-        taps = self.recorder.take()
-        self.tap_names = list(taps)
-        return (logits, *taps.values())
-
-
-def htp_prefill(model, prompt: list, path: Path, fault: D.Fault | None = None, skip=()) -> D.Call:
-    """The hf form's prefill call on the HTP (float16 export of transformers' forward): one Call."""
-    fault = fault or D.Fault()
-    ids = np.array([prompt], np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
-    with torch.no_grad(), htp_functions(model), D.Recorder(model) as rec:
-        wrapped = _Prefill(model, rec).eval()
-        args = (torch.as_tensor(ids), torch.as_tensor(pos))
-        wrapped(*args)
-        f = path / "htp_prefill.onnx"
-        _export(wrapped, args, ["input_ids", "position_ids"], ["logits"] + wrapped.tap_names, f)
-    result = session(rewrite(f, skip, fault)).run(None, {"input_ids": ids, "position_ids": pos})
-    named = {n: (a.astype(np.float32) if a.dtype == np.float16 else a)
-             for n, a in zip(["logits"] + wrapped.tap_names, result)}
-    return D.Call({"input_ids": ids, "position_ids": pos}, {"logits": named.pop("logits")}, named)
