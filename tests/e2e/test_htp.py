@@ -13,6 +13,7 @@ import importlib.util
 import math
 
 import devices as D
+import numpy as np
 import pytest
 
 htp = pytest.importorskip("htp")
@@ -42,7 +43,7 @@ class Case:
     arrays: dict
     model: object
     root: object
-    exports: dict = dataclasses.field(default_factory=dict)   # (convention, skip) -> ONNX files
+    exports: dict = dataclasses.field(default_factory=dict)   # AR -> the raw ONNX export (faults, skips: rewrite)
     goldens: dict = dataclasses.field(default_factory=dict)
     dumps: dict = dataclasses.field(default_factory=dict)
 
@@ -63,8 +64,7 @@ class Case:
         if name not in self.dumps:
             bundle = self.golden()
             m, params = bundle.manifest, bundle.manifest["convention"]["params"]
-            exports = self.exports.setdefault(("genie", tuple(skip)), {})
-            graph = htp.htp_genie_graph(self.model, self.model.config, params, self.root, fault, skip, exports)
+            graph = htp.htp_genie_graph(self.model, self.model.config, params, self.root, fault, skip, self.exports)
             calls = D.run_genie(graph, self.model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params,
                                 fault)
             self.dumps[name] = D.write_dump(calls, self.root / f"dump-{name}")
@@ -171,6 +171,34 @@ def test_planted_fault_on_the_htp_is_localised_and_blamed(fault, htp_cases):
 
 
 # ------------------------------------------------------------------------------------------------ compiler bugs
+
+def test_htp_rms_norm_fusion_fails_a_float32_graph_and_the_rewrite_is_exact():
+    """The HTP compiler fuses the exported RMSNorm chain into its RmsNorm kernel; with the weight as the first Mul
+    operand (transformers' `weight * x`) a float32 graph then fails to finalize. Pow(x, 2) -> Mul(x, x) (the same
+    product) stops the fusion: the graph compiles and computes RMSNorm to fp16 precision."""
+    onnx, helper = htp.onnx, htp.onnx.helper
+    x = np.random.default_rng(0).standard_normal((1, 8, 4, 32)).astype(np.float32)
+    w = (1 + 0.1 * np.random.default_rng(1).standard_normal(32)).astype(np.float32)
+    consts = {"w": w, "two": np.array(2, np.float32), "axes": np.array([-1], np.int64),
+              "eps": np.array(1e-6, np.float32)}
+    nodes = [helper.make_node("Pow", ["x", "two"], ["p"]), helper.make_node("ReduceMean", ["p", "axes"], ["m"]),
+             helper.make_node("Add", ["m", "eps"], ["a"]), helper.make_node("Sqrt", ["a"], ["s"]),
+             helper.make_node("Reciprocal", ["s"], ["r"]), helper.make_node("Mul", ["x", "r"], ["n"]),
+             helper.make_node("Mul", ["w", "n"], ["y"])]
+    graph = helper.make_graph(nodes, "rms_norm", [helper.make_tensor_value_info("x", 1, x.shape)],
+                              [helper.make_tensor_value_info("y", 1, x.shape)],
+                              [onnx.numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    with pytest.raises(Exception, match="QNN_COMMON_ERROR_MEM_ALLOC"):
+        htp.session(model.SerializeToString())
+    assert htp.unfused_rms_norm(model) == 1
+    y = htp.session(model.SerializeToString()).run(None, {"x": x})[0]
+    x64 = x.astype(np.float64)
+    want = w * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert np.abs(y - want).max() < 4 * 2.0 ** -11 * np.abs(want).max()
+
+
 
 def test_htp_gathernd_bug_is_named_at_the_expert_gather(htp_cases):
     """Without the GatherND rewrite the HTP gathers wrong expert rows (transformers' batched_mm experts): the diff's
