@@ -42,8 +42,8 @@ def shares(case) -> tuple[dict, float, str]:
             if e.shape != np.shape(d):
                 continue
             same = np.asarray(d).astype(np.float16) == e.astype(np.float16)
-            n, hit = kinds.get(node.kind, (0, 0))
-            kinds[node.kind] = (n + same.size, hit + int(same.sum()))
+            n, hit = kinds.get(node.op, (0, 0))
+            kinds[node.op] = (n + same.size, hit + int(same.sum()))
     worst, where = T.margin(T.judge(case, dump_path))
     return kinds, worst, where
 
