@@ -487,7 +487,7 @@ def eager_graph(model, cfg, params: dict, fault: Fault | None = None):
 
 # ------------------------------------------------------------------------------------------------ ONNX Runtime
 
-class _WithTaps(torch.nn.Module):
+class WithTaps(torch.nn.Module):
     """GenieGraph returning the hooked taps as extra outputs (their names in `tap_names` after a trace)."""
 
     def __init__(self, genie, recorder):
@@ -515,8 +515,8 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
         ar = inputs["input_ids"].shape[1]
         if ar not in sessions:
             with torch.no_grad(), planted(model, fault), Recorder(model, fault) as rec:
-                wrapped = _WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
-                args = tuple(_arg(inputs[n], dtype) for n in ins)
+                wrapped = WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
+                args = tuple(torch_arg(inputs[n], dtype) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"genie_ar{ar}.onnx"
                 with warnings.catch_warnings():  # torch's own pytree deprecation, nothing of ours
@@ -531,7 +531,7 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
 
     def graph(inputs, step):
         sess, tap_names = session(inputs)
-        feed = {n: _arg(inputs[n], dtype).numpy() for n in ins}
+        feed = {n: torch_arg(inputs[n], dtype).numpy() for n in ins}
         result = sess.run(None, feed)
         named = dict(zip(outs + tap_names, result))
         as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
@@ -539,7 +539,7 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
     return graph
 
 
-def _arg(a: np.ndarray, dtype):
+def torch_arg(a: np.ndarray, dtype):
     t = torch.as_tensor(a)
     return t.to(dtype) if t.is_floating_point() else t
 

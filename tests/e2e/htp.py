@@ -264,8 +264,8 @@ def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None 
         ar = inputs["input_ids"].shape[1]
         if ar not in exports:
             with torch.no_grad(), htp_functions(model), D.Recorder(model) as rec:
-                wrapped = D._WithTaps(D.GenieGraph(model, params.get("key_transposed", True)), rec).eval()
-                args = tuple(D._arg(inputs[n], torch.float16) for n in ins)
+                wrapped = D.WithTaps(D.GenieGraph(model, params.get("key_transposed", True)), rec).eval()
+                args = tuple(D.torch_arg(inputs[n], torch.float16) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"htp_genie_ar{ar}.onnx"
                 _export(wrapped, args, ins, outs + wrapped.tap_names, f)
