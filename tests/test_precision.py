@@ -290,7 +290,7 @@ def test_htp_fp16_policy_rounds_the_delta_rule_too():
     from refimpl.kernels.gated_delta import gated_delta_recurrent, gated_delta_rounded, l2_normalize
     from refimpl.precision import Policy, rounder
     p = Policy("htp-fp16")
-    assert p.emulated and p.rounds_recurrence and p.weight_format == "fp16" and not Policy("fp16").rounds_recurrence
+    assert p.emulated and p.rounds_each_op and p.weight_format == "fp16" and not Policy("fp16").rounds_each_op
     assert p.to_dict()["cast_points"] != Policy("fp16").to_dict()["cast_points"]
     rng = np.random.default_rng(3)
     q, k = (l2_normalize(rng.standard_normal((1, 5, 2, 8)).astype(np.float32)) for _ in range(2))

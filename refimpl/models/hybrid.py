@@ -88,7 +88,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     conv_out = put("conv1d", quant.output(f"{p}.conv1d", conv_out.transpose(0, 2, 1)))  # [B, T, conv_dim]
     conv_out = put("conv1d_silu", r(silu(conv_out)))
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    npu = ctx.precision.rounds_recurrence   # htp-fp16: g, the l2norms and the delta rule rounded at each op too
+    npu = ctx.precision.rounds_each_op   # htp-fp16: g, the l2norms and the delta rule rounded at each op too
     l2 = (lambda x, eps: l2_normalize_rounded(x, r, eps)) if npu else l2_normalize
     q = put("q", l2(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))                   # [B, T, Hk, Dk]
     k = put("k", l2(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))

@@ -22,7 +22,7 @@ from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route
-from ..kernels.norm import rms_norm
+from ..kernels.norm import rms_norm, rms_norm_rounded
 from ..kernels.rope import apply_rope
 from ..trace import tap
 
@@ -30,14 +30,15 @@ from ..trace import tap
 def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """The model's RMSNorm module `name`: plain weight (Qwen3) or zero-centred (1 + w) (Qwen3-Next / 3.5)."""
     q = ctx.quant
-    y = rms_norm(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
-                 rnd=ctx.round)
+    kernel = rms_norm_rounded if ctx.precision.rounds_each_op else rms_norm   # htp-fp16: its insides in fp16 too
+    y = kernel(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
+               rnd=ctx.round)
     return q.output(name, y)
 
 
 def gate_sigmoid(x: np.ndarray, ctx) -> np.ndarray:
     """A gate's sigmoid (gated attention, the shared expert), cast: as 1 / (1 + exp(-x)) op by op under htp-fp16."""
-    return sigmoid_rounded(x, ctx.round) if ctx.precision.rounds_recurrence else ctx.round(sigmoid(x))
+    return sigmoid_rounded(x, ctx.round) if ctx.precision.rounds_each_op else ctx.round(sigmoid(x))
 
 
 def project(w, name: str, x: np.ndarray, ctx, bias: bool = False, weight: str | None = None) -> np.ndarray:
