@@ -31,17 +31,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bo
     return rnd((weight * rnd(n.astype(x.dtype, copy=False))).astype(x.dtype, copy=False))
 
 
-def rms_norm_rounded(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False,
-                     rnd=identity) -> np.ndarray:
-    """rms_norm as an fp16 NPU runs transformers' float32 insides (precision htp-fp16): every op rounded by rnd, the
-    mean accumulated wide and rounded once.  x [..., n], weight [n] -> [..., n]"""
-    mean = rnd(np.mean(rnd(x * x).astype(np.float64), axis=-1, keepdims=True)).astype(x.dtype)  # mean(x^2)
-    n = rnd(x * rnd(1 / rnd(np.sqrt(rnd(mean + x.dtype.type(eps))))))                         # x / sqrt(. + eps)
-    if zero_centered:
-        return rnd(n * rnd(1 + weight.astype(x.dtype)))                                         # nu(x) * (1 + w)
-    return rnd(weight.astype(x.dtype) * n)                                                      # w * nu(x)
-
-
 def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, *, rnd=identity) -> np.ndarray:
     """Gated RMSNorm of the GDN output: norm first, then the plain weight, then * silu(gate).
 
