@@ -59,6 +59,7 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
     "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
 HTP_CAST_POINTS = CAST_POINTS[:-1] + (  # htp-fp16: the GDN in fp16 too (docs/htp.md)
     "gdn beta, g (each op), the l2norms (each op), the delta rule token by token (each op, its state included)",
+    "gate sigmoids and softplus as 1 / (1 + exp(-x)) and log(1 + exp(x)), each op",
     "sums (reductions, matmuls) accumulated wide, rounded once")
 
 
