@@ -74,8 +74,9 @@ def size(text: str) -> int:
 
 def precision_flags(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    p.add_argument("--precision", choices=["float32", "float64", "bf16", "fp16"],
-                   help="activation precision; bf16 / fp16 are emulated by rounding at transformers' cast points")
+    p.add_argument("--precision", choices=["float32", "float64", "bf16", "fp16", "htp-fp16"],
+                   help="activation precision; bf16 / fp16 are emulated by rounding at transformers' cast points, "
+                        "htp-fp16 also rounds the Gated DeltaNet core and state as an fp16 NPU (docs/htp.md)")
     p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")

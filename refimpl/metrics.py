@@ -29,6 +29,7 @@ _FLOAT_TYPES = {
 }
 # alias -> dtype name, the one table of dtype names the diff's policies and refimpl.testing accept
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16", "half": "float16",
+                 "htp-fp16": "float16",   # the HTP precision policy (refimpl.precision): an fp16 device
                  "bf16": "bfloat16", "fp64": "float64", "f64": "float64"}
 
 

@@ -4,14 +4,19 @@
     refimpl.load(src, precision="bf16")                 # bf16 activations and weights, as transformers in bf16
     refimpl.load(src, precision=Policy(activations="fp16", weights="int8-per-channel-qnn", kv="int8"))
 
-activations  float32 | float64 (the oracle) | bf16 | fp16. Reduced precision is *emulated*: arrays stay float32,
-             and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op boundaries where
-             transformers casts when the model runs in that dtype: every nn.Linear output, each elementwise op
-             of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after the scale,
-             after the mask), the probabilities, the norms' outputs (computed in float32 inside), the MoE
+activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced precision is *emulated*: arrays
+             stay float32, and `Policy.round` rounds (IEEE round-to-nearest-even, ml_dtypes) at exactly the op
+             boundaries where transformers casts when the model runs in that dtype: every nn.Linear output, each
+             elementwise op of RoPE / SwiGLU / gates, residual adds, the attention scores (after the product, after
+             the scale, after the mask), the probabilities, the norms' outputs (computed in float32 inside), the MoE
              routing weights and each expert's contribution, the conv output and its silu, the GDN core output.
              Between boundaries the arithmetic is float32 (matmuls accumulate in float32, as CPU/NPU kernels do);
              the GDN core and its recurrent state stay float32, g is float32 (transformers computes both so).
+             htp-fp16: an fp16 NPU running the whole graph in fp16 (Qualcomm's HTP; docs/htp.md): fp16's cast points,
+             and also g, the GDN l2norms and the delta rule (token by token, its state included) and the gates'
+             sigmoid / softplus rounded to fp16 after every op, each sum accumulated wide and rounded once (the HTP's
+             reductions and matmuls, measured). The norms keep fp16's cast points: rounding their insides op by op
+             predicts the HTP no better (65 % vs 62 % bit-identical, measured) and raises the emulated error 8x.
 weights      float32 | float64 | bf16 | fp16, or integer fake-quantisation of every matrix (ndim >= 2) except
              the embedding table and the depthwise conv:  int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}
              (ranges from the weights' own min/max per row or per block of the input axis: a stand-in when no
@@ -41,7 +46,8 @@ from .files import sha256_file
 from .kernels import quant
 from .kernels.activation import identity
 
-ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+ACTIVATIONS = {"float32": None, "float64": None, "bf16": ml_dtypes.bfloat16, "fp16": np.float16,
+               "htp-fp16": np.float16}
 FLOAT_WEIGHTS = ("float32", "float64", "bf16", "fp16")
 KV = (None, "bf16", "fp16", "int8")
 _INT_WEIGHTS = re.compile(r"^int(4|8)-(per-tensor|per-channel|block(\d+))-(qnn|onnx)$")
@@ -51,6 +57,10 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
     "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
     "residual adds", "moe routing weights, each weighted expert term and the running sum",
     "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
+HTP_CAST_POINTS = CAST_POINTS[:-1] + (  # htp-fp16: the GDN in fp16 too (docs/htp.md)
+    "gdn beta, g (each op), the l2norms (each op), the delta rule token by token (each op, its state included)",
+    "gate sigmoids and softplus as 1 / (1 + exp(-x)) and log(1 + exp(x)), each op",
+    "sums (reductions, matmuls) accumulated wide, rounded once")
 
 
 
@@ -101,11 +111,17 @@ class Policy:
 
     @property
     def weight_format(self) -> str:
-        return self.weights or self.activations
+        return self.weights or ("fp16" if self.activations == "htp-fp16" else self.activations)
 
     @property
     def emulated(self) -> bool:
-        return self.activations in ("bf16", "fp16")
+        return self.activations in ("bf16", "fp16", "htp-fp16")
+
+    @property
+    def rounds_each_op(self) -> bool:
+        """htp-fp16: what transformers computes in float32 inside an fp16 model (g, the GDN l2norms, the delta rule
+        with its state, the gates' sigmoid / softplus) rounded after every op too, as an NPU running it in fp16."""
+        return self.activations == "htp-fp16"
 
     def round(self, x):
         """An activation boundary: x rounded to the activation dtype (identity in float32 / float64)."""
@@ -133,7 +149,12 @@ class Policy:
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": list(CAST_POINTS) if self.emulated else [], "arithmetic": self.arithmetic}
+                "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+
+    @property
+    def cast_points(self) -> list:
+        """Where the emulation rounds (recorded in manifests)."""
+        return list(HTP_CAST_POINTS if self.rounds_each_op else CAST_POINTS if self.emulated else ())
 
     @property
     def arithmetic(self) -> str:

@@ -282,3 +282,27 @@ def test_tied_lm_head_is_quantised_on_its_own():
     assert not np.array_equal(head, emb)
     assert "lm_head.weight" not in m.weights.stored          # no copy in the checkpoint, no new sha256
     assert m.weights.sha256() == refimpl.load("tiny-qwen3").weights.sha256()
+
+
+def test_htp_fp16_policy_rounds_the_delta_rule_too():
+    """htp-fp16: fp16 weights and cast points, plus the delta rule token by token in fp16 (state included)."""
+    from refimpl.kernels.activation import identity
+    from refimpl.kernels.gated_delta import gated_delta_recurrent, gated_delta_rounded, l2_normalize
+    from refimpl.precision import Policy, rounder
+    p = Policy("htp-fp16")
+    assert p.emulated and p.rounds_each_op and p.weight_format == "fp16" and not Policy("fp16").rounds_each_op
+    assert p.to_dict()["cast_points"] != Policy("fp16").to_dict()["cast_points"]
+    rng = np.random.default_rng(3)
+    q, k = (l2_normalize(rng.standard_normal((1, 5, 2, 8)).astype(np.float32)) for _ in range(2))
+    v = rng.standard_normal((1, 5, 4, 8)).astype(np.float32)
+    g, beta = -rng.uniform(0.05, 1, (1, 5, 4)).astype(np.float32), rng.uniform(0, 1, (1, 5, 4)).astype(np.float32)
+    S0 = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    o_ref, S_ref = gated_delta_recurrent(q, k, v, g, beta, S0, use_qk_l2norm=False)
+    o, S = gated_delta_rounded(q, k, v, g, beta, S0, identity)        # no rounding: the same function
+    np.testing.assert_allclose(o, o_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(S, S_ref, rtol=1e-5, atol=1e-5)
+    o16, S16 = gated_delta_rounded(q, k, v, g, beta, S0, rounder("fp16"))
+    assert np.array_equal(o16, o16.astype(np.float16).astype(np.float32))       # every value an fp16 value
+    assert np.array_equal(S16, S16.astype(np.float16).astype(np.float32))
+    err = np.abs(o16 - o_ref).max() / np.abs(o_ref).max()
+    assert 1e-5 < err < 1e-2, err                                               # fp16 noise, not a different rule

@@ -242,7 +242,8 @@ def _integer_reference(emulated, rec, golden, device) -> dict | None:
             *row, _ = idx
             p = probs[tuple(row)] if probs is not None else None
             dev, emu = int(device[idx]), int(e[idx])
-            if p is not None and max(dev, emu) < p.size and abs(p[dev] - p[emu]) <= 2 * np.spacing(np.float32(p[emu])):
+            valid = p is not None and 0 <= min(dev, emu) and max(dev, emu) < p.size   # a garbage id is no tie
+            if valid and abs(p[dev] - p[emu]) <= 2 * np.spacing(np.float32(p[emu])):
                 explained[idx] = True
                 ties.append(f"token {row[-1]}: expert {dev} where the emulation took {emu} (p = {p[emu]:.6g} both)")
     out = {"equals_golden_or_emulation": bool(explained[mask].all()),

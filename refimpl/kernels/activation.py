@@ -39,3 +39,14 @@ ACTIVATIONS = {
     "relu": relu,
     "sigmoid": sigmoid,
 }
+
+
+def sigmoid_rounded(x: np.ndarray, rnd) -> np.ndarray:
+    """sigmoid(x) = 1 / (1 + exp(-x)) with every op rounded by rnd (an fp16 NPU running the composition; the HTP's
+    own Sigmoid kernel is an approximation refimpl does not state, docs/htp.md).  [...] -> [...]"""
+    return rnd(1 / rnd(1 + rnd(elementary.exp(-x))))
+
+
+def softplus_rounded(x: np.ndarray, rnd) -> np.ndarray:
+    """softplus(x) = log(1 + exp(x)) with every op rounded by rnd (as sigmoid_rounded).  [...] -> [...]"""
+    return rnd(elementary.log(rnd(1 + rnd(elementary.exp(x)))))

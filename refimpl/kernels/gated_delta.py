@@ -96,6 +96,37 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 
 
+def _wide_sum(x: np.ndarray, rnd, axis: int) -> np.ndarray:
+    """A sum as an fp16 NPU reduces: accumulated wide (float64 here, exact for fp16 terms), rounded once by rnd."""
+    return rnd(np.sum(x.astype(np.float64), axis=axis)).astype(x.dtype)
+
+
+def l2_normalize_rounded(x: np.ndarray, rnd, eps: float = 1e-6) -> np.ndarray:
+    """transformers' l2norm with every op rounded by rnd (an NPU running it in fp16), the sum accumulated wide.
+    [..., D] -> [..., D]"""
+    ss = rnd(_wide_sum(rnd(x * x), rnd, -1)[..., None] + x.dtype.type(eps))    # sum_i x_i^2 + eps
+    return rnd(x * rnd(1 / rnd(np.sqrt(ss))))                                  # x * 1 / sqrt(.)
+
+
+def gated_delta_rounded(q, k, v, g, beta, initial_state, rnd):
+    """The delta rule as an fp16 NPU runs transformers' recurrent form (precision htp-fp16, docs/htp.md): token by
+    token, every elementwise op rounded by rnd, every sum (S^T k, S^T q) accumulated wide and rounded once, the state
+    held rounded. q, k come l2-normalised (l2_normalize_rounded). Shapes and results as gated_delta_recurrent."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, False)
+    B, Hv, T, Dk = k.shape
+    q = rnd(q / q.dtype.type(math.sqrt(Dk)))                                    # q / sqrt(Dk)
+    S = rnd(S)
+    o = np.empty_like(v)  # [B, Hv, T, Dv]
+    for t in range(T):
+        S = rnd(S * rnd(exp(g[:, :, t, None, None])))                          # S <- exp(g_t) S
+        kv = _wide_sum(rnd(S * k[:, :, t, :, None]), rnd, -2)                  # S^T k_t   [B, Hv, Dv]
+        u = rnd(rnd(v[:, :, t] - kv) * beta[:, :, t, None])                    # u = beta_t (v_t - S^T k_t)
+        S = rnd(S + rnd(k[:, :, t, :, None] * u[:, :, None, :]))              # S <- S + k_t u_t^T
+        o[:, :, t] = _wide_sum(rnd(S * q[:, :, t, :, None]), rnd, -2)          # o_t = S^T q_t
+    return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
+
+
 def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None):
     """One decode step (spec §4): the recurrent form with T = 1, from a cached state.
 

@@ -13,16 +13,23 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
 
 Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
 output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
-(its recurrent state included) stay float32, as transformers computes them.
+(its recurrent state included) stay float32, as transformers computes them. htp-fp16 (an fp16 NPU, docs/htp.md)
+rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_delta_rounded).
 """
 
 import numpy as np
 
 from ..graph import Node, declare
-from ..kernels.activation import sigmoid, silu, softplus
+from ..kernels.activation import sigmoid, sigmoid_rounded, silu, softplus, softplus_rounded
 from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
-from ..kernels.gated_delta import gated_delta_chunked, gated_delta_step, l2_normalize
+from ..kernels.gated_delta import (
+    gated_delta_chunked,
+    gated_delta_rounded,
+    gated_delta_step,
+    l2_normalize,
+    l2_normalize_rounded,
+)
 from ..kernels.norm import rms_norm_gated
 from ..trace import conform, override, tap
 from . import qwen3
@@ -81,13 +88,20 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     conv_out = put("conv1d", quant.output(f"{p}.conv1d", conv_out.transpose(0, 2, 1)))  # [B, T, conv_dim]
     conv_out = put("conv1d_silu", r(silu(conv_out)))
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
-    q = put("q", l2_normalize(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))         # [B, T, Hk, Dk]
-    k = put("k", l2_normalize(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
+    npu = ctx.precision.rounds_each_op   # htp-fp16: g, the l2norms and the delta rule rounded at each op too
+    l2 = (lambda x, eps: l2_normalize_rounded(x, r, eps)) if npu else l2_normalize
+    q = put("q", l2(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))                   # [B, T, Hk, Dk]
+    k = put("k", l2(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
-    beta = put("beta", r(sigmoid(b)))                                                  # [B, T, Hv]
-    g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))          # [B, T, Hv], < 0
-    if state is not None and T == 1:
+    beta = put("beta", sigmoid_rounded(b, r) if npu else r(sigmoid(b)))               # [B, T, Hv]
+    if npu:   # -exp(A_log) a constant of the graph; a + dt_bias, softplus and the product on the NPU
+        g = put("g", r(r(-exp(w[f"{p}.A_log"])) * softplus_rounded(r(a + w[f"{p}.dt_bias"]), r)))
+    else:
+        g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))      # [B, T, Hv], < 0
+    if npu:   # token by token, as a static NPU graph runs the rule (prompt and decode alike)
+        core, S = gated_delta_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r)
+    elif state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,

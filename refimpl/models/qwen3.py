@@ -17,7 +17,7 @@ which taps are HF modules' outputs that can carry them and which taps are those 
 import numpy as np
 
 from ..graph import Node, declare, merge
-from ..kernels.activation import ACTIVATIONS, sigmoid
+from ..kernels.activation import ACTIVATIONS, sigmoid, sigmoid_rounded
 from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
@@ -33,6 +33,11 @@ def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     y = rms_norm(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
                  rnd=ctx.round)
     return q.output(name, y)
+
+
+def gate_sigmoid(x: np.ndarray, ctx) -> np.ndarray:
+    """A gate's sigmoid (gated attention, the shared expert), cast: as 1 / (1 + exp(-x)) op by op under htp-fp16."""
+    return sigmoid_rounded(x, ctx.round) if ctx.precision.rounds_each_op else ctx.round(sigmoid(x))
 
 
 def project(w, name: str, x: np.ndarray, ctx, bias: bool = False, weight: str | None = None) -> np.ndarray:
@@ -87,7 +92,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
     o = tap(p, "attn_output", o)
     if gated:
-        o = r(o * r(sigmoid(gate)))
+        o = r(o * gate_sigmoid(gate, ctx))
         o = tap(p, "gated_output", o)
     return tap(p, "o_proj", project(w, f"{p}.o_proj", o, ctx, bias))
 
@@ -123,7 +128,7 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
         shared = mlp(w, f"{p}.shared_expert", x, cfg, ctx).reshape(B * T, H)
         gate = tap(p, "shared_expert_gate", project(w, f"{p}.shared_expert_gate", x, ctx)).reshape(B * T, 1)
-        out = r(out + r(r(sigmoid(gate)) * shared))
+        out = r(out + r(gate_sigmoid(gate, ctx) * shared))
     return tap(p, None, out.reshape(B, T, H))
 
 

@@ -48,6 +48,8 @@ class Fault:
     """One planted fault (all off by default). Layers / steps are indices; None = not planted."""
     scale_weight: tuple | None = None        # (parameter name, factor): a mis-converted weight
     scale_channel: tuple | None = None       # (parameter name, output channel, factor): one row of a weight off
+    swap_rows: tuple | None = None           # (parameter name, row i, row j): two rows exchanged (router rows)
+    shift_weight: tuple | None = None        # (parameter name, delta): a weight off by a constant (A_log + 0.1)
     interleaved_rope_layer: int | None = None    # RoPE over (2i, 2i+1) pairs in this layer's attention
     fp16_overflow_layer: int | None = None   # this layer's MLP down projection in fp16 on a 2^16-scaled input
     mask_floor: float | None = None          # genie host: clamp the mask here instead of the golden's floor
@@ -111,6 +113,20 @@ def planted(model, fault: Fault | None):
             with torch.no_grad():
                 q[row].mul_(factor)
             stack.callback(lambda: q.data.copy_(kept))
+        if fault.swap_rows:
+            name, i, j = fault.swap_rows
+            s = dict(model.named_parameters())[name]
+            held = s.detach().clone()
+            with torch.no_grad():
+                s[[i, j]] = held[[j, i]]
+            stack.callback(lambda: s.data.copy_(held))
+        if fault.shift_weight:
+            name, delta = fault.shift_weight
+            t = dict(model.named_parameters())[name]
+            before = t.detach().clone()
+            with torch.no_grad():
+                t.add_(delta)
+            stack.callback(lambda: t.data.copy_(before))
         if fault.fp16_overflow_layer is not None:
             down = model.get_submodule(f"model.layers.{fault.fp16_overflow_layer}.mlp.down_proj")
 
@@ -471,7 +487,7 @@ def eager_graph(model, cfg, params: dict, fault: Fault | None = None):
 
 # ------------------------------------------------------------------------------------------------ ONNX Runtime
 
-class _WithTaps(torch.nn.Module):
+class WithTaps(torch.nn.Module):
     """GenieGraph returning the hooked taps as extra outputs (their names in `tap_names` after a trace)."""
 
     def __init__(self, genie, recorder):
@@ -499,8 +515,8 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
         ar = inputs["input_ids"].shape[1]
         if ar not in sessions:
             with torch.no_grad(), planted(model, fault), Recorder(model, fault) as rec:
-                wrapped = _WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
-                args = tuple(_arg(inputs[n], dtype) for n in ins)
+                wrapped = WithTaps(GenieGraph(model, params.get("key_transposed", True), fault), rec).eval()
+                args = tuple(torch_arg(inputs[n], dtype) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"genie_ar{ar}.onnx"
                 if not f.exists():   # else a graph exported before (and edited: scale_output)
@@ -516,7 +532,7 @@ def ort_graph(model, cfg, params: dict, example: dict, path: Path, fault: Fault 
 
     def graph(inputs, step):
         sess, tap_names = session(inputs)
-        feed = {n: _arg(inputs[n], dtype).numpy() for n in ins}
+        feed = {n: torch_arg(inputs[n], dtype).numpy() for n in ins}
         result = sess.run(None, feed)
         named = dict(zip(outs + tap_names, result))
         as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
@@ -545,6 +561,7 @@ def scale_output(source: Path, target: Path, tensor: str, channel: int, factor: 
 
 
 def _arg(a: np.ndarray, dtype):
+def torch_arg(a: np.ndarray, dtype):
     t = torch.as_tensor(a)
     return t.to(dtype) if t.is_floating_point() else t
 
