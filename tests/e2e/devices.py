@@ -560,7 +560,6 @@ def scale_output(source: Path, target: Path, tensor: str, channel: int, factor: 
     return target
 
 
-def _arg(a: np.ndarray, dtype):
 def torch_arg(a: np.ndarray, dtype):
     t = torch.as_tensor(a)
     return t.to(dtype) if t.is_floating_point() else t
