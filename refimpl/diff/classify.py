@@ -226,6 +226,9 @@ def _sum_but(x, a):
 
 def _gains(r, d, V, power, n):
     rr = float(np.sum(r * r))
+    values = np.unique(r[V][:4096])
+    if values.size == 2 and values[0] < 0 and values[-1] == 0:
+        return    # a mask (0 and a floor): a scaled floor is a floor (saturation / masked region), not a gain
     if rr > 0:
         c = float(np.sum(d * r)) / rr                                             # c = <d, r> / <r, r>
         after = _nmse(d, c * r, V, power)

@@ -1,0 +1,298 @@
+"""refimpl.diff.classify on synthetic tensors: every fault class planted by hand at several magnitudes on random
+shapes (hypothesis), with its fitted parameters checked; honest reduced-precision rounding is always 'precision';
+nothing is ever given a wrong class (a planted fault is named right or 'unexplained')."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from refimpl.diff import classify
+from refimpl.errors import InputError
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def tensors(draw, min_size=4):
+    """A float32 reference of 2-4 axes of 4-12 (at least one axis of 8+), at a scale of 1e-3 .. 1e3."""
+    ndim = draw(st.integers(2, 4))
+    shape = [draw(st.integers(min_size, 12)) for _ in range(ndim)]
+    shape[draw(st.integers(0, ndim - 1))] = draw(st.integers(8, 16))
+    seed = draw(st.integers(0, 2 ** 31))
+    scale = 10.0 ** draw(st.integers(-3, 3))
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32), seed
+
+
+def _slices(draw, n):
+    k = draw(st.integers(1, max(1, n // 2)))
+    return sorted(draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True)))
+
+
+def _at(x, axis, idx):
+    sl = [slice(None)] * x.ndim
+    sl[axis] = idx
+    return tuple(sl)
+
+
+@given(tensors(), st.sampled_from([0.5, 0.9, 0.99, 0.998, 1.002, 1.02, 1.1, 2.0]))
+@SETTINGS
+def test_whole_tensor_gain(t, c):
+    r, _ = t
+    f = classify(r, (r * c).astype(np.float32))
+    assert f.kind == "gain" and abs(f.params["factor"] / c - 1) < 0.01, f
+
+
+@given(tensors(), st.sampled_from([0.5, 0.98, 1.005, 1.05, 3.0]), st.data())
+@SETTINGS
+def test_gain_on_some_slices(t, c, data):
+    r, _ = t
+    axis = data.draw(st.integers(0, r.ndim - 1))
+    idx = _slices(data.draw, r.shape[axis])
+    d = r.copy()
+    d[_at(d, axis, idx)] *= np.float32(c)
+    f = classify(r, d)
+    assert f.kind == "gain", f
+    if "axis" in f.params:
+        assert f.params["axis"] == axis and f.params["slices"] == idx, f
+        assert all(abs(v / c - 1) < 0.01 for v in f.params["factors"]), f
+    else:
+        assert len(idx) == r.shape[axis] or r.size // r.shape[axis] == 1, f
+
+
+@given(tensors(), st.sampled_from([1e-3, 0.05, 1.0]), st.data())
+@SETTINGS
+def test_offset_on_some_slices(t, b, data):
+    r, _ = t
+    axis = data.draw(st.integers(0, r.ndim - 1))
+    idx = _slices(data.draw, r.shape[axis])
+    b = b * float(np.sqrt(np.mean(r.astype(np.float64) ** 2)))
+    d = r.copy()
+    d[_at(d, axis, idx)] += np.float32(b)
+    f = classify(r, d)
+    assert f.kind == "offset", f
+    if "axis" in f.params:
+        assert f.params["axis"] == axis and f.params["slices"] == idx, f
+        assert all(abs(v / b - 1) < 0.01 for v in f.params["offsets"]), f
+
+
+@given(tensors(), st.data())
+@SETTINGS
+def test_permuted_slices(t, data):
+    r, _ = t
+    axis = data.draw(st.integers(0, r.ndim - 1))
+    S = r.shape[axis]
+    perm = np.array(data.draw(st.permutations(range(S))))
+    assume(not np.array_equal(perm, np.arange(S)))
+    assume(not any(np.array_equal(perm, (np.arange(S) + s) % S) for s in range(S)))   # a roll is a shift
+    f = classify(r, np.take(r, perm, axis=axis))
+    assert f.kind == "permutation" and f.params["axis"] == axis and f.params["perm"] == perm.tolist(), f
+
+
+@given(tensors(), st.sampled_from([1, -1, 2, -2]), st.data())
+@SETTINGS
+def test_shift(t, s, data):
+    r, _ = t
+    axis = data.draw(st.integers(0, r.ndim - 1))
+    S = r.shape[axis]
+    assume(S >= 4 * abs(s))                                # the overlap holds most of the tensor
+    d = np.zeros_like(r)                                   # device[i] = reference[i + s], vacated slots zero
+    src, dst = (range(s, S), range(0, S - s)) if s > 0 else (range(0, S + s), range(-s, S))
+    d[_at(d, axis, list(dst))] = r[_at(r, axis, list(src))]
+    f = classify(r, d)
+    assert f.kind == "shift" and f.params == {"axis": axis, "by": s}, f
+
+
+@given(tensors())
+@SETTINGS
+def test_stale_state(t):
+    r, seed = t
+    prev = np.random.default_rng(seed + 1).standard_normal(r.shape).astype(np.float32) * np.abs(r).max()
+    f = classify(r, prev, previous=prev)
+    assert f.kind == "stale state" and f.params["equals"] == "the previous step's value", f
+    f = classify(r, np.zeros_like(r), previous=prev)
+    assert f.kind == "stale state" and f.params["equals"] == "the initial (zero) state", f
+
+
+@given(tensors(), st.sampled_from([0.5, 0.8, 0.95]), st.booleans())
+@SETTINGS
+def test_saturation(t, q, both):
+    r, _ = t
+    hi = float(np.quantile(r, q))
+    lo = float(np.quantile(r, 1 - q)) if both else -np.inf
+    f = classify(r, np.clip(r, lo, hi))
+    assert f.kind == "saturation" and math.isclose(f.params["hi"], hi, rel_tol=1e-6), f
+    assert (f.params["lo"] is None) if not both else math.isclose(f.params["lo"], lo, rel_tol=1e-6), f
+
+
+def test_fp16_overflow_is_named():
+    r = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 4e4
+    f = classify(r, np.clip(r, -65504, 65504))
+    assert f.kind == "saturation" and "float16 max" in f.summary, f
+    f = classify(r, r.astype(np.float16).astype(np.float32), dtype="fp16")
+    assert f.kind == "non-finite" and f.params["n_inf"] == int((np.abs(r) > 65520).sum()), f
+
+
+@given(tensors(), st.integers(1, 5), st.booleans())
+@SETTINGS
+def test_non_finite(t, k, nan):
+    r, seed = t
+    d = r.copy()
+    flat = np.random.default_rng(seed).choice(r.size, k, replace=False)
+    d.ravel()[flat] = np.nan if nan else np.inf
+    f = classify(r, d)
+    assert f.kind == "non-finite" and f.params["n_nan" if nan else "n_inf"] == k, f
+
+
+@given(tensors(), st.data())
+@SETTINGS
+def test_zeroed_slices_are_a_masked_region(t, data):
+    r, _ = t
+    axis = data.draw(st.integers(0, r.ndim - 1))
+    idx = _slices(data.draw, r.shape[axis])
+    d = r.copy()
+    d[_at(d, axis, idx)] = 0
+    f = classify(r, d)
+    assert f.kind == "masked region" and f.params["n"] == int((r[_at(r, axis, idx)] != 0).sum()), f
+
+
+def test_mask_floor_is_a_masked_region():
+    mask = np.where(np.tril(np.ones((8, 32), bool), 24), 0.0, -1000.0).astype(np.float32)
+    f = classify(mask, np.maximum(mask, -50))
+    assert f.kind == "masked region" and f.params["lo"] == -50 and f.params["reference_floor"] == -1000, f
+
+
+@given(tensors(), st.data())
+@SETTINGS
+def test_sign_and_swap(t, data):
+    r, _ = t
+    even = [a for a, s in enumerate(r.shape) if s % 2 == 0]
+    kind = data.draw(st.sampled_from(["negated", "swapped", "rotate_half"] if even else ["negated"]))
+    if kind == "negated":
+        d, expect = -r, {"factor": -1.0}
+    else:
+        a = data.draw(st.sampled_from(even))
+        r1, r2 = np.split(r, 2, axis=a)
+        d = np.concatenate([r2, r1] if kind == "swapped" else [-r2, r1], axis=a)
+        expect = {"axis": a, "swapped": True, "signs": [1, 1] if kind == "swapped" else [-1, 1]}
+    f = classify(r, d)
+    assert f.kind == "sign/swap" and f.params == expect, f
+
+
+def test_layout_transposed_bytes():
+    r = np.random.default_rng(0).standard_normal((2, 1, 16, 8)).astype(np.float32)   # [Hkv, 1, D, T]
+    d = r.transpose(0, 1, 3, 2).reshape(r.shape)      # [Hkv, 1, T, D] bytes in the [Hkv, 1, D, T] buffer
+    f = classify(r, d)
+    assert f.kind == "permutation" and f.params == {"layout": "bytes", "axes": [0, 1, 3, 2]}, f
+
+
+def test_alternatives_name_a_convention():
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    wrong = x[:, [0, 2, 4, 6, 1, 3, 5, 7]] * 1.5 + 0.25             # any computed alternative
+    f = classify(x, wrong, alternatives={"permutation: RoPE over interleaved pairs": wrong})
+    assert f.kind == "permutation" and f.summary == "RoPE over interleaved pairs", f
+
+
+# ------------------------------------------------------------------------------------------------ honest devices
+
+ROUND = {"fp16": lambda x: x.astype(np.float16).astype(np.float32),
+         "bf16": lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)}
+
+
+@given(tensors(), st.sampled_from(["fp16", "bf16", "int8", "int16"]), st.integers(1, 8))
+@SETTINGS
+def test_honest_reduced_precision_is_precision_only(t, dtype, ops):
+    """The reference rounded to the device's grid, and `ops` rounding errors of the same size accumulated."""
+    r, seed = t
+    rng = np.random.default_rng(seed)
+    if dtype in ROUND:
+        d = ROUND[dtype](r)
+        u = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}[dtype]
+        d = ROUND[dtype](d * (1 + u * rng.uniform(-1, 1, r.shape) * math.sqrt(ops)))
+    else:
+        s = np.abs(r).max() / (2 ** (int(dtype[3:]) - 1) - 1)
+        d = (np.round(r / s) * s).astype(np.float32)
+    f = classify(r, d, dtype=dtype)
+    assert f.kind == "precision", f
+
+
+@given(tensors(), st.sampled_from([1e-6, 1e-4, 1e-2, 1.0]))
+@SETTINGS
+def test_noise_is_never_a_fault(t, level):
+    """Random error of every size: 'precision' under the floor, 'unexplained' above it, never a named fault."""
+    r, seed = t
+    d = r + level * np.abs(r).max() * np.random.default_rng(seed + 1).standard_normal(r.shape).astype(np.float32)
+    assert classify(r, d).kind in ("precision", "unexplained")
+
+
+def test_valid_region_and_bad_input():
+    r = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    d = r.copy()
+    d[:, 12:] = 99                                             # outside the valid region: not compared
+    assert classify(r, d, valid=[[[0, 4], [0, 12]]]).kind == "precision"
+    d[:, :12] *= 1.1
+    f = classify(r, d, valid=[[[0, 4], [0, 12]]])
+    assert f.kind == "gain" and abs(f.params["factor"] - 1.1) < 1e-4, f
+    with pytest.raises(InputError, match="shape"):
+        classify(r, r[:2])
+    with pytest.raises(InputError, match="dtype"):
+        classify(r, r, dtype="fp8")
+    assert classify(r, r * 1.1).to_dict()["class"] == "gain"
+
+
+def test_sweep_right_at_least_95_percent_never_wrong():
+    """A deterministic sweep over every class (5 magnitudes / variants each, 4 shapes): >= 95 % named right with
+    the right parameters, the rest unexplained / precision; the table is the test's failure message."""
+    table = {}
+    for shape in [(1, 7, 4, 16), (2, 1, 16, 8), (12, 64), (1, 5, 2, 32)]:
+        r = np.random.default_rng(len(shape) + shape[-1]).standard_normal(shape).astype(np.float32)
+        for kind, d, ok in _planted(r):
+            f = classify(r, d)
+            verdict = "right" if f.kind == kind and ok(f.params) else (
+                "unexplained" if f.kind in ("unexplained", "precision") else "wrong")
+            table.setdefault(kind, {"right": 0, "unexplained": 0, "wrong": 0})[verdict] += 1
+    total = {v: sum(t[v] for t in table.values()) for v in ("right", "unexplained", "wrong")}
+    assert total["wrong"] == 0 and total["right"] >= 0.95 * sum(total.values()), table
+
+
+def _planted(r):
+    """(class, device, parameter check) for each planted fault on r."""
+    last, S = r.ndim - 1, r.shape[-1]
+    for c in (0.5, 0.99, 1.003, 1.05, 4.0):
+        yield "gain", r * np.float32(c), lambda p, c=c: abs(p["factor"] / c - 1) < 0.01
+        d = r.copy()
+        d[..., 1:3] *= np.float32(c)
+        yield "gain", d, lambda p, c=c: p.get("slices") == [1, 2] and all(abs(v / c - 1) < .01 for v in p["factors"])
+    rms = float(np.sqrt(np.mean(r.astype(np.float64) ** 2)))
+    for b in (1e-3, 0.01, 0.1, 1.0, 5.0):
+        d = r.copy()
+        d[..., : S // 2] += np.float32(b * rms)
+        yield "offset", d, lambda p, b=b: p.get("slices") == list(range(S // 2)) and \
+            all(abs(v / (b * rms) - 1) < 0.01 for v in p["offsets"])
+    for k in range(1, 6):
+        perm = np.arange(S)
+        perm[[0, k]] = perm[[k, 0]]
+        yield "permutation", r[..., perm], lambda p, perm=perm: p.get("perm") == perm.tolist()
+    for s in (1, -1, 2, -2):
+        d = np.zeros_like(r)
+        if s > 0:
+            d[..., : S - s] = r[..., s:]
+        else:
+            d[..., -s:] = r[..., : S + s]
+        yield "shift", d, lambda p, s=s: p == {"axis": last, "by": s}
+    for q in (0.6, 0.8, 0.9, 0.97, 0.995):
+        hi = float(np.quantile(r, q))
+        yield "saturation", np.minimum(r, hi), lambda p, hi=hi: math.isclose(p["hi"], hi, rel_tol=1e-6)
+    for k in (1, 3, 10):
+        d = r.copy()
+        d.ravel()[: k] = np.inf
+        yield "non-finite", d, lambda p, k=k: p["n_inf"] == k
+    for j in range(3):
+        d = r.copy()
+        d[..., j] = 0
+        yield "masked region", d, lambda p, j=j: p.get("slices") == [j] and p.get("axis") == last
+    yield "sign/swap", -r, lambda p: p == {"factor": -1.0}
+    yield "sign/swap", np.concatenate([-r[..., S // 2:], r[..., : S // 2]], -1), lambda p: p["signs"] == [-1, 1]
