@@ -37,6 +37,8 @@ import numpy as np
 from ..bundle import valid_mask
 from ..errors import InputError
 from ..metrics import DTYPE_ALIASES
+from .divergence import model_config
+from .layouts import candidates, conv_kernel
 from .policy import DEFAULTS
 
 CLASSES = ("gain", "offset", "permutation", "shift", "stale state", "precision", "saturation", "non-finite",
@@ -343,7 +345,8 @@ def _stale(r, d, V, power, prev):
 
 
 def _shifts(r, d, V, power):
-    """d at i holds r at i + s along one axis (s = +-1, +-2): compared where the reference element is in V."""
+    """d at i holds r at i + s along one axis (s = +-1, +-2), compared where the reference element is in V; the
+    slots it vacates hold zeros (compared where V)."""
     for a, S in enumerate(r.shape):
         if S < 3:
             continue
@@ -353,7 +356,9 @@ def _shifts(r, d, V, power):
             p = float(np.sum(rr * rr))
             if mm.sum() * 2 < V.sum() or p < 0.5 * power:
                 continue
-            after = _nmse(dd, rr, mm, p)
+            gone = range(S - s, S) if s > 0 else range(0, -s)          # the device's vacated slots: zeros
+            vac = np.take(d, gone, axis=a)[np.take(V, gone, axis=a)]
+            after = _nmse(dd, rr, mm, p) + float(np.sum(vac * vac)) / p
             toward = "lower" if s > 0 else "higher"
             yield _Fit("shift", 1, after, {"axis": a, "by": s},
                        f"shifted by {abs(s)} toward {toward} indices along axis {a} (device[i] = reference[i{s:+d}])")
@@ -442,3 +447,53 @@ def _layouts(r, d, V, power):
                      "the reference transposed to axes {p}, its bytes read in the reference's shape (a layout "
                      "mix-up: e.g. a K cache written untransposed)").format(p=tuple(p))
             yield _Fit("permutation", 1, _nmse(d, model, mask, power), {"layout": how, "axes": p}, words, model)
+
+
+# ------------------------------------------------------------------------------------------------ in the diff
+
+def judged_floor(metrics: dict | None, criteria: dict) -> float | None:
+    """The NMSE floor of a tensor the diff judged: its max_nmse bar, on the step's own power (the diff divides the
+    error by max(the step's golden power, the run's): policy.judged_nmse)."""
+    bar = criteria.get("max_nmse")
+    if bar is None:
+        return None
+    m = metrics or {}
+    power, run = m.get("golden_power"), m.get("run_power")
+    if criteria.get("run_power") and power and run and run > power and math.isfinite(run):
+        return bar * run / power
+    return bar
+
+
+def divergence_arrays(bundle, dump, r, kernel=None):
+    """(golden, device in the reading the diff judged, previous step's golden or None) of result `r`, or None
+    when the dump's tensor is unreadable or integer. A tensor that passes only in another layout is given in the
+    dump's own reading (its layout is the fault)."""
+    item = dump.items.get(r.key)
+    if item is None or item.problem or item.array is None or r.metrics is None or r.metrics.get("integer"):
+        return None
+    rec = bundle.manifest["tensors"][r.key]
+    found = dict(candidates(item, rec, None if r.status == "layout" else r.layout, kernel))
+    device = next(iter(found.values()), None) if r.status == "layout" else found.get(r.layout)
+    if device is None:
+        return None
+    golden = bundle.tensor(r.step, r.role, r.name)
+    previous = None
+    if r.step > 0 and f"{r.step - 1}/{r.role}/{r.name}" in bundle.manifest["tensors"]:
+        previous = bundle.tensor(r.step - 1, r.role, r.name)
+        previous = previous if previous.shape == golden.shape else None
+    return golden, device, previous
+
+
+def classify_divergences(report, bundle, dump, policy) -> None:
+    """Set `fault` (Fault.to_dict()) on each first divergence of `report` (refimpl.diff.compare's last step)."""
+    kernel = conv_kernel(model_config((bundle.manifest.get("model") or {}).get("config")))
+    by_key = {r.key: r for r in report.results}
+    for key in {k for k in report.first_divergence.values() if k}:
+        r = by_key[key]
+        arrays = divergence_arrays(bundle, dump, r, kernel)
+        if arrays is None:
+            continue
+        golden, device, previous = arrays
+        criteria = policy.criteria(r.name, False, r.reference)
+        r.fault = classify(golden, device, bundle.manifest["tensors"][key]["valid"], policy.dtype, previous=previous,
+                           floor=judged_floor(r.metrics, criteria)).to_dict()

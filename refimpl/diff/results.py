@@ -29,6 +29,7 @@ class Result:
     origin: str | None = None        # for failures: "added" (all inputs pass) or "inherited"
     reference: dict | None = None    # three-way: the emulated run's metrics on this tensor
     source: str | None = None
+    fault: dict | None = None        # a first divergence: the kind of fault it shows (classify.Fault.to_dict())
 
 
 @dataclasses.dataclass
