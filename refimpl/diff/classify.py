@@ -200,7 +200,7 @@ def _fits(r, d, raw, V, power, e, prev, alts, dtype, scale):
         yield from _stale(r, d, V, power, prev)
     yield from _shifts(r, raw, V, power)
     yield from _halves(r, d, V, power)
-    yield from _permutations(r, raw, V, power)
+    yield from _permutations(r, d, raw, V, power)
     yield from _layouts(r, raw, V, power)
     for key, a in alts.items():
         kind, _, what = key.partition(": ")
@@ -380,9 +380,10 @@ def _halves(r, d, V, power):
                        what.format(a=a), model)
 
 
-def _permutations(r, d, V, power):
+def _permutations(r, d, raw, V, power):
     """The slices of an axis permuted: each device slice matched to its nearest reference slice through a random
-    projection of the slices (then verified on the whole tensor)."""
+    projection of the slices over V (then verified on the whole tensor, the device read where the permuted
+    reference is compared)."""
     rng = np.random.default_rng(0)
     for a, S in enumerate(r.shape):
         if S < 2 or S > MAX_PERMUTED:
@@ -397,7 +398,7 @@ def _permutations(r, d, V, power):
         if S % 2 == 0 and np.array_equal(perm, np.roll(np.arange(S), S // 2)):
             continue                                                                   # halves swapped: _halves
         model = np.take(r, perm, axis=a)
-        after = _nmse(d, model, np.take(V, perm, axis=a), power)
+        after = _nmse(raw, model, np.take(V, perm, axis=a), power)
         roll = next((s for s in range(1, S) if np.array_equal(perm, (np.arange(S) + s) % S)), None)
         if roll is not None:
             yield _Fit("shift", 1, after, {"axis": a, "by": roll if roll <= S // 2 else roll - S, "roll": True},
