@@ -144,7 +144,7 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
         prev = np.where(V, prev, 0.0) / e
     alts = {k: np.where(V, np.asarray(a, np.float64), 0.0) / e for k, a in (alternatives or {}).items()
             if np.shape(a) == r.shape}
-    fits = list(_fits(r, d, raw, V, power, e, prev, alts, dtype, scale))
+    fits = list(_fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F))
     good = sorted((f for f in fits if f.after <= F and f.after * IMPROVEMENT <= before),
                   key=lambda f: (f.nparams, f.after))
     listed = [f"{f.kind}: {f.summary} (NMSE {f.after:.3g}, {f.nparams} parameters)" for f in good[:6]]
@@ -189,11 +189,11 @@ def _nonfinite(r, d, V, bad, F) -> Fault:
                  math.inf, math.inf, F, "an exact test: the device is NaN / Inf where the reference is finite")
 
 
-def _fits(r, d, raw, V, power, e, prev, alts, dtype, scale):
+def _fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F):
     """Every fault model fitted: _Fit(kind, parameters, residual NMSE, fitted parameters, summary)."""
     n = int(V.sum())
-    yield from _gains(r, d, V, power, n)
-    yield from _offsets(r, d, V, power, n, e)
+    yield from _gains(r, d, V, power, n, F)
+    yield from _offsets(r, d, V, power, n, e, F)
     yield from _saturation(r, d, V, power, e, dtype, scale)
     yield from _masked(r, d, V, power)
     if prev is not None:
@@ -226,7 +226,7 @@ def _sum_but(x, a):
     return np.sum(x, axis=tuple(i for i in range(x.ndim) if i != a))
 
 
-def _gains(r, d, V, power, n):
+def _gains(r, d, V, power, n, F):
     rr = float(np.sum(r * r))
     values = np.unique(r[V][:4096])
     if values.size == 2 and values[0] < 0 and values[-1] == 0:
@@ -248,7 +248,8 @@ def _gains(r, d, V, power, n):
         res_j = _sum_but(np.where(V, d - model, 0.0) ** 2, a)
         n_j = np.maximum(_sum_but(V, a), 2)
         se = np.sqrt(res_j / (n_j - 1) / np.where(rr_j > 0, rr_j, np.inf))         # standard error of c_j
-        moved = np.flatnonzero((np.abs(c_j - 1) > 6 * se + 1e-7) & (rr_j > 0))
+        # a slice moved: its factor 6 standard errors from 1, and its error above its share of the floor
+        moved = np.flatnonzero((np.abs(c_j - 1) > 6 * se + 1e-7) & (rr_j > 0) & ((c_j - 1) ** 2 * rr_j > F * power / s))
         if not moved.size:
             continue
         f = c_j[moved]
@@ -264,7 +265,7 @@ def _gains(r, d, V, power, n):
                    f"slices {_ranges(moved)} of axis {a} {what}", model)
 
 
-def _offsets(r, d, V, power, n, e):
+def _offsets(r, d, V, power, n, e, F):
     b = float(np.sum(d - r)) / n if n else 0.0                                  # b = mean_V (d - r)
     yield _Fit("offset", 1, _nmse(d, r + b * V, V, power), {"offset": b * e}, f"offset by {b * e:.4g} (whole tensor)",
                r + b)
@@ -277,7 +278,7 @@ def _offsets(r, d, V, power, n, e):
         after = _nmse(d, model, V, power)
         res = np.where(V, d - model, 0.0)
         sd = np.sqrt(_sum_but(res * res, a) / np.maximum(n_j - 1, 1))
-        moved = np.flatnonzero(np.abs(b_j) > 6 * sd / np.sqrt(n_j) + 1e-12)
+        moved = np.flatnonzero((np.abs(b_j) > 6 * sd / np.sqrt(n_j) + 1e-12) & (b_j ** 2 * n_j > F * power / s))
         if moved.size:
             yield _Fit("offset", s, after, {"axis": a, "slices": moved.tolist(), "offsets": (e * b_j[moved]).tolist()},
                        f"slices {_ranges(moved)} of axis {a} offset by "
@@ -354,7 +355,7 @@ def _shifts(r, d, V, power):
             lo, hi = (range(0, S - s), range(s, S)) if s > 0 else (range(-s, S), range(0, S + s))
             dd, rr, mm = np.take(d, lo, axis=a), np.take(r, hi, axis=a), np.take(V, hi, axis=a)
             p = float(np.sum(rr * rr))
-            if mm.sum() * 2 < V.sum() or p < 0.5 * power:
+            if mm.sum() * 2 < V.sum() or p < 0.25 * power:
                 continue
             gone = range(S - s, S) if s > 0 else range(0, -s)          # the device's vacated slots: zeros
             vac = np.take(d, gone, axis=a)[np.take(V, gone, axis=a)]

@@ -237,6 +237,7 @@ def main(root: Path) -> None:
     """The full table: every planted fault x architecture x convention on transformers (and ONNX Runtime on a
     few), the existing faults, honest bf16 / fp16 runs."""
     import tempfile
+    root.mkdir(parents=True, exist_ok=True)
     built = {}
 
     def get(arch):
