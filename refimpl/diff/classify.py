@@ -12,9 +12,11 @@ k), or the caller's (the diff passes the bar that judged the tensor).
 
     non-finite      d is NaN / Inf somewhere r is finite (an exact test, before any fit)
     precision       NMSE(r) <= F: the residual is rounding to the device's grid, no fault
-    a model M       fits when NMSE(M(r)) <= F and NMSE(M(r)) <= NMSE(r) / 4 (a likelihood ratio of the Gaussian
-                    residuals of at least (n / 2) ln 4); of the models that fit, the one with the fewest parameters
-                    wins (BIC's order); two of different kinds with as few: "unexplained" (ambiguous)
+    a model M       fits when NMSE(M(r)) <= F and its residual per degree of freedom is at most a quarter of the
+                    residual before: NMSE(M(r)) n / (n - k) <= NMSE(r) / 4 for k parameters over n elements (fitting
+                    k parameters to noise removes a fraction k / n of it, not three quarters); of the models that
+                    fit, the one with the fewest parameters wins (BIC's order); two of different kinds with as few:
+                    "unexplained" (ambiguous)
     unexplained     no model fits (the closest is reported, as evidence, never as the answer)
 
 Models (parameters): gain c r (1) or c_j r per slice j of an axis (one per slice); offset r + b (1) or r + b_j;
@@ -45,7 +47,7 @@ CLASSES = ("gain", "offset", "permutation", "shift", "stale state", "precision",
            "masked region", "sign/swap", "unexplained")
 K = 4.0                        # an integer grid's floor: k^2 x its rounding NMSE (three-way judging's k)
 IMPROVEMENT = 4.0              # a model must cut the residual NMSE by at least this factor
-MIN_PER_GROUP = 4              # a per-slice model needs this many compared elements per parameter
+MIN_PER_GROUP = 2              # a per-slice model needs this many compared elements per parameter
 MAX_PERMUTED = 1024            # largest axis searched for a permutation of its slices
 MAX_LAYOUT_ELEMENTS = 1 << 22  # largest tensor tried in every axis order
 FLOAT_MAX = {"float16": 65504.0, "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
@@ -130,8 +132,9 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
     r, d = np.where(V, r, 0.0) / e, np.where(V, d, 0.0) / e
     power = float(np.sum(r * r))
     before = _nmse(d, r, V, power)
-    criterion = (f"residual NMSE after the fit <= the floor F = {F:.3g} ({_floor_words(dtype, floor)}) and <= 1/"
-                 f"{IMPROVEMENT:g} of the NMSE before; the fewest parameters among the models that fit")
+    criterion = (f"residual NMSE after the fit <= the floor F = {F:.3g} ({_floor_words(dtype, floor)}) and, per "
+                 f"degree of freedom, <= 1/{IMPROVEMENT:g} of the NMSE before; the fewest parameters among the models "
+                 f"that fit")
     if before <= F:
         what = "bit-exact" if before == 0 else f"{_dtype_words(dtype)} rounding only"
         return Fault("precision", f"{what} (residual NMSE {before:.3g} <= floor {F:.3g})", {"dtype": str(dtype)},
@@ -145,7 +148,9 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
     alts = {k: np.where(V, np.asarray(a, np.float64), 0.0) / e for k, a in (alternatives or {}).items()
             if np.shape(a) == r.shape}
     fits = list(_fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F))
-    good = sorted((f for f in fits if f.after <= F and f.after * IMPROVEMENT <= before),
+    n = int(V.sum())
+    good = sorted((f for f in fits if f.after <= F and f.nparams < n and f.after * n / (n - f.nparams) * IMPROVEMENT
+                   <= before),
                   key=lambda f: (f.nparams, f.after))
     listed = [f"{f.kind}: {f.summary} (NMSE {f.after:.3g}, {f.nparams} parameters)" for f in good[:6]]
     if not good:
