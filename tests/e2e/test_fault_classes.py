@@ -1,13 +1,17 @@
 """`refimpl diff` names the kind of fault at the first divergence, on independent devices (tests/e2e/devices.py):
 every fault class planted into a device kernel's output (a module's forward hook: the device computes on from the
-wrong value) at several magnitudes, across the architectures (presets) and conventions, and the existing host /
-graph faults of test_independent_devices; honest reduced-precision runs give 'precision' on every tensor.
+wrong value) at several magnitudes, across the architectures (presets) and conventions (FAULT_CLASSES: the class
+of each host / graph fault of test_independent_devices, checked there); honest reduced-precision runs give
+'precision' on every tensor.
 
 A case is right when the class and its parameters are (a factor within 1 %, the planted channels / heads / rows /
 slots); 'unexplained' or 'precision' is allowed for the cases marked so below (a nonlinear fault no model is meant
-to fit); any other class is wrong and fails. `python tests/e2e/test_fault_classes.py` prints the full table
-(every architecture x convention x class x magnitude); the suite runs a rotation of it (one magnitude per class per
-architecture). Devices are a parameter: DEVICES holds one line per device."""
+to fit; the 'unexplained' count of the table); any other class is wrong and fails.
+
+    python tests/e2e/test_fault_classes.py [DIR]    # the full table: architecture x convention x class x magnitude
+
+The suite runs a rotation of it (each planted fault once, over the architectures and conventions). Devices are a
+parameter: DEVICES holds one line per device."""
 
 import math
 import sys
@@ -123,32 +127,25 @@ def planted_cases():
 
 
 PLANTED = planted_cases()
-# the host / graph faults of test_independent_devices (architecture and convention fixed), with their class
-EXISTING = {
-    "norm weight x1.1": ("dense", "genie", D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.1)),
-                         "gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
-    "k_norm weight x1.1": ("moe", "hf", D.Fault(scale_weight=("model.layers.2.self_attn.k_norm.weight", 1.1)),
-                           "gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
-    "gated norm weight x1.1": ("hybrid", "genie", D.Fault(scale_weight=("model.layers.1.linear_attn.norm.weight",
-                                                                        1.1)),
-                               "gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
-    "mask floor -50": ("dense", "genie", D.Fault(mask_floor=-50.0), "masked region",
-                       lambda p, seen: p.get("lo") == -50.0),
-    "KV window shifted": ("moe", "genie", D.Fault(window_shift_step=2), "shift", lambda p, seen: p.get("by") == 1),
-    "conv state not shifted": ("hybrid", "genie", D.Fault(conv_state_stale_step=1), "stale state",
-                               lambda p, seen: p["equals"] == "the previous step's value"),
-    "recurrent state not carried (genie)": ("hybrid", "genie", D.Fault(recurrent_not_carried_step=2), "stale state",
-                                            lambda p, seen: p["equals"] == "the initial (zero) state"),
-    "recurrent state not carried (hf)": ("next", "hf", D.Fault(recurrent_not_carried_step=1), "stale state",
-                                         lambda p, seen: p["equals"] == "the initial (zero) state"),
-    "fp16 overflow": ("hybrid", "hf", D.Fault(fp16_overflow_layer=1), "non-finite", lambda p, seen: p["n_inf"] > 0),
-    "K written untransposed": ("dense", "genie", D.Fault(key_untransposed=True), "permutation",
-                               lambda p, seen: p.get("layout") == "bytes"),
-    # nonlinear in the planted parameter: no model is meant to fit ('unexplained' is the honest answer)
-    "A_log x1.2": ("hybrid", "hf", D.Fault(scale_weight=("model.layers.1.linear_attn.A_log", 1.2)), None, None),
-    "conv weight x1.1": ("hybrid", "genie", D.Fault(scale_weight=("model.layers.0.linear_attn.conv1d.weight", 1.1)),
-                         None, None),
-    "interleaved RoPE": ("dense", "hf", D.Fault(interleaved_rope_layer=2), None, None),
+# the class of each host / graph fault of test_independent_devices.FAULTS (checked there, on the same dumps), and
+# its parameters; None: nonlinear in the planted parameter, no model is meant to fit ('unexplained' is right)
+FAULT_CLASSES = {
+    "norm weight (dense)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
+    "k_norm weight (moe)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
+    "gated norm weight (hybrid)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
+    "A_log (hybrid)": (None, None),
+    "conv weight (hybrid)": (None, None),
+    "interleaved RoPE (dense)": (None, None),
+    "interleaved RoPE (hybrid)": (None, None),
+    "mask floor -50 (dense)": ("masked region", lambda p, seen: p.get("lo") == -50.0),
+    "KV window shifted at a decode step (moe)": ("shift", lambda p, seen: p.get("by") == 1),
+    "conv state not shifted (hybrid)": ("stale state", lambda p, seen: p["equals"] == "the previous step's value"),
+    "recurrent state not carried (hybrid)": ("stale state",
+                                             lambda p, seen: p["equals"] == "the initial (zero) state"),
+    "recurrent state not carried (next, hf)": ("stale state",
+                                               lambda p, seen: p["equals"] == "the initial (zero) state"),
+    "fp16 overflow in a down projection (hybrid)": ("non-finite", lambda p, seen: p["n_inf"] > 0),
+    "K written untransposed (dense)": ("permutation", lambda p, seen: p.get("layout") == "bytes"),
 }
 
 
@@ -187,14 +184,6 @@ def test_planted_fault_class(arch, convention, device, name, cases, tmp_path):
     report, _, _ = run_case(cases, tmp_path, arch, convention, device, make(seen))
     v, fault = verdict(report, expected, check, seen)
     assert v == "right", (v, fault)
-
-
-@pytest.mark.parametrize("name", list(EXISTING))
-def test_existing_fault_class(name, cases, tmp_path):
-    arch, convention, fault, expected, check = EXISTING[name]
-    report, _, _ = run_case(cases, tmp_path, arch, convention, "transformers", fault)
-    v, got = verdict(report, expected, check, [])
-    assert v == ("right" if expected else "unexplained"), (v, got)
 
 
 def test_onnx_runtime_device_fault_class(cases, tmp_path):
@@ -261,7 +250,9 @@ def main(root: Path) -> None:
                     report, _, _ = run_case(get, Path(t), arch, conv, "transformers", make(seen))
                 count(expected, *verdict(report, expected, check, seen)[:1], f"{arch} {conv} {name}",
                       verdict(report, expected, check, seen)[1])
-    for name, (arch, conv, fault, expected, check) in EXISTING.items():
+    from test_independent_devices import FAULTS
+    for name, (arch, conv, fault, *_) in FAULTS.items():
+        expected, check = FAULT_CLASSES[name]
         with tempfile.TemporaryDirectory(dir=root) as t:
             report, _, _ = run_case(get, Path(t), arch, conv, "transformers", fault)
         v, f = verdict(report, expected, check, [])
