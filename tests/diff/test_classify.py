@@ -296,3 +296,64 @@ def _planted(r):
         yield "masked region", d, lambda p, j=j: p.get("slices") == [j] and p.get("axis") == last
     yield "sign/swap", -r, lambda p: p == {"factor": -1.0}
     yield "sign/swap", np.concatenate([-r[..., S // 2:], r[..., : S // 2]], -1), lambda p: p["signs"] == [-1, 1]
+
+
+# ------------------------------------------------------------------------------------------------ in the diff's outputs
+
+def test_fault_in_every_output(tmp_path, capsys):
+    """A reference run with one tap's channel 5 scaled x1.03 (tests/diff/faults.py) diffed by the CLI: the
+    terminal line under the first divergence, --json's fault object (read back by --rejudge), the HTML scatter and
+    per-slice bars, replay's row and explain's line all name 'gain' on channel 5."""
+    import json
+
+    import faults as F
+
+    from refimpl.bundle import read_bundle
+    from refimpl.cli import main
+    from refimpl.diff import explain, load_metrics, read_dump, replay
+    from refimpl.golden import write_golden
+
+    model, _ = F.model_and_arrays("tiny-qwen3", vocab_size=2048, eos_token_id=2000)
+    params = {"ar": 4, "cl": 16, "mask_floor": -1000.0}
+    prompt = [97, 11, 1879, 13, 42, 7, 99]
+    bundle = read_bundle(write_golden(tmp_path / "golden", model, prompt, source="tiny-qwen3", convention="genie",
+                                      params=params, decode_steps=1, taps="."))
+    name = "model.layers.1.post_attention_layernorm"
+
+    def wrong(x):
+        x = x.copy()
+        x[..., 5] *= np.float32(1.03)
+        return x
+    dump = F.device_dump(model, prompt, params, 1, tmp_path / "dump", F.corrupt_tap(name, wrong))
+    args = ["diff", str(bundle.path), str(dump), "-q", "--json", str(tmp_path / "m.json"), "--html",
+            str(tmp_path / "r.html")]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    line = out.split("first divergence, step 0:")[1].splitlines()[1]
+    assert line.startswith("  fault: gain: slices 5 of axis ") and "scaled by 1.03" in line, out
+    saved = json.loads((tmp_path / "m.json").read_text())
+    fault = next(r["fault"] for r in saved["results"] if r["key"] == f"0/tap/{name}")
+    assert fault["class"] == "gain" and fault["params"]["slices"] == [5] and fault["residual_after"] < 1e-8
+    assert abs(fault["params"]["factors"][0] - 1.03) < 1e-4 and fault["criterion"].startswith("residual NMSE")
+    assert next(r for r in load_metrics(tmp_path / "m.json").results if r.fault).fault == fault
+    page = (tmp_path / "r.html").read_text()
+    assert "fault: <b>gain: slices 5" in page and "Device vs reference at the first divergence: gain" in page
+    assert "Per-slice gain along axis" in page
+    rows = replay(bundle, read_dump(dump, bundle), model, layer=1, step=0)
+    assert [(r.name, r.fault["class"], r.fault["params"]["slices"]) for r in rows if r.adds_error] == \
+        [(name, "gain", [5])]
+    text = explain(bundle, model, f"{name}[0,3,5]", step=0, device={name: read_dump(dump, bundle).items[
+        f"0/tap/{name}"].array.reshape(bundle.manifest["tensors"][f"0/tap/{name}"]["shape"])})
+    assert "fault class of the whole tensor: gain: slices 5 of axis" in text, text
+
+
+def test_assert_close_names_the_class():
+    from refimpl.testing import assert_close
+    x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    d = x.copy()
+    d[:, 8] = 0
+    with pytest.raises(AssertionError, match="fault class: masked region: zero where the reference is not in 4 "
+                                             "elements \\(slices 8 of axis 1\\)"):
+        assert_close(d, x.astype(np.float64), dtype="float32")
+    with pytest.raises(AssertionError, match="fault class: sign/swap"):
+        assert_close(-x.astype(np.float16), x, dtype="float16")
