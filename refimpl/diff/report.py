@@ -251,6 +251,16 @@ def fault_plots(arrays: tuple | None) -> dict:
         ax.plot(xs, p["factor"] * xs, color="#06c", lw=1.5, label=f"fit: device = {p['factor']:.5g} reference")
     elif fault["class"] == "offset" and "offset" in p:
         ax.plot(xs, xs + p["offset"], color="#06c", lw=1.5, label=f"fit: device = reference + {p['offset']:.4g}")
+    elif fault["class"] in ("gain", "offset", "sign/swap") and "slices" in p:
+        moved = np.zeros(golden.shape[p["axis"]], bool)
+        moved[p["slices"]] = True
+        sel = np.broadcast_to(np.expand_dims(moved, tuple(i for i in range(golden.ndim) if i != p["axis"])),
+                              golden.shape)[ok]
+        ax.scatter(g[sel], d[sel], s=4, color="#06c", label=f"slices {p['slices'][:6]} of axis {p['axis']}")
+        for v in sorted(set(round(v, 6) for v in p.get("factors", p.get("offsets", []))))[:3]:
+            ys = v * xs if "factors" in p else xs + v
+            ax.plot(xs, ys, color="#06c", lw=1, label="fit: device = " + (f"{v:.5g} reference" if "factors" in p
+                                                                          else f"reference + {v:.4g}"))
     elif fault["class"] == "saturation":
         ax.plot(xs, np.clip(xs, p["lo"] if p["lo"] is not None else -np.inf, p["hi"] if p["hi"] is not None
                             else np.inf), color="#06c", lw=1.5, label="fit: clip(reference, lo, hi)")
