@@ -491,9 +491,41 @@ def divergence_arrays(bundle, dump, r, kernel=None):
     return golden, device, previous
 
 
+def rope_alternatives(x, y, rot: int) -> dict:
+    """What a wrong RoPE convention would have made of RoPE's input x [..., T, H, D] given its half-split output y
+    (the golden): the cos / sin of each (token, pair) solved from x and y (least squares over the heads:
+    [y_i, y_(i+h)] = [[x_i, -x_(i+h)], [x_(i+h), x_i]] [c, s], h = rot / 2), then applied over interleaved pairs
+    (2i, 2i+1) (Meta / GPT-J), and half-split with the sine's sign flipped (rotate_half negated)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    h = rot // 2
+    a, b, ya, yb = x[..., :h], x[..., h:rot], y[..., :h], y[..., h:rot]                     # [..., T, H, h]
+    norm = np.maximum(np.sum(a * a + b * b, axis=-2, keepdims=True), 1e-300)
+    c = np.sum(a * ya + b * yb, axis=-2, keepdims=True) / norm                             # cos, [..., T, 1, h]
+    s = np.sum(a * yb - b * ya, axis=-2, keepdims=True) / norm                             # sin
+    inter = x.copy()
+    even, odd = x[..., 0:rot:2], x[..., 1:rot:2]
+    inter[..., 0:rot:2], inter[..., 1:rot:2] = even * c - odd * s, odd * c + even * s      # pairs (2i, 2i+1)
+    flipped = x.copy()
+    flipped[..., :h], flipped[..., h:rot] = a * c + b * s, b * c - a * s                     # x c - rotate_half(x) s
+    return {"permutation: RoPE over interleaved pairs (2i, 2i+1) instead of half-split (i, i + rot/2)": inter,
+            "sign/swap: RoPE with the sine's sign flipped (rotate_half negated)": flipped}
+
+
+def _alternatives(bundle, r, golden, cfg) -> dict | None:
+    """Known wrong conventions of the op that made `r` (RoPE: from the golden's input tap), or None."""
+    if cfg is None or r.role != "tap" or not r.name.endswith(("self_attn.q_rope", "self_attn.k_rope")):
+        return None
+    key = f"{r.step}/tap/{r.name[:-4]}norm"
+    if key not in bundle.manifest["tensors"]:
+        return None
+    x = bundle.tensor(r.step, "tap", r.name[:-4] + "norm")
+    return rope_alternatives(x, golden, cfg.rotary_dim) if x.shape == golden.shape else None
+
+
 def classify_divergences(report, bundle, dump, policy) -> None:
     """Set `fault` (Fault.to_dict()) on each first divergence of `report` (refimpl.diff.compare's last step)."""
-    kernel = conv_kernel(model_config((bundle.manifest.get("model") or {}).get("config")))
+    cfg = model_config((bundle.manifest.get("model") or {}).get("config"))
+    kernel = conv_kernel(cfg)
     by_key = {r.key: r for r in report.results}
     for key in {k for k in report.first_divergence.values() if k}:
         r = by_key[key]
@@ -503,4 +535,5 @@ def classify_divergences(report, bundle, dump, policy) -> None:
         golden, device, previous = arrays
         criteria = policy.criteria(r.name, False, r.reference)
         r.fault = classify(golden, device, bundle.manifest["tensors"][key]["valid"], policy.dtype, previous=previous,
-                           floor=judged_floor(r.metrics, criteria)).to_dict()
+                           floor=judged_floor(r.metrics, criteria),
+                           alternatives=_alternatives(bundle, r, golden, cfg)).to_dict()

@@ -357,3 +357,29 @@ def test_assert_close_names_the_class():
         assert_close(d, x.astype(np.float64), dtype="float32")
     with pytest.raises(AssertionError, match="fault class: sign/swap"):
         assert_close(-x.astype(np.float16), x, dtype="float16")
+
+
+@pytest.mark.parametrize("rot", [32, 16])
+def test_rope_conventions_from_the_golden_pair(rot):
+    """rope_alternatives recovers cos / sin from RoPE's input and half-split output (refimpl's kernel) and makes the
+    interleaved and the sign-flipped conventions of them (written here from their definitions), to float32 rounding."""
+    from refimpl.diff.classify import rope_alternatives
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 5, 4, 32)).astype(np.float32)                        # [B, T, H, D]
+    ang = np.arange(5)[:, None] * 10000.0 ** (-np.arange(rot // 2) / (rot // 2))     # [T, rot/2]
+    c, s = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    h = rot // 2
+    half = x.astype(np.float64).copy()
+    half[..., :h], half[..., h:rot] = x[..., :h] * c - x[..., h:rot] * s, x[..., h:rot] * c + x[..., :h] * s
+    inter = x.astype(np.float64).copy()
+    inter[..., 0:rot:2] = x[..., 0:rot:2] * c - x[..., 1:rot:2] * s
+    inter[..., 1:rot:2] = x[..., 1:rot:2] * c + x[..., 0:rot:2] * s
+    alts = rope_alternatives(x, half.astype(np.float32), rot)
+    got = alts["permutation: RoPE over interleaved pairs (2i, 2i+1) instead of half-split (i, i + rot/2)"]
+    assert np.max(np.abs(got - inter)) < 1e-5
+    f = classify(half.astype(np.float32), inter.astype(np.float32), alternatives=alts)
+    assert f.kind == "permutation" and f.summary.startswith("RoPE over interleaved pairs"), f
+    flipped = x.astype(np.float64).copy()
+    flipped[..., :h], flipped[..., h:rot] = x[..., :h] * c + x[..., h:rot] * s, x[..., h:rot] * c - x[..., :h] * s
+    f = classify(half.astype(np.float32), flipped.astype(np.float32), alternatives=alts)
+    assert f.kind == "sign/swap" and "sine's sign flipped" in f.summary, f

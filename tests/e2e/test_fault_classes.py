@@ -23,7 +23,10 @@ from test_independent_devices import ARCHITECTURES, GENIE, device_dump, judge
 from test_independent_devices import cases as shared_cases
 
 from refimpl.bundle import valid_mask
-from refimpl.diff.classify import classify, divergence_arrays
+from refimpl.diff.classify import classify, divergence_arrays, judged_floor
+from refimpl.diff.divergence import model_config
+from refimpl.diff.layouts import conv_kernel
+from refimpl.diff.policy import make_policy
 
 pytestmark = pytest.mark.oracle
 cases = shared_cases          # the fixture: one golden and checkpoint per architecture, built once per module
@@ -135,8 +138,8 @@ FAULT_CLASSES = {
     "gated norm weight (hybrid)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
     "A_log (hybrid)": (None, None),
     "conv weight (hybrid)": (None, None),
-    "interleaved RoPE (dense)": (None, None),
-    "interleaved RoPE (hybrid)": (None, None),
+    "interleaved RoPE (dense)": ("permutation", lambda p, seen: "interleaved" in p.get("alternative", "")),
+    "interleaved RoPE (hybrid)": ("permutation", lambda p, seen: "interleaved" in p.get("alternative", "")),
     "mask floor -50 (dense)": ("masked region", lambda p, seen: p.get("lo") == -50.0),
     "KV window shifted at a decode step (moe)": ("shift", lambda p, seen: p.get("by") == 1),
     "conv state not shifted (hybrid)": ("stale state", lambda p, seen: p["equals"] == "the previous step's value"),
@@ -195,14 +198,13 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
     assert verdict(report, expected, check, [])[0] == "right"
 
 
-def honest_classes(report, bundle, dump, dtype, floor_of=None) -> dict:
+def honest_classes(report, bundle, dump, dtype) -> dict:
     """{class: count} over every compared float tensor of an honest run (classify at the bar that judged it)."""
-    from refimpl.diff.classify import judged_floor
-    from refimpl.diff.policy import make_policy
     policy = make_policy({"layouts": {".": "hf-hooks"}}, dtype)
+    kernel = conv_kernel(model_config(bundle.manifest["model"]["config"]))
     counts = {}
     for r in report.results:
-        arrays = divergence_arrays(bundle, dump, r) if r.metrics and r.metrics["n"] else None
+        arrays = divergence_arrays(bundle, dump, r, kernel) if r.metrics and r.metrics["n"] else None
         if arrays is None:
             continue
         golden, device, _ = arrays
@@ -272,5 +274,35 @@ def main(root: Path) -> None:
           f"{total['wrong']:4d}")
 
 
+def honest(root: Path) -> None:
+    """Every compared tensor of honest runs classified: float32 (every architecture, hf and genie), transformers
+    bfloat16 three-way (every architecture, hf and genie), ONNX Runtime float16 three-way (hybrid, genie AR 1)."""
+    from test_independent_devices import Case
+    root.mkdir(parents=True, exist_ok=True)
+    total = {}
+    for arch in ARCHITECTURES:
+        config, arrays = D.small_preset(ARCHITECTURES[arch])
+        case = Case(config, arrays, D.hf_checkpoint(config, arrays, root / arch / "checkpoint"), root / arch)
+        (root / arch).mkdir(exist_ok=True)
+        runs = [(conv, dtype, "transformers", None) for conv in ("hf", "genie") for dtype in ("float32", "bfloat16")]
+        if arch == "hybrid":
+            runs.append(("genie", "float16", "ort", {**GENIE, "ar": 1}))
+        for i, (conv, dtype, runtime, params) in enumerate(runs):
+            golden = case.golden(conv, params=params)
+            precision = {"float32": None, "bfloat16": "bf16", "float16": "fp16"}[dtype]
+            emulated = case.golden(conv, precision, params=params) if precision else None
+            dump = device_dump(case, golden, root / arch / f"dump-{i}", dtype=dtype, runtime=runtime)
+            short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+            report = judge(golden, dump, short, emulated)
+            counts = honest_classes(report, golden, dump, short)
+            print(f"honest {arch} {conv} {runtime} {dtype}: {counts}", flush=True)
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+    print(f"honest runs, every tensor: {total}")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__import__("tempfile").mkdtemp()))
+    if sys.argv[1:2] == ["--honest"]:
+        honest(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__import__("tempfile").mkdtemp()))
