@@ -383,3 +383,45 @@ def test_rope_conventions_from_the_golden_pair(rot):
     flipped[..., :h], flipped[..., h:rot] = x[..., :h] * c + x[..., h:rot] * s, x[..., h:rot] * c - x[..., :h] * s
     f = classify(half.astype(np.float32), flipped.astype(np.float32), alternatives=alts)
     assert f.kind == "sign/swap" and "sine's sign flipped" in f.summary, f
+
+
+QEFF_FAULTS = {   # tap, wrong value, class, parameter check
+    "gain channel 7": ("model.layers.1.post_attention_layernorm", lambda x: _scaled(x, 7, 1.05), "gain",
+                       lambda p: p.get("slices") == [7] and abs(p["factors"][0] - 1.05) < 0.01),
+    "heads 0 and 2 swapped": ("model.layers.3.self_attn.q_norm", lambda x: x[..., [2, 1, 0, 3], :], "permutation",
+                              lambda p: p.get("cycles") == [[0, 2]]),
+    "rows shifted": ("model.layers.1.input_layernorm", lambda x: np.concatenate([x[:, 1:], 0 * x[:, :1]], 1)
+                     if x.shape[1] > 2 else x, "shift", lambda p: p.get("by") == 1),
+    "clipped": ("model.layers.1.input_layernorm", lambda x: np.clip(x, -1.0, 1.0), "saturation",
+                lambda p: p["hi"] == 1.0),
+    "sign": ("model.layers.1.input_layernorm", lambda x: -x, "sign/swap", lambda p: abs(p["factor"] + 1) < 1e-3),
+}
+
+
+def _scaled(x, channel, c):
+    x = x.copy()
+    x[..., channel] *= np.float32(c)
+    return x
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3.5", "tiny-qwen3-next"])
+def test_fault_classes_on_the_qeff_convention(preset, tmp_path):
+    """The QEfficient convention (its own I/O; the independent devices run hf and genie): refimpl with one tap
+    corrupted as the device (tests/diff/faults.py), every architecture, the class named with its parameters."""
+    import faults as F
+
+    from refimpl.bundle import read_bundle
+    from refimpl.diff import compare, read_dump
+    from refimpl.golden import write_golden
+    model, _ = F.model_and_arrays(preset, vocab_size=2048, eos_token_id=2000)
+    params, prompt = {"seq_len": 4, "ctx_len": 16}, [97, 11, 1879, 13, 42, 7, 99]
+    golden = read_bundle(write_golden(tmp_path / "golden", model, prompt, source="x", convention="qeff",
+                                      params=params, decode_steps=1, taps=r"layers\.[13]\."))
+    for name, (tap, fn, kind, check) in QEFF_FAULTS.items():
+        dump = F.device_dump(model, prompt, params, 1, tmp_path / name.replace(" ", "_"), F.corrupt_tap(tap, fn),
+                             convention="qeff")
+        report = compare(golden, read_dump(dump, golden))
+        key = report.first_divergence[0]
+        assert key == f"0/tap/{tap}", (name, key)
+        fault = next(r.fault for r in report.results if r.key == key)
+        assert fault["class"] == kind and check(fault["params"]), (name, fault)

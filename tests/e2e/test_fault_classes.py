@@ -25,6 +25,7 @@ from test_independent_devices import cases as shared_cases
 from refimpl.bundle import valid_mask
 from refimpl.diff.classify import classify, divergence_arrays, judged_floor
 from refimpl.diff.divergence import model_config
+from refimpl.diff.dump import read_dump
 from refimpl.diff.layouts import conv_kernel
 from refimpl.diff.policy import make_policy
 
@@ -199,9 +200,11 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
 
 
 def honest_classes(report, bundle, dump, dtype) -> dict:
-    """{class: count} over every compared float tensor of an honest run (classify at the bar that judged it)."""
+    """{class: count} over every compared float tensor of an honest run (dump: its directory), classified at the
+    bar that judged it."""
     policy = make_policy({"layouts": {".": "hf-hooks"}}, dtype)
     kernel = conv_kernel(model_config(bundle.manifest["model"]["config"]))
+    dump = read_dump(dump, bundle)
     counts = {}
     for r in report.results:
         arrays = divergence_arrays(bundle, dump, r, kernel) if r.metrics and r.metrics["n"] else None
