@@ -114,6 +114,9 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
     alternatives: {"kind: what": the reference computed under a known wrong convention}."""
     r = np.asarray(reference)
     d = np.asarray(device)
+    if r.ndim == 0 and d.ndim == 0:                                     # a scalar: a tensor of one element
+        r, d = r.reshape(1), d.reshape(1)
+        valid = valid.reshape(1) if isinstance(valid, np.ndarray) else valid
     if r.shape != d.shape:
         raise InputError(f"classify: reference shape {r.shape} != device shape {d.shape}")
     mask = valid if isinstance(valid, np.ndarray) else valid_mask(r.shape, valid)

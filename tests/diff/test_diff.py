@@ -214,7 +214,8 @@ def test_cli_exit_codes_json_and_html(case, tmp_path, capsys):
     assert "first divergence, step 0: model.layers.3.self_attn.q_rope" in out and "MISMATCH" in out
     assert main(["diff", str(bundle.path), "--rejudge", str(tmp_path / "m.json"), "--dtype", "bf16"]) == 1
     text = html.read_text()
-    assert text.count("<img") == 4 and "model.layers.3.self_attn.q_rope" in text
+    assert text.count("<img") == 5 and "model.layers.3.self_attn.q_rope" in text   # 5: the fault's scatter
+    assert "fault: <b>permutation: RoPE over interleaved pairs" in text and "fault: permutation: RoPE" in out
     for argv, what in ((["diff", str(bundle.path), str(tmp_path / "nowhere")], "no such dump"),
                        (["diff", str(bundle.path), str(clean), "--dtype", "fp8"], "dtype"),
                        (["diff", str(bundle.path), str(clean), "--layout", "x=sideways"], "layout"),
