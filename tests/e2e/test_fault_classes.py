@@ -10,10 +10,12 @@ to fit; the 'unexplained' count of the table); any other class is wrong and fail
 
     python tests/e2e/test_fault_classes.py [DIR]    # the full table: architecture x convention x class x magnitude
 
-The suite runs a rotation of it (each planted fault once, over the architectures and conventions). Devices are a
+The suite runs a rotation of it (each kind of planted fault once, over the architectures, conventions and
+magnitudes). Devices are a
 parameter: DEVICES holds one line per device."""
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -174,11 +176,13 @@ def run_case(cases_fixture, tmp_path, arch, convention, device, fault, params=No
 
 
 def rotation():
-    """(architecture, convention, device, planted fault): each planted fault once, rotating over the
-    architectures and the conventions of the transformers device."""
-    archs = list(ARCHITECTURES)
-    return [(archs[i % len(archs)], ("hf", "genie")[(i // len(archs)) % 2], "transformers", name)
-            for i, name in enumerate(PLANTED)]
+    """(architecture, convention, device, planted fault): each kind of planted fault once (its magnitudes taken in
+    turn), rotating over the architectures and the conventions of the transformers device."""
+    archs, kinds = list(ARCHITECTURES), {}
+    for name in PLANTED:
+        kinds.setdefault(re.sub(r" [x+][\d.]+( rms)?$", "", name), []).append(name)     # the name less its magnitude
+    return [(archs[i % len(archs)], ("hf", "genie")[(i // len(archs)) % 2], "transformers", names[i % len(names)])
+            for i, names in enumerate(kinds.values())]
 
 
 @pytest.mark.parametrize("arch,convention,device,name", rotation())
