@@ -336,6 +336,12 @@ def test_fault_in_every_output(tmp_path, capsys):
     assert fault["class"] == "gain" and fault["params"]["slices"] == [5] and fault["residual_after"] < 1e-8
     assert abs(fault["params"]["factors"][0] - 1.03) < 1e-4 and fault["criterion"].startswith("residual NMSE")
     assert next(r for r in load_metrics(tmp_path / "m.json").results if r.fault).fault == fault
+    for bad in ({**fault, "class": "gremlins"}, {**fault, "residual_after": "low"}, {"class": "gain"}):
+        broken = json.loads((tmp_path / "m.json").read_text())
+        next(r for r in broken["results"] if r["fault"])["fault"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(InputError, match="fault"):
+            load_metrics(tmp_path / "bad.json")
     page = (tmp_path / "r.html").read_text()
     assert "fault: <b>gain: slices 5" in page and "Device vs reference at the first divergence: gain" in page
     assert "Per-slice gain along axis" in page
