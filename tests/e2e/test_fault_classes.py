@@ -216,7 +216,8 @@ def honest_classes(report, bundle, dump, dtype, bar: bool = True) -> dict:
             continue
         golden, device, _ = arrays
         f = classify(golden, device, valid_mask(golden.shape, bundle.manifest["tensors"][r.key]["valid"]), dtype,
-                     floor=judged_floor(r.metrics, policy.criteria(r.name, False, r.reference)) if bar else None)
+                     floor=judged_floor(r.metrics, policy.criteria(r.name, False, r.reference)) if bar else None,
+                     separation=1.0 if bar and r.reference else None)
         counts[f.kind] = counts.get(f.kind, 0) + 1
     return counts
 
