@@ -36,6 +36,7 @@ a known wrong convention by the caller, e.g. RoPE over interleaved pairs).
 import dataclasses
 import itertools
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -59,6 +60,7 @@ MAX_LAYOUT_ELEMENTS = 1 << 22  # largest tensor tried in every axis order
 FLOAT_MAX = {"float16": 65504.0, "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
              "float32": float(np.finfo(np.float32).max)}
 INT_BITS = {"int8": 8, "int16": 16, "uint8": 8, "uint16": 16}
+STATE_NAME = re.compile(r"past|present|state|cache|key|value")   # graph I/O names of carried caches and states
 
 
 @dataclasses.dataclass
@@ -111,12 +113,14 @@ def precision_floor(dtype="float32", reference=None, scale=None) -> float:
 
 
 def classify(reference, device, valid=None, dtype="float32", *, previous=None, floor: float | None = None,
-             scale: float | None = None, alternatives: dict | None = None, separation: float | None = None) -> Fault:
+             scale: float | None = None, alternatives: dict | None = None, separation: float | None = None,
+             state: bool = False) -> Fault:
     """The fault model that explains `device` against `reference` (arrays of one shape; module docstring).
 
     valid: None, the bundle's boxes or a bool mask of the compared elements; dtype: the device dtype (fp32, fp16,
     bf16, int8, int16) whose precision floor decides (or `floor`, an NMSE); scale: an integer grid's step (default
     max |reference| / (2^(b-1) - 1)); previous: the reference's previous-step value of a carried state (stale state);
+    state: the tensor is a carried state or cache (then all zeros is the initial state: stale, also without previous);
     alternatives: {"kind: what": the reference computed under a known wrong convention}; separation: how far above
     the floor the error must be for a fault to be named (default SEPARATION for a reduced-precision dtype, 1 for
     float32; the diff gives 1 under three-way judging, whose floor is the emulation's own error)."""
@@ -164,7 +168,7 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
         return Fault("unexplained", f"residual NMSE {before:.3g} is within {S:g} x the {_dtype_words(dtype)} floor "
                      f"{F:.3g}: accumulated rounding or a small fault, not separable without the device's own "
                      f"precision emulated (three-way)", {"separation": S}, before, before, F, criterion)
-    fits = list(_fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F))
+    fits = list(_fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F, state))
     n = int(V.sum())
     good = sorted((f for f in fits if f.after <= F and f.nparams < n and f.after * n / (n - f.nparams) * IMPROVEMENT
                    <= before),
@@ -211,14 +215,14 @@ def _nonfinite(r, d, V, bad, F) -> Fault:
                  math.inf, math.inf, F, "an exact test: the device is NaN / Inf where the reference is finite")
 
 
-def _fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F):
+def _fits(r, d, raw, V, power, e, prev, alts, dtype, scale, F, state):
     """Every fault model fitted: _Fit(kind, parameters, residual NMSE, fitted parameters, summary)."""
     n = int(V.sum())
     yield from _gains(r, d, V, power, n, F)
     yield from _offsets(r, d, V, power, n, e, F)
     yield from _saturation(r, d, V, power, e, dtype, scale)
     yield from _masked(r, d, V, power)
-    if prev is not None:
+    if prev is not None or state:
         yield from _stale(r, d, V, power, prev)
     yield from _shifts(r, raw, V, power)
     yield from _halves(r, d, V, power)
@@ -256,7 +260,9 @@ def _gains(r, d, V, power, n, F):
     if rr > 0:
         c = float(np.sum(d * r)) / rr                                             # c = <d, r> / <r, r>
         after = _nmse(d, c * r, V, power)
-        if abs(c + 1) < 1e-3:
+        if abs(c) < 1e-3:
+            pass                                   # a device of zeros is no gain (masked region / stale state)
+        elif abs(c + 1) < 1e-3:
             yield _Fit("sign/swap", 1, after, {"factor": c}, "sign flipped (whole tensor x -1)", c * r)
         else:
             yield _Fit("gain", 1, after, {"factor": c}, f"scaled by {c:.5g} (whole tensor)", c * r)
@@ -363,8 +369,9 @@ def _stale(r, d, V, power, prev):
         yield _Fit("stale state", 0, _nmse(d, np.zeros_like(r), V, power), {"equals": "the initial (zero) state"},
                    "the initial zero state, not the one carried from the previous step (state not carried)",
                    np.zeros_like(r))
-    yield _Fit("stale state", 0, _nmse(d, prev, V, power), {"equals": "the previous step's value"},
-               "equals the reference's previous-step value (state not updated)", prev)
+    if prev is not None:
+        yield _Fit("stale state", 0, _nmse(d, prev, V, power), {"equals": "the previous step's value"},
+                   "equals the reference's previous-step value (state not updated)", prev)
 
 
 def _shifts(r, d, V, power):
@@ -553,4 +560,5 @@ def classify_divergences(report, bundle, dump, policy) -> None:
         criteria = policy.criteria(r.name, False, r.reference)
         r.fault = classify(golden, device, bundle.manifest["tensors"][key]["valid"], policy.dtype, previous=previous,
                            floor=judged_floor(r.metrics, criteria), separation=1.0 if r.reference else None,
+                           state=r.role != "tap" and r.name != "logits" and bool(STATE_NAME.search(r.name)),
                            alternatives=_alternatives(bundle, r, golden, cfg)).to_dict()

@@ -115,6 +115,9 @@ def test_stale_state(t):
     assert f.kind == "stale state" and f.params["equals"] == "the previous step's value", f
     f = classify(r, np.zeros_like(r), previous=prev)
     assert f.kind == "stale state" and f.params["equals"] == "the initial (zero) state", f
+    f = classify(r, np.zeros_like(r), state=True)                     # a state input, no previous step
+    assert f.kind == "stale state" and f.params["equals"] == "the initial (zero) state", f
+    assert classify(r, np.zeros_like(r)).kind == "masked region"       # an activation of zeros
 
 
 @given(tensors(), st.sampled_from([0.5, 0.8, 0.95]), st.booleans())

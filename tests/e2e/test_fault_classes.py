@@ -14,12 +14,14 @@ The suite runs a rotation of it (each kind of planted fault once, over the archi
 magnitudes). Devices are a
 parameter: DEVICES holds one line per device."""
 
+import functools
 import math
 import re
 import sys
 from pathlib import Path
 
 import devices as D
+import numpy as np
 import pytest
 from test_independent_devices import ARCHITECTURES, GENIE, device_dump, judge
 from test_independent_devices import cases as shared_cases
@@ -133,13 +135,21 @@ def planted_cases():
 
 
 PLANTED = planted_cases()
+@functools.cache
+def _hybrid_a_log(layer: int) -> np.ndarray:
+    return D.small_preset(ARCHITECTURES["hybrid"])[1][f"model.layers.{layer}.linear_attn.A_log"].astype(np.float64)
+
+
 # the class of each host / graph fault of test_independent_devices.FAULTS (checked there, on the same dumps), and
-# its parameters; None: nonlinear in the planted parameter, no model is meant to fit ('unexplained' is right)
+# its parameters; None: nonlinear in the planted parameter, no model is meant to fit ('unexplained' is right:
+# a conv weight under a SiLU)
 FAULT_CLASSES = {
     "norm weight (dense)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
     "k_norm weight (moe)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
     "gated norm weight (hybrid)": ("gain", lambda p, seen: abs(p.get("factor", 0) / 1.1 - 1) < 0.01),
-    "A_log (hybrid)": (None, None),
+    # g = -exp(A_log) softplus(.): A_log x1.2 scales head h's g by exp(0.2 A_log_h), a per-head gain
+    "A_log (hybrid)": ("gain", lambda p, seen: p.get("slices") == [0, 1, 2, 3] and np.allclose(
+        p["factors"], np.exp(0.2 * _hybrid_a_log(1)), rtol=0.01)),
     "conv weight (hybrid)": (None, None),
     "interleaved RoPE (dense)": ("permutation", lambda p, seen: "interleaved" in p.get("alternative", "")),
     "interleaved RoPE (hybrid)": ("permutation", lambda p, seen: "interleaved" in p.get("alternative", "")),
