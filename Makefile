@@ -56,6 +56,7 @@ fuzz: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) bench/forward.py
+	$(PY) bench/classify.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -11,9 +11,11 @@ metrics.py (the per-tensor and per-logit rows; their formulas are refimpl.metric
 DAG), policy.py (judging), results.py (Result, Report), compare.py (scoring a dump, three-way), divergence.py (added
 or inherited error, first divergence), curves.py (SQNR per layer / position / step, notes), saved.py (metrics
 files, re-judging), replay.py (teacher forcing, op by op), explain.py, report.py (table, HTML), quantised.py
-(integer dumps, the three-way diff of a quantised device), commands.py (the CLI).
+(integer dumps, the three-way diff of a quantised device), classify.py (the kind of fault a tensor shows),
+commands.py (the CLI).
 """
 
+from .classify import classify
 from .compare import compare
 from .dump import read_dump, read_mapping
 from .explain import explain
@@ -21,5 +23,5 @@ from .policy import Policy, load_policy, make_policy
 from .replay import replay
 from .saved import load_metrics, rejudge, save_metrics
 
-__all__ = ["Policy", "compare", "explain", "load_metrics", "load_policy", "make_policy", "read_dump", "read_mapping",
-           "rejudge", "replay", "save_metrics"]
+__all__ = ["Policy", "classify", "compare", "explain", "load_metrics", "load_policy", "make_policy", "read_dump",
+           "read_mapping", "rejudge", "replay", "save_metrics"]

@@ -17,6 +17,7 @@ from ..files import output_file, write_atomic
 from ..metrics import DTYPE_ALIASES
 from ..precision import from_manifest
 from ..sources import load
+from .classify import divergence_arrays
 from .compare import compare
 from .divergence import model_config
 from .dump import read_dump, read_json, read_mapping, refuse_renamed_taps
@@ -25,7 +26,7 @@ from .layouts import candidates, conv_kernel
 from .policy import load_policy, make_policy
 from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
 from .replay import device_tensor, replay
-from .report import fmt, print_report, print_table, render_html, terminal
+from .report import fault_line, fmt, print_report, print_table, render_html, terminal
 from .saved import load_metrics, rejudge, save_metrics
 
 
@@ -82,7 +83,9 @@ def add_commands(sub) -> None:
     e.add_argument("--model", help="model source (default: the bundle's)")
     e.add_argument("--device", help="a device dump: show its values beside the reference's")
     _reading_flags(e)
-    e.set_defaults(func=cmd_explain, policy=None, dtype=None)
+    e.add_argument("--dtype", help="with --device: the device dtype whose precision floor names the fault class "
+                                   "(fp32 default, fp16, bf16)")
+    e.set_defaults(func=cmd_explain, policy=None)
 
 
 def _reading_flags(p) -> None:
@@ -175,7 +178,8 @@ def cmd_diff(args) -> int:
         print_three_way(report, rows, top=args.top)
     else:
         print_report(report, top=args.top)
-    page = render_html(report, first_error) if args.html else None
+    page = render_html(report, first_error, None if args.rejudge or rows is not None else
+                       _fault_arrays(bundle, dump, report)) if args.html else None
     duplicates = [] if args.rejudge else dump.duplicates
     if duplicates:
         print(f"{len(duplicates)} dump files hold a tensor another file holds too (e.g. {duplicates[0]}); the file "
@@ -221,6 +225,17 @@ def _first_error(bundle, dump, report, policy):
     return (device.astype(np.float64) - golden.astype(np.float64))[mask]
 
 
+def _fault_arrays(bundle, dump, report):
+    """(golden, device, valid mask, fault) of the earliest classified first divergence (the HTML scatter)."""
+    by_key = {r.key: r for r in report.results}
+    r = next((by_key[k] for _, k in sorted(report.first_divergence.items()) if k and by_key[k].fault), None)
+    arrays = divergence_arrays(bundle, dump, r, conv_kernel(model_config(report.config))) if r else None
+    if arrays is None:
+        return None
+    golden, device, _ = arrays
+    return golden, device, valid_mask(golden.shape, bundle.manifest["tensors"][r.key]["valid"]), r.fault
+
+
 def cmd_replay(args) -> int:
     if args.json and not output_file(args.json, "--json output").resolve().parent.is_dir():
         raise InputError(f"{args.json}: its directory does not exist")
@@ -243,6 +258,7 @@ def cmd_replay(args) -> int:
         elif r.adds_error:
             verdict = "ADDS ERROR" + (f" (this op or the undumped {', '.join(x.rsplit('.', 1)[-1] for x in r.through)} "
                                       f"before it)" if r.through else "") + ": " + "; ".join(r.failures)
+            verdict += f"; fault: {fault_line(r.fault)}" if r.fault else ""
         else:
             verdict = "inherited only"
         cells.append([str(r.step), r.name, *(fmt(m["sqnr_db"], "sqnr_db") for m in (r.total, r.inherited, r.added)),
@@ -278,5 +294,5 @@ def cmd_explain(args) -> int:
                     break
             if device:
                 break
-    print(explain(bundle, model, args.element, step=args.step, device=device))
+    print(explain(bundle, model, args.element, step=args.step, device=device, dtype=args.dtype or "float32"))
     return 0

@@ -19,6 +19,7 @@ from ..conventions.common import tap_token_axis
 from ..errors import InputError
 from ..metrics import sqnr_db
 from .channels import channel_scores, sample_axes
+from .classify import classify_divergences
 from .curves import report_notes
 from .dataflow import producer
 from .divergence import localise, model_config
@@ -71,6 +72,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
     report = Report(str(bundle.path), str(dump.path), policy.to_dict(), results, {k: None for k in range(bundle.steps)},
                     dump.unknown, absent, [], (bundle.manifest.get("model") or {}).get("config"), conv)
     localise(report)
+    classify_divergences(report, bundle, dump, policy)
     report.notes = report_notes(report)
     if skipped:
         report.notes.append(f"three-way: the emulated run decoded other tokens from step {skipped[0]} on; those "

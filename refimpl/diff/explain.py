@@ -21,6 +21,7 @@ from ..golden import manifest_config, run_graph
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.products import exact_dot
 from ..trace import trace
+from .classify import classify
 from .dataflow import producer
 
 _SPEC = re.compile(r"\s*([A-Za-z0-9_.]+)\s*\[\s*([-\d\s,]+)\]\s*$")
@@ -34,8 +35,10 @@ def parse(spec: str) -> tuple[str, tuple[int, ...]]:
     return m[1], tuple(int(i) for i in m[2].split(",") if i.strip())
 
 
-def explain(bundle, model, spec: str, step: int | None = None, device: dict | None = None) -> str:
-    """The line-by-line view of one element. device: optional {tensor name: array} of the same step."""
+def explain(bundle, model, spec: str, step: int | None = None, device: dict | None = None,
+            dtype: str = "float32") -> str:
+    """The line-by-line view of one element. device: optional {tensor name: array} of the same step (then the
+    fault class of its whole tensor is named too, at the precision floor of `dtype`)."""
     name, idx = parse(spec)
     steps = bundle.manifest["steps"]
     where = [k for k, s in enumerate(steps) if name in s["taps"] or name in s["outputs"] or name in s["inputs"]]
@@ -61,6 +64,11 @@ def explain(bundle, model, spec: str, step: int | None = None, device: dict | No
              f"  reference value: {_f(x[idx])}" + (f"   device: {_f(device[name][idx])}   diff: "
                                                    f"{_f(device[name][idx] - x[idx])}"
                                                    if device is not None and name in device else "")]
+    if device is not None and name in device and np.shape(device[name]) == x.shape:
+        keys = [f"{step}/{role}/{name}" for role in ("tap", "output", "input")]
+        rec = next((bundle.manifest["tensors"][k] for k in keys if k in bundle.manifest["tensors"]), {})
+        f = classify(x, device[name], rec.get("valid"), dtype)
+        lines.append(f"  fault class of the whole tensor: {f.kind}: {f.summary}")
     if node is None:
         return "\n".join(lines + ["  (no producer known for this tensor)"])
     lines += [f"  op: {node.op}" + (f" (layer {node.layer})" if node.layer is not None else ""),

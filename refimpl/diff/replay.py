@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
 from .channels import channel_scores, sample_axes
+from .classify import classify, judged_floor
 from .compare import is_integer
 from .dataflow import producer
 from .layouts import candidates, conv_kernel
@@ -53,6 +54,7 @@ class ReplayRow:
                                                                    # inherited cannot be separated
     through: list = dataclasses.field(default_factory=list)        # undumped ops of the layer the reference ran
                                                                    # between the forced inputs and this tensor
+    fault: dict | None = None                                      # the kind of fault the added error shows
 
 
 def device_tensor(bundle, dump, step: int, role: str, name: str, policy: Policy):
@@ -145,6 +147,9 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
             through, outside = span(cfg, conv, n, given, ref)
             rows.append(ReplayRow(k, n, total, inherited, added, bool(failures) and not outside, failures, lacking,
                                   outside, through))
+            if rows[-1].adds_error and not is_integer(g.dtype):   # the op's own fault: its output against R
+                rows[-1].fault = classify(r, d, valid_mask(r.shape, rec["valid"]) & np.isfinite(r), policy.dtype,
+                                          floor=judged_floor(added, policy.criteria(n, False))).to_dict()
     return rows
 
 

@@ -128,6 +128,8 @@ def print_report(report: Report, console: Console | None = None, top: int = 20) 
             where = f"layer {r.layer}, " if r.layer is not None else ""
             console.print(f"[bold red]first divergence, step {k}:[/] {r.name} ({r.role}; {where}op "
                           f"{op_name(r.name, r.op)}) {r.problem or '; '.join(r.failures)}", soft_wrap=True)
+            if r.fault:
+                console.print(f"  fault: {fault_line(r.fault)}", soft_wrap=True, markup=False, highlight=False)
     for note in report.notes[1:]:
         console.print(f"note: {note}", soft_wrap=True)
     if report.unknown:
@@ -137,6 +139,13 @@ def print_report(report: Report, console: Console | None = None, top: int = 20) 
     for r in report.missing:
         console.print(f"missing output: step {r.step} {r.name}", soft_wrap=True)
     console.print(_verdict(report, "[bold red]{}[/]", "[bold green]{}[/]"))
+
+
+def fault_line(fault: dict) -> str:
+    """A first divergence's fault in one line: class, what was fitted, the residual NMSE before -> after."""
+    return (f"{fault['class']}: {fault['summary']}" + ("" if fault["class"] in ("unexplained", "non-finite") else
+                                                       f" (residual NMSE {fault['residual_before']:.3g} -> "
+                                                       f"{fault['residual_after']:.3g})"))
 
 
 def op_name(name: str, op: str | None) -> str:
@@ -219,8 +228,71 @@ def plots(report: Report, first_error: np.ndarray | None = None) -> dict:
     return out
 
 
-def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
-    """The self-contained HTML report."""
+def fault_plots(arrays: tuple | None) -> dict:
+    """title -> PNG data URI: device vs reference at the first divergence with the fitted line, and for a
+    per-slice gain / offset its per-slice factors with +-2 standard errors."""
+    if arrays is None:
+        return {}
+    import matplotlib  # lazy: matplotlib is heavy, and only the HTML report draws
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    golden, device, valid, fault = arrays
+    ok = valid & np.isfinite(golden) & np.isfinite(device)
+    g, d = golden[ok].astype(np.float64), device[ok].astype(np.float64)
+    pick = np.random.default_rng(0).choice(g.size, min(g.size, 20000), replace=False) if g.size else []
+    out = {}
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.scatter(g[pick], d[pick], s=2, alpha=.4, color="#b33", label="elements")
+    lo, hi = (float(g.min()), float(g.max())) if g.size else (0.0, 1.0)
+    xs = np.array([lo, hi])
+    ax.plot(xs, xs, color="#888", lw=1, label="device = reference")
+    p = fault["params"]
+    if fault["class"] in ("gain", "sign/swap") and "factor" in p and "axis" not in p:
+        ax.plot(xs, p["factor"] * xs, color="#06c", lw=1.5, label=f"fit: device = {p['factor']:.5g} reference")
+    elif fault["class"] == "offset" and "offset" in p:
+        ax.plot(xs, xs + p["offset"], color="#06c", lw=1.5, label=f"fit: device = reference + {p['offset']:.4g}")
+    elif fault["class"] in ("gain", "offset", "sign/swap") and "slices" in p:
+        moved = np.zeros(golden.shape[p["axis"]], bool)
+        moved[p["slices"]] = True
+        sel = np.broadcast_to(np.expand_dims(moved, tuple(i for i in range(golden.ndim) if i != p["axis"])),
+                              golden.shape)[ok]
+        ax.scatter(g[sel], d[sel], s=4, color="#06c", label=f"slices {p['slices'][:6]} of axis {p['axis']}")
+        for v in sorted(set(round(v, 6) for v in p.get("factors", p.get("offsets", []))))[:3]:
+            ys = v * xs if "factors" in p else xs + v
+            ax.plot(xs, ys, color="#06c", lw=1, label="fit: device = " + (f"{v:.5g} reference" if "factors" in p
+                                                                          else f"reference + {v:.4g}"))
+    elif fault["class"] == "saturation":
+        ax.plot(xs, np.clip(xs, p["lo"] if p["lo"] is not None else -np.inf, p["hi"] if p["hi"] is not None
+                            else np.inf), color="#06c", lw=1.5, label="fit: clip(reference, lo, hi)")
+    ax.set_xlabel("reference"), ax.set_ylabel("device"), ax.grid(alpha=.3), ax.legend(fontsize=7)
+    out[f"Device vs reference at the first divergence: {fault['class']}"] = figure_png(fig)
+    if fault["class"] in ("gain", "offset") and "axis" in p:
+        a = p["axis"]
+        axes = tuple(i for i in range(golden.ndim) if i != a)
+        r, dv = np.where(ok, golden, 0.0).astype(np.float64), np.where(ok, device, 0.0).astype(np.float64)
+        n = np.maximum(ok.sum(axis=axes), 2)
+        if fault["class"] == "gain":
+            rr = np.maximum((r * r).sum(axis=axes), 1e-300)
+            est = (dv * r).sum(axis=axes) / rr                                          # c_j = <d_j, r_j> / <r_j, r_j>
+            fit = np.expand_dims(est, axes) * r
+            se = np.sqrt(np.sum(np.where(ok, dv - fit, 0) ** 2, axis=axes) / (n - 1) / rr)
+        else:
+            est = (dv - r).sum(axis=axes) / n                                           # b_j = mean_j (d - r)
+            res = np.where(ok, dv - r - np.expand_dims(est, axes), 0)
+            se = np.sqrt(np.sum(res ** 2, axis=axes) / (n - 1) / n)
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.errorbar(np.arange(est.size), est, yerr=2 * se, fmt="o", ms=3, color="#b33", ecolor="#333")
+        ax.axhline(1.0 if fault["class"] == "gain" else 0.0, color="#888", lw=1)
+        ax.set_xlabel(f"slice of axis {a}"), ax.set_ylabel("fitted " + ("factor" if fault["class"] == "gain"
+                                                                       else "offset") + " (+-2 s.e.)")
+        ax.grid(alpha=.3)
+        out[f"Per-slice {fault['class']} along axis {a} (the fit)"] = figure_png(fig)
+    return out
+
+
+def render_html(report: Report, first_error: np.ndarray | None = None, fault_arrays: tuple | None = None) -> str:
+    """The self-contained HTML report. fault_arrays: (golden, device, valid mask, fault dict) of the earliest
+    first divergence, for its scatter plot."""
     by_key = {r.key: r for r in report.results}
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>refimpl diff</title><style>",
              "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:12px}"
@@ -237,14 +309,16 @@ def render_html(report: Report, first_error: np.ndarray | None = None) -> str:
             r = by_key[key]
             parts.append(f"<li>step {k}: <b>{html.escape(r.name)}</b> ({r.role}, layer {r.layer}, op "
                          f"{html.escape(op_name(r.name, r.op))}): "
-                         f"{html.escape(r.problem or '; '.join(r.failures))}</li>")
+                         f"{html.escape(r.problem or '; '.join(r.failures))}"
+                         + (f"<br>fault: <b>{html.escape(fault_line(r.fault))}</b> <small>(criterion: "
+                            f"{html.escape(r.fault['criterion'])})</small>" if r.fault else "") + "</li>")
     if not any(report.first_divergence.values()):
         parts.append("<li>none</li>")
     parts.append("</ul>")
     if report.notes:
         parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>")
     parts.append("<h2>Plots</h2>")
-    for title, uri in plots(report, first_error).items():
+    for title, uri in {**plots(report, first_error), **fault_plots(fault_arrays)}.items():
         parts.append(f"<h3>{html.escape(title)}</h3><img alt='{html.escape(title)}' src='{uri}'>")
     parts.append("<h2>Tensors (worst first)</h2><table><tr><th>step</th><th>tensor</th><th>role</th><th>status</th>"
                  "<th>origin</th>" + "".join(f"<th>{c}</th>" for c in _COLUMNS) + "<th>note</th></tr>")

@@ -30,6 +30,7 @@ class Result:
     reference: dict | None = None    # three-way: the emulated run's metrics on this tensor
     source: str | None = None
     bar: dict | None = None          # the criteria it was judged by (policy.bar): max_nmse, channel_max_nmse, ...
+    fault: dict | None = None        # a first divergence: the kind of fault it shows (classify.Fault.to_dict())
 
 
 @dataclasses.dataclass

@@ -11,6 +11,7 @@ import json
 from ..bundle import ROLES
 from ..errors import InputError, brief
 from ..files import expect, integer, load_json, number, write_atomic
+from .classify import CLASSES
 from .curves import report_notes
 from .divergence import localise
 from .policy import METRIC_NAMES, Policy, bar, judge
@@ -89,6 +90,13 @@ def _result(r, where: str) -> "Result":
             raise InputError(f"{where}.{key}: needs {', '.join(needed)}")
     if not all(isinstance(x, str) for x in r.get("failures", [])):
         raise InputError(f"{where}.failures must be a list of strings")
+    fault = r.get("fault")
+    if fault is not None and not (fault.get("class") in CLASSES and all(isinstance(fault.get(k), str) for k in
+                                  ("summary", "criterion")) and isinstance(fault.get("params"), dict)):
+        raise InputError(f"{where}.fault: needs a class of {', '.join(CLASSES)}, a summary, a criterion and params")
+    for k in ("residual_before", "residual_after", "floor"):
+        if fault is not None:
+            number(fault.get(k), f"{where}.fault.{k}", InputError, finite=False)
     positions = r.get("positions") or {}
     for k, v in positions.items():
         if not (k.isascii() and k.isdigit()):

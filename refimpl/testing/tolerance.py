@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from ..diff.classify import classify
 from ..metrics import DTYPE_ALIASES, cosine, sqnr_db, ulp_distance
 
 # (G, F) per op: G roundings to the device dtype on an output element's longest path, times 2; F the growth of
@@ -214,5 +215,16 @@ def assert_close(actual, expected, *, dtype=None, op: str = "elementwise", growt
     r = compare(actual, expected, dtype=dtype, op=op, growth=growth, rtol=rtol, atol=atol, ratio=ratio,
                 metric=metric, valid=valid, scale=scale)
     if not r["passed"]:
-        raise AssertionError((f"{name}: " if name else "") + r["message"])
+        raise AssertionError((f"{name}: " if name else "") + r["message"] + _fault(actual, expected, dtype, valid))
     return r
+
+
+def _fault(actual, expected, dtype, valid) -> str:
+    """The failure's kind (refimpl.diff.classify at the precision floor of the device dtype), as a last line."""
+    a, e = np.asarray(actual), np.asarray(expected)
+    if a.shape != e.shape or not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
+        return ""
+    name = dtype_of(dtype if dtype is not None else a.dtype).name
+    f = classify(e, a, valid, name if name in ("float16", "bfloat16") else "float32")
+    return f"\n  fault class: {f.kind}: {f.summary}"
+

@@ -214,7 +214,8 @@ def test_cli_exit_codes_json_and_html(case, tmp_path, capsys):
     assert "first divergence, step 0: model.layers.3.self_attn.q_rope" in out and "MISMATCH" in out
     assert main(["diff", str(bundle.path), "--rejudge", str(tmp_path / "m.json"), "--dtype", "bf16"]) == 1
     text = html.read_text()
-    assert text.count("<img") == 4 and "model.layers.3.self_attn.q_rope" in text
+    assert text.count("<img") == 5 and "model.layers.3.self_attn.q_rope" in text   # 5: the fault's scatter
+    assert "fault: <b>permutation: RoPE over interleaved pairs" in text and "fault: permutation: RoPE" in out
     for argv, what in ((["diff", str(bundle.path), str(tmp_path / "nowhere")], "no such dump"),
                        (["diff", str(bundle.path), str(clean), "--dtype", "fp8"], "dtype"),
                        (["diff", str(bundle.path), str(clean), "--layout", "x=sideways"], "layout"),
@@ -244,7 +245,7 @@ def test_html_report_renders_in_headless_chromium(case, tmp_path):
                    "i.filter(x=>x.complete&&x.naturalWidth>100).length+'/'+i.length}</script></body>"))
     dom = subprocess.run([chromium, *flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
-    assert "<title>plots:4/4</title>" in dom
+    assert "<title>plots:5/5</title>" in dom   # with the scatter of the first divergence (its fault)
     shot = tmp_path / "shot.png"
     subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1000,1600", html.as_uri()],
                    capture_output=True, timeout=120)

@@ -57,6 +57,7 @@ class Fault:
     conv_state_stale_step: int | None = None  # genie graph: at this step the conv state is written back unshifted
     recurrent_not_carried_step: int | None = None  # host: at this step the recurrent state input is reset to zeros
     key_untransposed: bool = False           # genie graph: past_key_out written [Hkv, 1, T, D] into [Hkv, 1, D, T]
+    module_output: tuple | None = None       # (module path, fn(output tensor) -> tensor): a kernel's wrong output
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -127,6 +128,12 @@ def planted(model, fault: Fault | None):
             with torch.no_grad():
                 t.add_(delta)
             stack.callback(lambda: t.data.copy_(before))
+        if fault.module_output is not None:
+            path, fn = fault.module_output
+
+            def wrong(module, args, out):
+                return (fn(out[0]), *out[1:]) if isinstance(out, tuple) else fn(out)
+            stack.enter_context(_hook(model.get_submodule(path), wrong))
         if fault.fp16_overflow_layer is not None:
             down = model.get_submodule(f"model.layers.{fault.fp16_overflow_layer}.mlp.down_proj")
 

@@ -184,6 +184,9 @@ def test_planted_fault_is_localised_and_blamed(fault, cases, tmp_path):
     assert hit.origin == "added" and report.exit_code == 1
     if planted.key_untransposed:
         assert hit.status == "layout" and hit.layout == "transposed"
+    from test_fault_classes import FAULT_CLASSES, verdict  # the fault's class (issue 26)
+    named, check = FAULT_CLASSES[fault]
+    assert verdict(report, named, check, [])[0] == ("right" if named else "unexplained"), hit.fault
     # nothing before the planted tensor fails in its step, no other step claims a divergence of its own elsewhere
     step_results = [r for r in report.results if r.step == expected[0]]
     assert all(r.status == "pass" for r in step_results[:step_results.index(hit)])
