@@ -32,7 +32,11 @@ from .errors import FormatError, InputError, brief
 
 MAX_JSON_DEPTH = 64            # deepest nesting any JSON refimpl reads has is ~6 (encodings, manifests)
 MAX_JSON_BYTES = 2 << 30       # a manifest of a 100-layer model with every tap is a few MB; AIMET encodings ~100 MB
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)      # a JSON string literal, escapes included
+# a JSON string literal, escapes included, or an unterminated one up to the end: it matches at every quote it is
+# tried at (possessive loops, then a quote or the end), so re.sub never backtracks nor retries from a later quote
+# inside the same string: one pass over the text (the form that fails on an unterminated string and is retried from
+# each quote in it was quadratic: a 100 KB damaged safetensors header of escaped quotes took minutes)
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
 _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
 # what atomic_directory leaves beside its target while it writes: .<target>.tmp-<pid>-<hex>, .<target>.old-<pid>-<hex>
