@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from ..diff.dump import read_json
 from ..errors import FormatError, InputError, RefimplError
-from ..files import write_atomic
+from ..files import discard, write_atomic
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..golden import run_convention
 from ..sources import load
@@ -249,7 +248,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
                 key = next((k for k in manifest if not isinstance(old, dict) or old.get(k) != manifest[k]), "?")
                 raise InputError(f"{out}: holds a reference made with other settings ({key} differs); "
                                  f"give another --out or --overwrite")
-            shutil.rmtree(out)
+            discard(out)               # gone in one rename: a kill cannot leave a reference without its manifest
     elif out.exists() and any(p.name not in ("tokens.safetensors", "windows") and not p.name.startswith(".")
                               for p in out.iterdir()):
         raise InputError(f"{out}: exists and is not a dataset reference; give another --out")
