@@ -30,7 +30,7 @@ import numpy as np
 
 from ..diff.dump import read_json
 from ..errors import FormatError, InputError, RefimplError
-from ..files import discard, write_atomic
+from ..files import discard, sweep, write_atomic
 from ..formats.safetensors import read_safetensors, write_safetensors
 from ..golden import run_convention
 from ..sources import load
@@ -238,6 +238,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
         load(job.source, precision=job.precision)
     manifest = json.loads(_json(build_manifest(job, model, windows, data, bos)))
     mf = out / "manifest.json"
+    sweep(out)                        # an old reference a killed --overwrite run had begun to remove
     if mf.is_file():
         try:
             old = json.loads(mf.read_text())
