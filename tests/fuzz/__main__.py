@@ -46,13 +46,16 @@ def main(argv=None) -> int:
     jobs = [(n, s, None) for s in range(args.first, args.first + args.cases) for n in names]
     results, start, last = [], time.monotonic(), time.monotonic()
     with Pool(formats, workers=args.workers, time_limit=args.time_limit, memory_mib=args.memory) as pool:
-        for r in pool.run(jobs):
-            results.append(r)
-            if r.outcome in ("crash", "hang", "memory"):
-                print(f"{r.format}:{r.seed} {r.outcome}: {r.signature}: {r.message[:200]}", flush=True)
-            if time.monotonic() - last > 60:
-                last = time.monotonic()
-                print(f"[{len(results)}/{len(jobs)} cases, {last - start:.0f} s]", flush=True)
+        try:
+            for r in pool.run(jobs):
+                results.append(r)
+                if r.outcome in ("crash", "hang", "memory"):
+                    print(f"{r.format}:{r.seed} {r.outcome}: {r.signature}: {r.message[:200]}", flush=True)
+                if time.monotonic() - last > 60:
+                    last = time.monotonic()
+                    print(f"[{len(results)}/{len(jobs)} cases, {last - start:.0f} s]", flush=True)
+        except KeyboardInterrupt:   # Ctrl-C: the table of the cases run so far (seed-major: every format alike)
+            print(f"\ninterrupted: {len(results)} of {len(jobs)} cases run")
     print(f"\n{len(results)} cases in {time.monotonic() - start:.0f} s "
           f"({args.workers} workers, {args.time_limit:g} s of CPU and {args.memory} MiB per case)")
     print(table(results, formats))
