@@ -11,8 +11,9 @@
     path = write_bundle("golden/case", manifest, [[Tensor("input_ids", "input", ids), ...], ...])
     read_bundle(path).tensor(0, "output", "logits")
 
-A bundle is written into a hidden temporary directory beside the target and renamed into place
-(refimpl.files.atomic_directory), so a crash (even SIGKILL) never leaves half a bundle at the target path. Same
+A bundle is written into a hidden temporary directory beside the target and renamed into place (swapped with the
+old one on --overwrite: refimpl.files.atomic_directory), so a crash (even SIGKILL) at any point leaves the old bundle
+or the whole new one at the target path (tests/test_crash_points.py enumerates every point). Same
 content, same bytes. The schema and its checks are refimpl/bundle_schema.py; the npz and AIMET exports
 refimpl/bundle_exports.py.
 """
@@ -40,7 +41,7 @@ from .bundle_schema import (
     raw,
 )
 from .errors import FormatError, InputError, brief
-from .files import atomic_directory, inside, load_json, read_exact, regular_file, sha256_file
+from .files import atomic_directory, inside, load_json, read_exact, recover, regular_file, sha256_file
 from .formats.safetensors import write_safetensors
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -183,6 +184,8 @@ class Bundle:
 def read_bundle(path, *, verify: bool = True) -> Bundle:
     """Open a bundle: parse and check manifest.json; with verify, also check every raw file's size."""
     path = Path(path)
+    if not os.path.lexists(path):
+        recover(path, "bundle")     # a writer killed between the two renames of a replacement (refimpl.files)
     if not path.is_dir():
         raise FormatError(f"{path}: {'not a directory' if path.exists() else 'no such directory'} "
                           f"(a golden bundle is a directory with a manifest.json)")

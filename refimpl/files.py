@@ -11,13 +11,24 @@ field. The limits are far above what real files hold: they stop a damaged or hos
 recurse, allocate or read without bound, not real models.
 
 Writing is crash-safe: atomic_path / write_atomic (a file) and atomic_directory (a directory tree) put the whole
-new content in place, or leave what was there.
+new content in place, or leave what was there, at every instant (an existing tree is swapped with the new one in
+one step: exchange, Linux renameat2(RENAME_EXCHANGE); where that is unavailable, recover() completes a replacement
+a dead writer left half done). Files and directories are fsynced before they are put in place, and the parent
+directory after. discard removes a tree in one rename. tests/test_crash_points.py kills every writer at each of its
+file-system calls in turn.
+
+Every scan of input is linear in its size (json_depth: one regular-expression pass that never backtracks), so a
+damaged file is refused in time proportional to its size (tests/fuzz: 5 s of CPU per case).
 """
 
 import contextlib
+import ctypes
+import errno
+import functools
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -30,13 +41,19 @@ import numpy as np
 
 from .errors import FormatError, InputError, brief
 
+_log = logging.getLogger(__name__)
+
 MAX_JSON_DEPTH = 64            # deepest nesting any JSON refimpl reads has is ~6 (encodings, manifests)
 MAX_JSON_BYTES = 2 << 30       # a manifest of a 100-layer model with every tap is a few MB; AIMET encodings ~100 MB
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)      # a JSON string literal, escapes included
+# a JSON string literal, escapes included, or an unterminated one up to the end: it matches at every quote it is
+# tried at (possessive loops, then a quote or the end), so re.sub never backtracks nor retries from a later quote
+# inside the same string: one pass over the text (the form that fails on an unterminated string and is retried from
+# each quote in it was quadratic: a 100 KB damaged safetensors header of escaped quotes took minutes)
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
 _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
 # what atomic_directory leaves beside its target while it writes: .<target>.tmp-<pid>-<hex>, .<target>.old-<pid>-<hex>
-_STALE = re.compile(r"\.(?P<target>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+_STALE = re.compile(r"\.(?P<target>.+)\.(?P<kind>tmp|old)-(?P<token>(?P<pid>\d+)-[0-9a-f]{8})")
 
 
 def json_depth(data: bytes) -> int:
@@ -130,23 +147,25 @@ def output_file(path, what: str = "output", error=InputError) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(path, what: str = "output", error=InputError):
-    """A temporary path `.<name>.tmp-<pid>-<random>` beside `path` to write the whole file to; renamed over `path`
-    when the block ends without an exception, removed otherwise. So `path` is either absent, the old file or the
-    whole new one, never a part. OSError while writing or renaming: `error` naming `path`. Temporaries of `path` that
-    dead writers left are removed first.
+    """A temporary path `.<name>.tmp-<pid>-<random>` beside `path` to write the whole file to; fsynced and renamed
+    over `path` (the directory then fsynced) when the block ends without an exception, removed otherwise. So `path`
+    is either absent, the old file or the whole new one, never a part, after a crash (SIGKILL) or a power loss.
+    OSError while writing or renaming: `error` naming `path`. Temporaries of `path` that dead writers left are
+    removed first.
 
         with atomic_path(out, "GGUF file") as tmp:
             writer = GGUFWriter(tmp, ...); ...
     """
     path = output_file(path, what, error)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = path.with_name(f".{path.name}.tmp-{_token()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(path.parent, path.name)
         yield tmp
         with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())                   # the content on disk before the name points at it
         os.replace(tmp, path)
+        _fsync_dir(path.parent)                    # and the name itself
     except OSError as e:
         raise error(f"{path}: cannot write the {what} ({e.strerror or e})") from None
     finally:
@@ -169,29 +188,94 @@ def write_atomic(path, content, what: str = "output", error=InputError) -> None:
 def atomic_directory(path, overwrite: bool = False, what: str = "output", error=InputError):
     """A temporary directory `.<name>.tmp-<pid>-<random>` beside `path` to write a whole directory tree into (each
     file fsynced by its writer). When the block ends without an exception, every directory of the tree is fsynced
-    and the tree renamed to `path`; otherwise it is removed. So `path` is absent, the old tree or the whole new one,
-    even after a crash (SIGKILL included). An existing `path` is replaced only with overwrite (moved aside to
-    `.<name>.old-<pid>-<random>`, removed once the new tree is in place). Temporaries that dead writers left beside
-    `path` are removed first.
+    and the tree put in place; otherwise it is removed. So `path` is the old tree or the whole new one (absent if
+    there was none) at every instant, even after a crash (SIGKILL) or, once this returns, a power loss.
+
+    An existing `path` is replaced only with overwrite: on Linux the two trees are swapped in one step
+    (renameat2(RENAME_EXCHANGE)) and the old one, now under the temporary name, removed. Where that call is
+    unavailable (another system; a file system without it: EINVAL) the old tree is moved aside to
+    `.<name>.old-<pid>-<random>` (the temporary's suffix) and the new one renamed in; a crash between the two renames
+    leaves no `path`, which `recover` (run by the next writer, and by readers such as read_bundle) mends by renaming
+    the complete new tree in, saying so in one logged warning. Temporaries that dead writers left beside `path` are
+    removed first.
 
         with atomic_directory(out, overwrite, "bundle") as tmp:
             (tmp / "manifest.json").write_bytes(...)
     """
     target = Path(path)
+    recover(target, what)
     if os.path.lexists(target) and not overwrite:
         raise error(f"{target}: already exists (pass overwrite=True to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(target.parent)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    token = _token()
+    tmp = target.parent / f".{target.name}.tmp-{token}"
     tmp.mkdir()
     try:
         yield tmp
         for d, _, _ in os.walk(tmp):
-            _fsync_dir(d)
-        _move_into_place(tmp, target, overwrite, what, error)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            _fsync_dir(d)                          # every entry of the new tree on disk before it is put in place
+        _move_into_place(tmp, target, token, overwrite, what, error)
+    finally:
+        if os.path.lexists(tmp):                   # the unfinished new tree, or the old one after a swap
+            _remove_tree(tmp)
+
+
+def discard(path) -> None:
+    """Remove a directory tree (or a file) in one step as far as readers see: renamed to a temporary name beside it
+    (`.<name>.tmp-<pid>-<random>`, which the next atomic_path / atomic_directory / discard beside it sweeps if this
+    process dies), then removed."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    gone = path.parent / f".{path.name}.tmp-{_token()}"
+    os.rename(path, gone)
+    _fsync_dir(path.parent)
+    _remove_tree(gone)
+    _remove_stale(path.parent, path.name)
+
+
+def sweep(path) -> None:
+    """Remove what dead writers left beside `path` (its `.<name>.tmp-*` / `.<name>.old-*`), after finishing a
+    replacement of it that one left half done (recover). For writers that build `path` in place (a resumable
+    dataset reference) rather than through atomic_path / atomic_directory, which sweep by themselves."""
+    path = Path(path)
+    if path.parent.is_dir():
+        _remove_stale(path.parent, path.name)
+
+
+def recover(path, what: str = "output") -> bool:
+    """Finish a replacement of the directory `path` that a dead writer left half done (atomic_directory without
+    RENAME_EXCHANGE, killed between its two renames): `path` absent, `.<name>.old-<pid>-<r>` and normally
+    `.<name>.tmp-<pid>-<r>` beside it, pid dead. The new tree (complete: the old one is moved aside only once the
+    new one is whole and fsynced) is renamed to `path`, or the old one when the new one is gone; one warning is
+    logged. True if `path` was restored. A reader calls this before it reports `path` missing."""
+    target = Path(path)
+    if os.path.lexists(target):
+        return False
+    try:
+        olds = sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*"))
+    except OSError:
+        return False
+    for old in olds:
+        m = _STALE.fullmatch(old.name)
+        if not m or m["target"] != target.name or _alive(int(m["pid"])):
+            continue
+        new = target.parent / f".{target.name}.tmp-{m['token']}"
+        src = new if new.is_dir() and not new.is_symlink() else old
+        try:
+            os.rename(src, target)
+            _fsync_dir(target.parent)
+        except OSError:                            # another process restored it first, or a read-only directory
+            return False
+        _log.warning(f"{target}: a writer (pid {m['pid']}) died while replacing this {what}; restored the "
+                     f"{'new' if src == new else 'old'} one from {src.name}")
+        return True
+    return False
+
+
+def _token() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _fsync_dir(path) -> None:
@@ -202,34 +286,78 @@ def _fsync_dir(path) -> None:
         os.close(fd)
 
 
-def _move_into_place(tmp: Path, target: Path, overwrite: bool, what: str, error) -> None:
-    if not os.path.lexists(target):
-        try:
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else \
+        path.unlink(missing_ok=True)
+
+
+_RENAME_EXCHANGE = 2       # linux/fs.h
+_AT_FDCWD = -100
+_NO_EXCHANGE = (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)   # no syscall; not on this file system
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2():
+    """libc's renameat2 (glibc >= 2.28), or None (another C library or system)."""
+    try:
+        f = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+def exchange(a, b) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE): True when done, False
+    where the call is unavailable (no such function or syscall, or a file system without it); other failures:
+    OSError."""
+    f = _renameat2()
+    if f is None:
+        return False
+    if f(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _move_into_place(tmp: Path, target: Path, token: str, overwrite: bool, what: str, error) -> None:
+    try:
+        if not os.path.lexists(target):
             os.rename(tmp, target)
-        except OSError as e:
-            raise error(f"{target}: cannot move the {what} into place ({e.strerror})") from None
-    elif not overwrite:
-        raise error(f"{target}: already exists (pass overwrite=True to replace it)")
-    else:
-        old = target.parent / f".{target.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    _fsync_dir(target.parent)
+        elif not overwrite:
+            raise error(f"{target}: already exists (pass overwrite=True to replace it)")
+        elif exchange(tmp, target):                # target: the new tree; tmp: the old one, removed by the caller
+            pass
+        else:
+            old = target.parent / f".{target.name}.old-{token}"
+            os.rename(target, old)
+            # a crash here leaves no target: recover() renames tmp (whole and fsynced) into place
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
+            _fsync_dir(target.parent)
+            _remove_tree(old)
+        _fsync_dir(target.parent)
+    except OSError as e:
+        raise error(f"{target}: cannot move the {what} into place ({e.strerror or e})") from None
 
 
 def _remove_stale(parent: Path, target: str | None = None) -> None:
     """Remove temporaries left by writers that died: `.<name>.tmp-<pid>-<rand>` of a dead pid, and
     `.<name>.old-<pid>-<rand>` (a replaced tree) of a dead pid once `<name>` exists again; those of `target` only,
     when given."""
-    for p in parent.glob(f".{glob.escape(target)}.*") if target else parent.iterdir():
-        m = _STALE.fullmatch(p.name)
-        if m and not _alive(int(m["pid"])) and (m["kind"] == "tmp" or (parent / m["target"]).exists()):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+    found = [(p, m) for p in (parent.glob(f".{glob.escape(target)}.*") if target else parent.iterdir())
+             if (m := _STALE.fullmatch(p.name)) and not _alive(int(m["pid"]))]
+    for name in {m["target"] for p, m in found if m["kind"] == "old"}:
+        recover(parent / name)                     # an interrupted replacement: its new tree is kept, not swept
+    for p, m in found:
+        if os.path.lexists(p) and (m["kind"] == "tmp" or os.path.lexists(parent / m["target"])):
+            _remove_tree(p)
 
 
 def _alive(pid: int) -> bool:

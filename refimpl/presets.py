@@ -7,12 +7,14 @@ randomised: transformers initialises norms to exactly 0 or 1, which hides a wron
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from .files import write_atomic
+from .errors import InputError, brief
+from .files import atomic_directory, write_atomic
 from .formats.safetensors import write_safetensors
 from .kernels import elementary
 from .models.config import config_from_dict
@@ -118,14 +120,23 @@ def checkpoint_layout(config, arrays: dict) -> dict:
     return out
 
 
+_PRESET_FILES = ("config.json", "model.safetensors")
+
+
 def save_preset(name: str, directory: str | Path, seed: int = PRESET_SEED, dtype: str = "float32") -> Path:
     """Write a preset as an HF checkpoint directory (config.json + model.safetensors) in the layout the
-    released checkpoints of its architecture use; dtype: float32, bfloat16 (rounded to nearest even) or float16."""
+    released checkpoints of its architecture use; dtype: float32, bfloat16 (rounded to nearest even) or float16.
+    The directory is written whole (refimpl.files.atomic_directory): absent or empty before, or a checkpoint of
+    these two files, which it replaces; a crash leaves the old directory or the whole new one."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    other = sorted(p.name for p in directory.iterdir() if p.name not in _PRESET_FILES) if directory.is_dir() else []
+    if other or (os.path.lexists(directory) and not directory.is_dir()):
+        raise InputError(f"{directory}: holds {brief(other) if other else 'a file'}; a preset is saved into a new or "
+                         f"empty directory (or over a saved preset)")
     config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    write_atomic(directory / "config.json", json.dumps({**PRESETS[name], "dtype": dtype}, indent=2), "config.json")
     target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     arrays = {k: a.astype(target) for k, a in checkpoint_layout(config, random_weights(config, seed)).items()}
-    write_safetensors(directory / "model.safetensors", arrays)
+    with atomic_directory(directory, True, "preset checkpoint") as tmp:
+        write_atomic(tmp / "config.json", json.dumps({**PRESETS[name], "dtype": dtype}, indent=2), "config.json")
+        write_safetensors(tmp / "model.safetensors", arrays)
     return directory

@@ -25,7 +25,6 @@ import json
 import math
 import multiprocessing
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from threadpoolctl import threadpool_limits
 
 from ..diff.dump import read_json
 from ..errors import FormatError, InputError, RefimplError, brief
-from ..files import expect, integer, load_json, write_atomic
+from ..files import discard, expect, integer, load_json, sweep, write_atomic
 from ..formats.safetensors import header_bytes, read_safetensors, write_safetensors
 from ..golden import run_convention
 from ..sources import load
@@ -349,6 +348,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
         load(job.source, precision=job.precision)
     manifest = json.loads(_json(build_manifest(job, model, windows, data, bos)))
     mf = out / "manifest.json"
+    sweep(out)                        # an old reference a killed --overwrite run had begun to remove
     if mf.is_file():
         try:
             old = load_json(mf, "dataset reference manifest", FormatError)
@@ -359,7 +359,7 @@ def write_reference(out, job: Job, windows: Windows, data: dict, *, bos=None, wo
                 key = next((k for k in manifest if not isinstance(old, dict) or old.get(k) != manifest[k]), "?")
                 raise InputError(f"{out}: holds a reference made with other settings ({key} differs); "
                                  f"give another --out or --overwrite")
-            shutil.rmtree(out)
+            discard(out)               # gone in one rename: a kill cannot leave a reference without its manifest
     elif out.exists() and any(p.name not in ("tokens.safetensors", "windows") and not p.name.startswith(".")
                               for p in out.iterdir()):
         raise InputError(f"{out}: exists and is not a dataset reference; give another --out")

@@ -18,14 +18,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main(argv=None) -> int:
-    from .engine import Pool, table
+    from .engine import TIME_LIMIT, Pool, table
     from .formats import FORMATS
     p = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=int, default=1000, help="cases per format")
     p.add_argument("--first", type=int, default=0, help="first seed")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per case")
+    p.add_argument("--time-limit", type=float, default=TIME_LIMIT, help="seconds of CPU per case")
     p.add_argument("--memory", type=int, default=1536, help="MiB a worker may allocate beyond its start")
     p.add_argument("--save", help="write the crash / hang / memory cases here (JSON)")
     p.add_argument("--replay", help="FORMAT:SEED: run that one case and print its ops and outcome")
@@ -46,15 +46,18 @@ def main(argv=None) -> int:
     jobs = [(n, s, None) for s in range(args.first, args.first + args.cases) for n in names]
     results, start, last = [], time.monotonic(), time.monotonic()
     with Pool(formats, workers=args.workers, time_limit=args.time_limit, memory_mib=args.memory) as pool:
-        for r in pool.run(jobs):
-            results.append(r)
-            if r.outcome in ("crash", "hang", "memory"):
-                print(f"{r.format}:{r.seed} {r.outcome}: {r.signature}: {r.message[:200]}", flush=True)
-            if time.monotonic() - last > 60:
-                last = time.monotonic()
-                print(f"[{len(results)}/{len(jobs)} cases, {last - start:.0f} s]", flush=True)
+        try:
+            for r in pool.run(jobs):
+                results.append(r)
+                if r.outcome in ("crash", "hang", "memory"):
+                    print(f"{r.format}:{r.seed} {r.outcome}: {r.signature}: {r.message[:200]}", flush=True)
+                if time.monotonic() - last > 60:
+                    last = time.monotonic()
+                    print(f"[{len(results)}/{len(jobs)} cases, {last - start:.0f} s]", flush=True)
+        except KeyboardInterrupt:   # Ctrl-C: the table of the cases run so far (seed-major: every format alike)
+            print(f"\ninterrupted: {len(results)} of {len(jobs)} cases run")
     print(f"\n{len(results)} cases in {time.monotonic() - start:.0f} s "
-          f"({args.workers} workers, {args.time_limit:g} s and {args.memory} MiB per case)")
+          f"({args.workers} workers, {args.time_limit:g} s of CPU and {args.memory} MiB per case)")
     print(table(results, formats))
     bad = [r for r in results if r.outcome in ("crash", "hang", "memory")]
     if args.save:

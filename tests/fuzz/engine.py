@@ -3,8 +3,11 @@
 A worker is forked from the runner (so the imports and the base files are shared), lowers its address-space
 limit (RLIMIT_AS) to what it uses plus `memory_mib`, and then runs case after case, each in a fresh directory:
 materialise the case (the base files with the case's edits applied), call the format's target on it, classify.
-The runner gives each case `time_limit` seconds; a worker that overruns is killed (outcome hang) and replaced,
-as is one that dies (a signal: crash; SIGKILL from the kernel's OOM killer: memory).
+The runner gives each case `time_limit` seconds of CPU (TIME_LIMIT, 5 s: short, so that a reader quadratic in
+its input is found as a hang rather than absorbed by a generous limit); a case that overruns it, or that waits
+WAIT_FACTOR times as long in wall time (blocked: a FIFO, a lock), is killed (outcome hang) and its worker replaced,
+as is one that dies (a signal: crash; SIGKILL from the kernel's OOM killer: memory). CPU time, not wall time, so
+that a loaded machine (other processes taking the cores) does not turn a slow case into a hang.
 
 Outcomes:
     ok      the target read the case without error (a mutation that left the file meaningful)
@@ -31,6 +34,9 @@ import warnings
 from pathlib import Path
 
 OUTCOMES = ("ok", "clean", "crash", "hang", "memory")
+TIME_LIMIT = 5.0    # seconds of CPU per case
+WAIT_FACTOR = 10    # ... and at most this many times as long in wall time
+_TICK = os.sysconf("SC_CLK_TCK")
 MAX_MESSAGE = 1000
 _REFIMPL = str(Path(__import__("refimpl").__file__).resolve().parent)
 
@@ -156,7 +162,7 @@ def _worker(conn, formats, scratch: str, memory_mib: int):
 class Pool:
     """Workers running cases; `run(jobs)` yields an Outcome per job (in completion order)."""
 
-    def __init__(self, formats: dict, workers: int = 2, time_limit: float = 30.0, memory_mib: int = 1536):
+    def __init__(self, formats: dict, workers: int = 2, time_limit: float = TIME_LIMIT, memory_mib: int = 1536):
         self.formats, self.time_limit, self.memory_mib = formats, time_limit, memory_mib
         self.scratch = tempfile.mkdtemp(prefix="refimpl-fuzz-")
         self._ctx = multiprocessing.get_context("fork")
@@ -186,7 +192,7 @@ class Pool:
                     if ops is None:   # chosen here, so a case that kills its worker is still known by its ops
                         ops = self.formats[name].generate(seed)
                     w["job"], w["start"] = (name, seed, ops), time.monotonic()
-                    w["deadline"] = w["start"] + self.time_limit
+                    w["deadline"], w["cpu"] = w["start"] + self.time_limit, _cpu_seconds(w["process"].pid)
                     w["conn"].send(w["job"])
             busy = [w for w in self._workers if w["job"]]
             timeout = max(0.0, min(w["deadline"] for w in busy) - time.monotonic())
@@ -205,7 +211,16 @@ class Pool:
                                          time.monotonic() - w["start"])
                         self._replace(w)
                 elif time.monotonic() >= w["deadline"]:
-                    result = Outcome(name, seed, "hang", f"over {self.time_limit:g} s", "", ops, self.time_limit)
+                    used = _cpu_seconds(w["process"].pid) - w["cpu"]
+                    waited = time.monotonic() - w["start"]
+                    if used < self.time_limit and waited < WAIT_FACTOR * self.time_limit:
+                        # starved of CPU by other processes: the case gets the CPU time it has not had yet
+                        w["deadline"] = time.monotonic() + min(self.time_limit - used,
+                                                               WAIT_FACTOR * self.time_limit - waited)
+                        continue
+                    why = f"over {self.time_limit:g} s of CPU" if used >= self.time_limit else \
+                        f"blocked: {used:.1f} s of CPU in {waited:.0f} s"
+                    result = Outcome(name, seed, "hang", why, "", ops, waited)
                     self._replace(w)
                 else:
                     continue
@@ -230,6 +245,16 @@ class Pool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The user + system CPU time a process has used (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK    # fields 14 and 15 (utime, stime), counted from 1
 
 
 def table(results: list[Outcome], formats) -> str:

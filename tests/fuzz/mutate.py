@@ -2,7 +2,7 @@
 choice of them.
 
     ["flip", file, offset, mask]        xor one byte            ["truncate", file, length]
-    ["set", file, offset, hex]          overwrite bytes         ["insert", file, offset, hex]
+    ["set", file, offset, hex]          overwrite bytes         ["insert", file, offset, hex(, times)]
     ["delete", file, offset, length]                            ["append", file, hex]
     ["json", file, path, action, value] a structural edit of a JSON file (path: keys / indices from the root;
                                         action: set | delete | dupkey | rename | wrap; value: a value spec)
@@ -125,7 +125,7 @@ def apply(root: Path, op: list) -> None:
         elif kind == "truncate":
             del data[op[2]:]
         elif kind == "insert":
-            data[op[2]:op[2]] = bytes.fromhex(op[3])
+            data[op[2]:op[2]] = bytes.fromhex(op[3]) * (op[4] if len(op) > 4 else 1)
         elif kind == "delete":
             del data[op[2]:op[2] + op[3]]
         elif kind == "append":
