@@ -23,7 +23,7 @@ from pathlib import Path
 import devices as D
 import numpy as np
 import pytest
-from test_independent_devices import ARCHITECTURES, GENIE, device_dump, judge
+from test_independent_devices import ARCHITECTURES, GENIE, device_dump, first, judge
 from test_independent_devices import cases as shared_cases
 
 from refimpl.bundle import valid_mask
@@ -39,7 +39,7 @@ torch = D.torch
 
 # device name -> device_dump keyword arguments (and the conventions it runs)
 DEVICES = {
-    "transformers": ({"runtime": "transformers"}, ("hf", "genie")),
+    "transformers": ({"runtime": "transformers"}, ("hf", "genie", "qeff")),
     "onnxruntime": ({"runtime": "ort"}, ("genie",)),
 }
 ATTN_LAYER = 3            # a full-attention layer of every preset (the hybrids' fourth)
@@ -165,6 +165,13 @@ FAULT_CLASSES = {
 }
 
 
+# host faults of the qeff convention: (architecture, Fault, expected class, parameter check)
+QEFF_FAULT_CLASSES = {
+    "recurrent state not carried (hybrid, qeff)": ("hybrid", D.Fault(recurrent_not_carried_step=2), "stale state",
+                                                   lambda p, seen: p["equals"] == "the initial (zero) state"),
+}
+
+
 def verdict(report, expected, check, seen) -> tuple[str, dict | None]:
     """right | unexplained (also 'precision' or nothing classified) | wrong, and the fault of the earliest first
     divergence."""
@@ -191,8 +198,21 @@ def rotation():
     archs, kinds = list(ARCHITECTURES), {}
     for name in PLANTED:
         kinds.setdefault(re.sub(r" [x+][\d.]+( rms)?$", "", name), []).append(name)     # the name less its magnitude
-    return [(archs[i % len(archs)], ("hf", "genie")[(i // len(archs)) % 2], "transformers", names[i % len(names)])
-            for i, names in enumerate(kinds.values())]
+    conventions = DEVICES["transformers"][1]
+    return [(archs[i % len(archs)], conventions[(i // len(archs)) % len(conventions)], "transformers",
+             names[i % len(names)]) for i, names in enumerate(kinds.values())]
+
+
+def qeff_rotation():
+    """(architecture, planted fault) for each class the rotation does not plant on the qeff convention: with it,
+    every class of the other conventions on qeff too."""
+    done = {PLANTED[name][1] for _, conv, _, name in rotation() if conv == "qeff"}
+    archs, out = list(ARCHITECTURES), []
+    for name, (_, expected, _) in PLANTED.items():
+        if expected not in done:
+            done.add(expected)
+            out.append((archs[len(out) % len(archs)], name))
+    return out
 
 
 @pytest.mark.parametrize("arch,convention,device,name", rotation())
@@ -202,6 +222,23 @@ def test_planted_fault_class(arch, convention, device, name, cases, tmp_path):
     report, _, _ = run_case(cases, tmp_path, arch, convention, device, make(seen))
     v, fault = verdict(report, expected, check, seen)
     assert v == "right", (v, fault)
+
+
+@pytest.mark.parametrize("arch,name", qeff_rotation())
+def test_planted_fault_class_on_qeff(arch, name, cases, tmp_path):
+    make, expected, check = PLANTED[name]
+    seen = []
+    report, _, _ = run_case(cases, tmp_path, arch, "qeff", "transformers", make(seen))
+    v, fault = verdict(report, expected, check, seen)
+    assert v == "right", (v, fault)
+
+
+def test_qeff_state_not_carried_is_stale_state(cases, tmp_path):
+    """The QEfficient host feeding zeros instead of recurrent_state.0_RetainedState into a decode call."""
+    report, _, _ = run_case(cases, tmp_path, "hybrid", "qeff", "transformers", D.Fault(recurrent_not_carried_step=2))
+    expected, check = QEFF_FAULT_CLASSES["recurrent state not carried (hybrid, qeff)"][2:]
+    assert first(report) == (2, "recurrent_state.0"), first(report)
+    assert verdict(report, expected, check, [])[0] == "right"
 
 
 def test_onnx_runtime_device_fault_class(cases, tmp_path):
@@ -245,9 +282,9 @@ def test_honest_reduced_precision_runs_are_precision_only(cases, tmp_path):
     assert set(honest_classes(report, golden, dump, "bf16", bar=False)) <= {"precision", "unexplained"}
 
 
-def main(root: Path) -> None:
+def main(root: Path, conventions=None) -> None:
     """The full table: every planted fault x architecture x convention on transformers (and ONNX Runtime on a
-    few), the existing faults, honest bf16 / fp16 runs."""
+    few), the existing faults, honest bf16 / fp16 runs. conventions: only these (the transformers part only)."""
     import tempfile
     root.mkdir(parents=True, exist_ok=True)
     built = {}
@@ -266,13 +303,21 @@ def main(root: Path) -> None:
         rows.append((what, v, fault and f"{fault['class']}: {fault['summary']}"))
         print(f"{v:12s} {what:70s} {fault and fault['class']}: {fault and fault['summary'][:90]}", flush=True)
     for arch in ARCHITECTURES:
-        for conv in ("hf", "genie"):
+        for conv in conventions or DEVICES["transformers"][1]:
             for name, (make, expected, check) in PLANTED.items():
                 seen = []
                 with tempfile.TemporaryDirectory(dir=root) as t:
                     report, _, _ = run_case(get, Path(t), arch, conv, "transformers", make(seen))
                 count(expected, *verdict(report, expected, check, seen)[:1], f"{arch} {conv} {name}",
                       verdict(report, expected, check, seen)[1])
+    for name, (arch, fault, expected, check) in QEFF_FAULT_CLASSES.items():
+        if "qeff" in (conventions or DEVICES["transformers"][1]):
+            with tempfile.TemporaryDirectory(dir=root) as t:
+                report, _, _ = run_case(get, Path(t), arch, "qeff", "transformers", fault)
+            v, f = verdict(report, expected, check, [])
+            count(expected, v, f"existing: {name}", f)
+    if conventions:
+        return summary(table)
     from test_independent_devices import FAULTS
     for name, (arch, conv, fault, *_) in FAULTS.items():
         expected, check = FAULT_CLASSES[name]
@@ -288,6 +333,10 @@ def main(root: Path) -> None:
             report, _, _ = run_case(get, Path(t), "hybrid", "genie", "onnxruntime", make(seen), {**GENIE, "ar": 1})
         v, f = verdict(report, expected, check, seen)
         count(expected, v, f"onnxruntime hybrid genie {name}", f)
+    summary(table)
+
+
+def summary(table: dict) -> None:
     print("\nclass -> cases -> right / unexplained / wrong")
     for kind, t in table.items():
         print(f"{kind:16s} {sum(t.values()):4d}  {t['right']:4d} / {t['unexplained']:4d} / {t['wrong']:4d}")
@@ -328,5 +377,7 @@ def honest(root: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--honest"]:
         honest(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--conventions"]:          # --conventions qeff[,hf,...] DIR
+        main(Path(sys.argv[3]), sys.argv[2].split(","))
     else:
         main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__import__("tempfile").mkdtemp()))
