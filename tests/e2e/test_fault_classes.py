@@ -23,7 +23,7 @@ from pathlib import Path
 import devices as D
 import numpy as np
 import pytest
-from test_independent_devices import ARCHITECTURES, GENIE, device_dump, first, judge
+from test_independent_devices import ARCHITECTURES, GENIE, STEPS, device_dump, first, judge
 from test_independent_devices import cases as shared_cases
 
 from refimpl.bundle import valid_mask
@@ -41,6 +41,8 @@ torch = D.torch
 DEVICES = {
     "transformers": ({"runtime": "transformers"}, ("hf", "genie", "qeff")),
     "onnxruntime": ({"runtime": "ort"}, ("genie",)),
+    # Qualcomm's HTP simulator (tests/e2e/htp.py), float16, judged three-way against the htp-fp16 emulation
+    "htp": ({"runtime": "htp", "precision": "htp-fp16"}, ("genie",)),
 }
 ATTN_LAYER = 3            # a full-attention layer of every preset (the hybrids' fourth)
 
@@ -184,12 +186,15 @@ def verdict(report, expected, check, seen) -> tuple[str, dict | None]:
     return "wrong", fault
 
 
-def run_case(cases_fixture, tmp_path, arch, convention, device, fault, params=None):
+def run_case(cases_fixture, tmp_path, arch, convention, device, fault, params=None, steps=STEPS):
+    """(report, golden, dump path); a device with a precision is judged three-way against its emulation."""
     case = cases_fixture(arch)
-    bundle = case.golden(convention, params=params)
-    kwargs, _ = DEVICES[device]
+    bundle = case.golden(convention, params=params, steps=steps)
+    kwargs = dict(DEVICES[device][0])
+    precision = kwargs.pop("precision", None)
     dump = device_dump(case, bundle, tmp_path / "dump", fault, **kwargs)
-    return judge(bundle, dump), bundle, dump
+    emulated = case.golden(convention, precision, params=params, steps=steps) if precision else None
+    return judge(bundle, dump, "fp16" if precision else "fp32", emulated), bundle, dump
 
 
 def rotation():
@@ -249,6 +254,46 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
     make, expected, check = PLANTED["permutation heads 0 and 2"]
     report, _, _ = run_case(cases, tmp_path, "hybrid", "genie", "onnxruntime", make([]), {**GENIE, "ar": 1})
     assert verdict(report, expected, check, [])[0] == "right"
+
+
+# ------------------------------------------------------------------------------------------------ the HTP
+
+# The HTP device (DEVICES["htp"]) on the dense preset's prompt call (genie AR 8): one float16 export (test_htp's
+# session exports live in that module's fixture, not visible here); weight faults are planted in the exported
+# graph's initializers and host faults in the host loop, so no fault re-exports.
+HTP_FAULTS = {
+    # name: (Fault, expected class, parameter check)
+    "norm gain x1.05": (D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.05)), "gain",
+                        lambda p, seen: "axis" not in p and abs(p["factor"] / 1.05 - 1) < 0.01),
+    "o_proj rows 3 and 11 swapped": (D.Fault(swap_rows=("model.layers.2.self_attn.o_proj.weight", 3, 11)),
+                                     "permutation", lambda p, seen: p.get("cycles") == [[3, 11]]),
+    "norm sign flipped": (D.Fault(scale_weight=("model.layers.1.post_attention_layernorm.weight", -1.0)),
+                          "sign/swap", lambda p, seen: abs(p.get("factor", 0) + 1) < 0.01 and "axis" not in p),
+    "mask floor -50": (D.Fault(mask_floor=-50.0), "masked region", lambda p, seen: p.get("lo") == -50.0),
+}
+
+
+@pytest.fixture
+def htp_device(cases, tmp_path):
+    htp = pytest.importorskip("htp")
+    if htp.unavailable():
+        pytest.skip(htp.unavailable())
+    return lambda fault: run_case(cases, tmp_path, "dense", "genie", "htp", fault, steps=0)
+
+
+def test_htp_honest_run_is_precision_only(htp_device):
+    report, golden, dump = htp_device(None)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+    counts = honest_classes(report, golden, dump, "fp16")
+    assert set(counts) == {"precision"} and counts["precision"] > 80, counts     # 91 tensors judged
+
+
+@pytest.mark.parametrize("name", list(HTP_FAULTS))
+def test_htp_planted_fault_class(name, htp_device):
+    fault, expected, check = HTP_FAULTS[name]
+    report, _, _ = htp_device(fault)
+    v, f = verdict(report, expected, check, [])
+    assert v == "right", (v, f)
 
 
 def honest_classes(report, bundle, dump, dtype, bar: bool = True) -> dict:

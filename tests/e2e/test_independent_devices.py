@@ -36,6 +36,7 @@ class Case:
     root: object
     goldens: dict = dataclasses.field(default_factory=dict)
     models: dict = dataclasses.field(default_factory=dict)
+    exports: dict = dataclasses.field(default_factory=dict)   # the HTP's float16 exports (AR -> file), made once
 
     def golden(self, convention: str, precision: str | None = None, params: dict | None = None, steps: int = STEPS):
         """The float32 golden, or (precision) the emulated bundle following its tokens (three-way judging)."""
@@ -78,8 +79,15 @@ def device_dump(case: Case, bundle, out, fault=None, dtype="float32", attn="eage
         calls = D.run_qeff(model, [(s["graph"], s["tokens"]) for s in m["steps"]], m["convention"]["params"], fault)
     else:
         params = m["convention"]["params"]
-        graph = D.ort_graph(model, model.config, params, None, out.parent, fault) if runtime == "ort" else \
-            D.eager_graph(model, model.config, params, fault)
+        if runtime == "htp":   # Qualcomm's HTP simulator (htp.py): float16, weight faults planted in the export
+            htp = pytest.importorskip("htp")
+            model = case.hf("float16", "eager", "batched_mm")
+            (case.root / "htp").mkdir(exist_ok=True)
+            graph = htp.htp_genie_graph(model, model.config, params, case.root / "htp", fault, (), case.exports)
+        elif runtime == "ort":
+            graph = D.ort_graph(model, model.config, params, None, out.parent, fault)
+        else:
+            graph = D.eager_graph(model, model.config, params, fault)
         calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params, fault)
         getattr(graph, "close", lambda: None)()
     return D.write_dump(calls, out)
