@@ -1,8 +1,8 @@
 """`refimpl diff` names the kind of fault at the first divergence, on independent devices (tests/e2e/devices.py):
 every fault class planted into a device kernel's output (a module's forward hook: the device computes on from the
-wrong value) at several magnitudes, across the architectures (presets) and conventions (FAULT_CLASSES: the class
-of each host / graph fault of test_independent_devices, checked there); honest reduced-precision runs give
-'precision' on every tensor.
+wrong value) at several magnitudes, across the architectures (presets) and conventions hf, genie and qeff
+(FAULT_CLASSES: the class of each host / graph fault of test_independent_devices, checked there); the HTP simulator
+with weight and host faults (HTP_FAULTS); honest reduced-precision runs give 'precision' on every tensor.
 
 A case is right when the class and its parameters are (a factor within 1 %, the planted channels / heads / rows /
 slots); 'unexplained' or 'precision' is allowed for the cases marked so below (a nonlinear fault no model is meant
@@ -260,7 +260,8 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
 
 # The HTP device (DEVICES["htp"]) on the dense preset's prompt call (genie AR 8): one float16 export (test_htp's
 # session exports live in that module's fixture, not visible here); weight faults are planted in the exported
-# graph's initializers and host faults in the host loop, so no fault re-exports.
+# graph's initializers and host faults in the host loop, so no fault re-exports. Dense only as written: the
+# hybrids' norms scale by 1 + w, where a weight x1.05 or x-1 is a per-channel gain (1 + c w) / (1 + w).
 HTP_FAULTS = {
     # name: (Fault, expected class, parameter check)
     "norm gain x1.05": (D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.05)), "gain",
@@ -390,9 +391,9 @@ def summary(table: dict) -> None:
           f"{total['wrong']:4d}")
 
 
-def honest(root: Path) -> None:
-    """Every compared tensor of honest runs classified: float32 (every architecture, hf and genie), transformers
-    bfloat16 three-way (every architecture, hf and genie), ONNX Runtime float16 three-way (hybrid, genie AR 1)."""
+def honest(root: Path, conventions=("hf", "genie", "qeff")) -> None:
+    """Every compared tensor of honest runs classified: float32 (every architecture and convention), transformers
+    bfloat16 three-way (every architecture and convention), ONNX Runtime float16 three-way (hybrid, genie AR 1)."""
     from test_independent_devices import Case
     root.mkdir(parents=True, exist_ok=True)
     total = {}
@@ -400,8 +401,8 @@ def honest(root: Path) -> None:
         config, arrays = D.small_preset(ARCHITECTURES[arch])
         case = Case(config, arrays, D.hf_checkpoint(config, arrays, root / arch / "checkpoint"), root / arch)
         (root / arch).mkdir(exist_ok=True)
-        runs = [(conv, dtype, "transformers", None) for conv in ("hf", "genie") for dtype in ("float32", "bfloat16")]
-        if arch == "hybrid":
+        runs = [(conv, dtype, "transformers", None) for conv in conventions for dtype in ("float32", "bfloat16")]
+        if arch == "hybrid" and "genie" in conventions:
             runs.append(("genie", "float16", "ort", {**GENIE, "ar": 1}))
         for i, (conv, dtype, runtime, params) in enumerate(runs):
             golden = case.golden(conv, params=params)
@@ -421,7 +422,7 @@ def honest(root: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--honest"]:
-        honest(Path(sys.argv[2]))
+        honest(Path(sys.argv[3]), sys.argv[2].split(",")) if len(sys.argv) > 3 else honest(Path(sys.argv[2]))
     elif sys.argv[1:2] == ["--conventions"]:          # --conventions qeff[,hf,...] DIR
         main(Path(sys.argv[3]), sys.argv[2].split(","))
     else:
