@@ -492,6 +492,103 @@ def eager_graph(model, cfg, params: dict, fault: Fault | None = None):
     return graph
 
 
+# ------------------------------------------------------------------------------------------------ qeff
+
+class _ScatterLayer(transformers.cache_utils.DynamicLayer):
+    """QEfficient's KV cache (device_conventions.md §3.1): full-context slots [1, Hkv, ctx_len, D], not transposed;
+    the new entries written at their position ids (CtxScatter: data[b, h, pos[t]] = updates[b, h, t]), a pad's
+    write (position -1) dropped; attention reads every ctx_len slot, the mask built from the position ids."""
+
+    def __init__(self, keys, values, positions):
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.keys, self.values, self.positions = keys.clone(), values.clone(), positions
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        real = self.positions >= 0
+        self.keys[:, :, self.positions[real]] = key_states[:, :, real]
+        self.values[:, :, self.positions[real]] = value_states[:, :, real]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        return int(self.positions[self.positions >= 0].min())     # the positions before the call's first
+
+
+def run_qeff(model, steps: list, params: dict, fault: Fault | None = None) -> list[Call]:
+    """A QEfficient host loop (device_conventions.md §3) around transformers: per call input_ids and position_ids
+    [1, S] (the chunk right-padded with pad_id, position -1 on pads; decode one slot at max + 1), past_key.{i} /
+    past_value.{i} [1, Hkv, ctx_len, D] and conv_state.{i} / recurrent_state.{i} in, the *_RetainedState outputs
+    read back and fed to the next call. steps: each call's (graph name, real tokens), the bundle's; params: its qeff
+    options (seq_len, ctx_len, pad_id). Pads in a chunk after a GDN state are outside this device (transformers
+    lets them into the state, QEfficient's port neutralises them): run the hybrids without pads."""
+    fault = fault or Fault()
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    S, C = params["seq_len"], params["ctx_len"]
+    pad = params.get("pad_id")
+    pad = pad if pad is not None else cfg.pad_token_id if cfg.pad_token_id is not None else \
+        (cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id)
+    Hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    state = {}
+    for i, t in enumerate(layer_types(cfg)):
+        if t == "linear_attention":
+            conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+                cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            state[f"conv_state.{i}"] = np.zeros((1, conv_dim, cfg.linear_conv_kernel_dim - 1), np.float32)
+            state[f"recurrent_state.{i}"] = np.zeros((1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                                      cfg.linear_value_head_dim), np.float32)
+        else:
+            state[f"past_key.{i}"] = state[f"past_value.{i}"] = np.zeros((1, Hkv, C, D), np.float32)
+    calls, next_pos = [], 0
+    with torch.no_grad(), planted(model, fault), Recorder(model, fault) as rec:
+        for k, (graph_name, tokens) in enumerate(steps):
+            s, n = (S if graph_name == "prefill" else 1), len(tokens)
+            positions = np.concatenate([np.arange(next_pos, next_pos + n), -np.ones(s - n, np.int64)])
+            if k == fault.recurrent_not_carried_step:
+                state = {name: np.zeros_like(a) if name.startswith("recurrent") else a for name, a in state.items()}
+            inputs = {"input_ids": np.array([list(tokens) + [pad] * (s - n)], np.int64),
+                      "position_ids": positions[None].astype(np.int64), **state}
+            pos = torch.as_tensor(positions)
+            cache = transformers.DynamicCache(config=cfg)
+            for i, t in enumerate(layer_types(cfg)):
+                if t == "linear_attention":
+                    conv = torch_arg(inputs[f"conv_state.{i}"], dtype)          # Kc - 1 columns; transformers keeps Kc
+                    conv = torch.cat([torch.zeros_like(conv[..., :1]), conv], -1)
+                    layer = cache.layers[i]
+                    layer.lazy_initialization(conv_states=conv, recurrent_states=torch_arg(
+                        inputs[f"recurrent_state.{i}"], dtype))
+                    layer.conv_states[0] = conv.clone()
+                    layer.recurrent_states[0] = torch_arg(inputs[f"recurrent_state.{i}"], dtype).clone()
+                    layer.has_previous_state[0] = True
+                else:
+                    cache.layers[i] = _ScatterLayer(torch_arg(inputs[f"past_key.{i}"], dtype),
+                                                    torch_arg(inputs[f"past_value.{i}"], dtype), pos)
+            allowed = (torch.arange(C)[None] <= pos[:, None]) & (pos[:, None] >= 0)        # [s, C]: slot j <= p
+            mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+            if "linear_attention" in layer_types(cfg):
+                mask = {"full_attention": mask, "linear_attention": None if s == 1 else
+                        torch.as_tensor(positions >= 0)[None].to(dtype)}
+            out = model(input_ids=torch.as_tensor(inputs["input_ids"]), attention_mask=mask,
+                        position_ids=pos.clamp(min=0)[None], past_key_values=cache, use_cache=True)
+            outputs = {"logits": _np(out.logits)}
+            for i, t in enumerate(layer_types(cfg)):
+                layer = cache.layers[i]
+                if t == "linear_attention":
+                    outputs[f"conv_state.{i}_RetainedState"] = _np(layer.conv_states[0][..., 1:])
+                    outputs[f"recurrent_state.{i}_RetainedState"] = _np(layer.recurrent_states[0])
+                else:
+                    outputs[f"past_key.{i}_RetainedState"] = _np(layer.keys)
+                    outputs[f"past_value.{i}_RetainedState"] = _np(layer.values)
+            state = {name.removesuffix("_RetainedState"): a for name, a in outputs.items() if name != "logits"}
+            calls.append(Call(inputs, outputs, {n: _np(t) for n, t in rec.take().items()}))
+            next_pos += n
+    return calls
+
+
 # ------------------------------------------------------------------------------------------------ ONNX Runtime
 
 class WithTaps(torch.nn.Module):

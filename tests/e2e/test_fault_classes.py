@@ -1,8 +1,8 @@
 """`refimpl diff` names the kind of fault at the first divergence, on independent devices (tests/e2e/devices.py):
 every fault class planted into a device kernel's output (a module's forward hook: the device computes on from the
-wrong value) at several magnitudes, across the architectures (presets) and conventions (FAULT_CLASSES: the class
-of each host / graph fault of test_independent_devices, checked there); honest reduced-precision runs give
-'precision' on every tensor.
+wrong value) at several magnitudes, across the architectures (presets) and conventions hf, genie and qeff
+(FAULT_CLASSES: the class of each host / graph fault of test_independent_devices, checked there); the HTP simulator
+with weight and host faults (HTP_FAULTS); honest reduced-precision runs give 'precision' on every tensor.
 
 A case is right when the class and its parameters are (a factor within 1 %, the planted channels / heads / rows /
 slots); 'unexplained' or 'precision' is allowed for the cases marked so below (a nonlinear fault no model is meant
@@ -23,7 +23,7 @@ from pathlib import Path
 import devices as D
 import numpy as np
 import pytest
-from test_independent_devices import ARCHITECTURES, GENIE, device_dump, judge
+from test_independent_devices import ARCHITECTURES, GENIE, STEPS, device_dump, first, judge
 from test_independent_devices import cases as shared_cases
 
 from refimpl.bundle import valid_mask
@@ -39,8 +39,10 @@ torch = D.torch
 
 # device name -> device_dump keyword arguments (and the conventions it runs)
 DEVICES = {
-    "transformers": ({"runtime": "transformers"}, ("hf", "genie")),
+    "transformers": ({"runtime": "transformers"}, ("hf", "genie", "qeff")),
     "onnxruntime": ({"runtime": "ort"}, ("genie",)),
+    # Qualcomm's HTP simulator (tests/e2e/htp.py), float16, judged three-way against the htp-fp16 emulation
+    "htp": ({"runtime": "htp", "precision": "htp-fp16"}, ("genie",)),
 }
 ATTN_LAYER = 3            # a full-attention layer of every preset (the hybrids' fourth)
 
@@ -165,6 +167,13 @@ FAULT_CLASSES = {
 }
 
 
+# host faults of the qeff convention: (architecture, Fault, expected class, parameter check)
+QEFF_FAULT_CLASSES = {
+    "recurrent state not carried (hybrid, qeff)": ("hybrid", D.Fault(recurrent_not_carried_step=2), "stale state",
+                                                   lambda p, seen: p["equals"] == "the initial (zero) state"),
+}
+
+
 def verdict(report, expected, check, seen) -> tuple[str, dict | None]:
     """right | unexplained (also 'precision' or nothing classified) | wrong, and the fault of the earliest first
     divergence."""
@@ -177,12 +186,15 @@ def verdict(report, expected, check, seen) -> tuple[str, dict | None]:
     return "wrong", fault
 
 
-def run_case(cases_fixture, tmp_path, arch, convention, device, fault, params=None):
+def run_case(cases_fixture, tmp_path, arch, convention, device, fault, params=None, steps=STEPS):
+    """(report, golden, dump path); a device with a precision is judged three-way against its emulation."""
     case = cases_fixture(arch)
-    bundle = case.golden(convention, params=params)
-    kwargs, _ = DEVICES[device]
+    bundle = case.golden(convention, params=params, steps=steps)
+    kwargs = dict(DEVICES[device][0])
+    precision = kwargs.pop("precision", None)
     dump = device_dump(case, bundle, tmp_path / "dump", fault, **kwargs)
-    return judge(bundle, dump), bundle, dump
+    emulated = case.golden(convention, precision, params=params, steps=steps) if precision else None
+    return judge(bundle, dump, "fp16" if precision else "fp32", emulated), bundle, dump
 
 
 def rotation():
@@ -191,8 +203,21 @@ def rotation():
     archs, kinds = list(ARCHITECTURES), {}
     for name in PLANTED:
         kinds.setdefault(re.sub(r" [x+][\d.]+( rms)?$", "", name), []).append(name)     # the name less its magnitude
-    return [(archs[i % len(archs)], ("hf", "genie")[(i // len(archs)) % 2], "transformers", names[i % len(names)])
-            for i, names in enumerate(kinds.values())]
+    conventions = DEVICES["transformers"][1]
+    return [(archs[i % len(archs)], conventions[(i // len(archs)) % len(conventions)], "transformers",
+             names[i % len(names)]) for i, names in enumerate(kinds.values())]
+
+
+def qeff_rotation():
+    """(architecture, planted fault) for each class the rotation does not plant on the qeff convention: with it,
+    every class of the other conventions on qeff too."""
+    done = {PLANTED[name][1] for _, conv, _, name in rotation() if conv == "qeff"}
+    archs, out = list(ARCHITECTURES), []
+    for name, (_, expected, _) in PLANTED.items():
+        if expected not in done:
+            done.add(expected)
+            out.append((archs[len(out) % len(archs)], name))
+    return out
 
 
 @pytest.mark.parametrize("arch,convention,device,name", rotation())
@@ -204,6 +229,23 @@ def test_planted_fault_class(arch, convention, device, name, cases, tmp_path):
     assert v == "right", (v, fault)
 
 
+@pytest.mark.parametrize("arch,name", qeff_rotation())
+def test_planted_fault_class_on_qeff(arch, name, cases, tmp_path):
+    make, expected, check = PLANTED[name]
+    seen = []
+    report, _, _ = run_case(cases, tmp_path, arch, "qeff", "transformers", make(seen))
+    v, fault = verdict(report, expected, check, seen)
+    assert v == "right", (v, fault)
+
+
+def test_qeff_state_not_carried_is_stale_state(cases, tmp_path):
+    """The QEfficient host feeding zeros instead of recurrent_state.0_RetainedState into a decode call."""
+    report, _, _ = run_case(cases, tmp_path, "hybrid", "qeff", "transformers", D.Fault(recurrent_not_carried_step=2))
+    expected, check = QEFF_FAULT_CLASSES["recurrent state not carried (hybrid, qeff)"][2:]
+    assert first(report) == (2, "recurrent_state.0"), first(report)
+    assert verdict(report, expected, check, [])[0] == "right"
+
+
 def test_onnx_runtime_device_fault_class(cases, tmp_path):
     """The same classification on ONNX Runtime (the hook exported into the graph; AR = 1 graphs, one export: a
     tensor of one token per call, so a single channel cannot be told from noise there, a head can)."""
@@ -212,6 +254,47 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
     make, expected, check = PLANTED["permutation heads 0 and 2"]
     report, _, _ = run_case(cases, tmp_path, "hybrid", "genie", "onnxruntime", make([]), {**GENIE, "ar": 1})
     assert verdict(report, expected, check, [])[0] == "right"
+
+
+# ------------------------------------------------------------------------------------------------ the HTP
+
+# The HTP device (DEVICES["htp"]) on the dense preset's prompt call (genie AR 8): one float16 export (test_htp's
+# session exports live in that module's fixture, not visible here); weight faults are planted in the exported
+# graph's initializers and host faults in the host loop, so no fault re-exports. Dense only as written: the
+# hybrids' norms scale by 1 + w, where a weight x1.05 or x-1 is a per-channel gain (1 + c w) / (1 + w).
+HTP_FAULTS = {
+    # name: (Fault, expected class, parameter check)
+    "norm gain x1.05": (D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.05)), "gain",
+                        lambda p, seen: "axis" not in p and abs(p["factor"] / 1.05 - 1) < 0.01),
+    "o_proj rows 3 and 11 swapped": (D.Fault(swap_rows=("model.layers.2.self_attn.o_proj.weight", 3, 11)),
+                                     "permutation", lambda p, seen: p.get("cycles") == [[3, 11]]),
+    "norm sign flipped": (D.Fault(scale_weight=("model.layers.1.post_attention_layernorm.weight", -1.0)),
+                          "sign/swap", lambda p, seen: abs(p.get("factor", 0) + 1) < 0.01 and "axis" not in p),
+    "mask floor -50": (D.Fault(mask_floor=-50.0), "masked region", lambda p, seen: p.get("lo") == -50.0),
+}
+
+
+@pytest.fixture
+def htp_device(cases, tmp_path):
+    htp = pytest.importorskip("htp")
+    if htp.unavailable():
+        pytest.skip(htp.unavailable())
+    return lambda fault: run_case(cases, tmp_path, "dense", "genie", "htp", fault, steps=0)
+
+
+def test_htp_honest_run_is_precision_only(htp_device):
+    report, golden, dump = htp_device(None)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
+    counts = honest_classes(report, golden, dump, "fp16")
+    assert set(counts) == {"precision"} and counts["precision"] > 80, counts     # 91 tensors judged
+
+
+@pytest.mark.parametrize("name", list(HTP_FAULTS))
+def test_htp_planted_fault_class(name, htp_device):
+    fault, expected, check = HTP_FAULTS[name]
+    report, _, _ = htp_device(fault)
+    v, f = verdict(report, expected, check, [])
+    assert v == "right", (v, f)
 
 
 def honest_classes(report, bundle, dump, dtype, bar: bool = True) -> dict:
@@ -245,9 +328,9 @@ def test_honest_reduced_precision_runs_are_precision_only(cases, tmp_path):
     assert set(honest_classes(report, golden, dump, "bf16", bar=False)) <= {"precision", "unexplained"}
 
 
-def main(root: Path) -> None:
+def main(root: Path, conventions=None) -> None:
     """The full table: every planted fault x architecture x convention on transformers (and ONNX Runtime on a
-    few), the existing faults, honest bf16 / fp16 runs."""
+    few), the existing faults, honest bf16 / fp16 runs. conventions: only these (the transformers part only)."""
     import tempfile
     root.mkdir(parents=True, exist_ok=True)
     built = {}
@@ -266,13 +349,21 @@ def main(root: Path) -> None:
         rows.append((what, v, fault and f"{fault['class']}: {fault['summary']}"))
         print(f"{v:12s} {what:70s} {fault and fault['class']}: {fault and fault['summary'][:90]}", flush=True)
     for arch in ARCHITECTURES:
-        for conv in ("hf", "genie"):
+        for conv in conventions or DEVICES["transformers"][1]:
             for name, (make, expected, check) in PLANTED.items():
                 seen = []
                 with tempfile.TemporaryDirectory(dir=root) as t:
                     report, _, _ = run_case(get, Path(t), arch, conv, "transformers", make(seen))
                 count(expected, *verdict(report, expected, check, seen)[:1], f"{arch} {conv} {name}",
                       verdict(report, expected, check, seen)[1])
+    for name, (arch, fault, expected, check) in QEFF_FAULT_CLASSES.items():
+        if "qeff" in (conventions or DEVICES["transformers"][1]):
+            with tempfile.TemporaryDirectory(dir=root) as t:
+                report, _, _ = run_case(get, Path(t), arch, "qeff", "transformers", fault)
+            v, f = verdict(report, expected, check, [])
+            count(expected, v, f"existing: {name}", f)
+    if conventions:
+        return summary(table)
     from test_independent_devices import FAULTS
     for name, (arch, conv, fault, *_) in FAULTS.items():
         expected, check = FAULT_CLASSES[name]
@@ -288,6 +379,10 @@ def main(root: Path) -> None:
             report, _, _ = run_case(get, Path(t), "hybrid", "genie", "onnxruntime", make(seen), {**GENIE, "ar": 1})
         v, f = verdict(report, expected, check, seen)
         count(expected, v, f"onnxruntime hybrid genie {name}", f)
+    summary(table)
+
+
+def summary(table: dict) -> None:
     print("\nclass -> cases -> right / unexplained / wrong")
     for kind, t in table.items():
         print(f"{kind:16s} {sum(t.values()):4d}  {t['right']:4d} / {t['unexplained']:4d} / {t['wrong']:4d}")
@@ -296,9 +391,9 @@ def main(root: Path) -> None:
           f"{total['wrong']:4d}")
 
 
-def honest(root: Path) -> None:
-    """Every compared tensor of honest runs classified: float32 (every architecture, hf and genie), transformers
-    bfloat16 three-way (every architecture, hf and genie), ONNX Runtime float16 three-way (hybrid, genie AR 1)."""
+def honest(root: Path, conventions=("hf", "genie", "qeff")) -> None:
+    """Every compared tensor of honest runs classified: float32 (every architecture and convention), transformers
+    bfloat16 three-way (every architecture and convention), ONNX Runtime float16 three-way (hybrid, genie AR 1)."""
     from test_independent_devices import Case
     root.mkdir(parents=True, exist_ok=True)
     total = {}
@@ -306,8 +401,8 @@ def honest(root: Path) -> None:
         config, arrays = D.small_preset(ARCHITECTURES[arch])
         case = Case(config, arrays, D.hf_checkpoint(config, arrays, root / arch / "checkpoint"), root / arch)
         (root / arch).mkdir(exist_ok=True)
-        runs = [(conv, dtype, "transformers", None) for conv in ("hf", "genie") for dtype in ("float32", "bfloat16")]
-        if arch == "hybrid":
+        runs = [(conv, dtype, "transformers", None) for conv in conventions for dtype in ("float32", "bfloat16")]
+        if arch == "hybrid" and "genie" in conventions:
             runs.append(("genie", "float16", "ort", {**GENIE, "ar": 1}))
         for i, (conv, dtype, runtime, params) in enumerate(runs):
             golden = case.golden(conv, params=params)
@@ -327,6 +422,8 @@ def honest(root: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--honest"]:
-        honest(Path(sys.argv[2]))
+        honest(Path(sys.argv[3]), sys.argv[2].split(",")) if len(sys.argv) > 3 else honest(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--conventions"]:          # --conventions qeff[,hf,...] DIR
+        main(Path(sys.argv[3]), sys.argv[2].split(","))
     else:
         main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__import__("tempfile").mkdtemp()))

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.oracle
 
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]             # one genie chunk of AR = 8 with one pad slot
 GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}  # W = 24 window slots, most of them empty
+# the prompt in one QEfficient chunk without pads (the QEff GDN port neutralises pads after a state, transformers
+# lets them in: the device runs the hybrids unpadded); QEFF_PADDED: chunks of 4 and 3 + 1 right pad (position -1)
+QEFF, QEFF_PADDED = {"seq_len": 7, "ctx_len": 32}, {"seq_len": 4, "ctx_len": 32}
 STEPS = 3                                         # decode calls after the prompt
 ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "hybrid": "tiny-qwen3.5", "next": "tiny-qwen3-next"}
 
@@ -33,10 +36,11 @@ class Case:
     root: object
     goldens: dict = dataclasses.field(default_factory=dict)
     models: dict = dataclasses.field(default_factory=dict)
+    exports: dict = dataclasses.field(default_factory=dict)   # the HTP's float16 exports (AR -> file), made once
 
     def golden(self, convention: str, precision: str | None = None, params: dict | None = None, steps: int = STEPS):
         """The float32 golden, or (precision) the emulated bundle following its tokens (three-way judging)."""
-        params = params if params is not None else (GENIE if convention == "genie" else {})
+        params = params if params is not None else {"genie": GENIE, "qeff": QEFF}.get(convention, {})
         key = (convention, precision, tuple(sorted(params.items())), steps)
         if key not in self.goldens:
             follow = self.golden(convention, None, params, steps).manifest["generated_ids"] if precision else None
@@ -71,10 +75,19 @@ def device_dump(case: Case, bundle, out, fault=None, dtype="float32", attn="eage
     model = case.hf(dtype, attn)
     if m["convention"]["name"] == "hf":
         calls = D.run_hf(model, m["prompt_ids"], m["generated_ids"], fault)
+    elif m["convention"]["name"] == "qeff":
+        calls = D.run_qeff(model, [(s["graph"], s["tokens"]) for s in m["steps"]], m["convention"]["params"], fault)
     else:
         params = m["convention"]["params"]
-        graph = D.ort_graph(model, model.config, params, None, out.parent, fault) if runtime == "ort" else \
-            D.eager_graph(model, model.config, params, fault)
+        if runtime == "htp":   # Qualcomm's HTP simulator (htp.py): float16, weight faults planted in the export
+            htp = pytest.importorskip("htp")
+            model = case.hf("float16", "eager", "batched_mm")
+            (case.root / "htp").mkdir(exist_ok=True)
+            graph = htp.htp_genie_graph(model, model.config, params, case.root / "htp", fault, (), case.exports)
+        elif runtime == "ort":
+            graph = D.ort_graph(model, model.config, params, None, out.parent, fault)
+        else:
+            graph = D.eager_graph(model, model.config, params, fault)
         calls = D.run_genie(graph, model.config, [(s["graph"], s["tokens"]) for s in m["steps"]], params, fault)
         getattr(graph, "close", lambda: None)()
     return D.write_dump(calls, out)
@@ -110,12 +123,14 @@ def worst_sqnr(report) -> float:
 
 # ------------------------------------------------------------------------------------------------ honest runs
 
-@pytest.mark.parametrize("arch,convention,attn", [("dense", "hf", "eager"), ("dense", "genie", "sdpa"),
-                                                  ("moe", "genie", "eager"), ("hybrid", "hf", "sdpa"),
-                                                  ("hybrid", "genie", "eager"), ("next", "hf", "eager")])
-def test_honest_float32_runs_pass(arch, convention, attn, cases, tmp_path):
+@pytest.mark.parametrize("arch,convention,attn,params", [
+    ("dense", "hf", "eager", None), ("dense", "genie", "sdpa", None), ("moe", "genie", "eager", None),
+    ("hybrid", "hf", "sdpa", None), ("hybrid", "genie", "eager", None), ("next", "hf", "eager", None),
+    ("dense", "qeff", "eager", QEFF_PADDED), ("moe", "qeff", "sdpa", QEFF_PADDED), ("hybrid", "qeff", "eager", None),
+    ("next", "qeff", "sdpa", None)])
+def test_honest_float32_runs_pass(arch, convention, attn, params, cases, tmp_path):
     case = cases(arch)
-    bundle = case.golden(convention)
+    bundle = case.golden(convention, params=params)
     dump_path = device_dump(case, bundle, tmp_path / "dump", attn=attn)
     report = judge(bundle, dump_path)
     assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
