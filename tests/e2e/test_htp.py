@@ -10,6 +10,7 @@ in the host loop, so no fault re-exports."""
 
 import dataclasses
 import math
+from unittest import mock
 
 import devices as D
 import numpy as np
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.oracle
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]             # one genie chunk of AR = 8 with one pad slot
 GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}
 STEPS = 2                                         # decode calls after the prompt
+LONG_PROMPT = PROMPT + [5, 300, 1200, 64, 8, 777, 31, 1500]   # one chunk of AR = 16: q_norm is [1, 16, H, D]
+LONG_GENIE = {**GENIE, "ar": 16}
 ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "next": "tiny-qwen3-next", "hybrid": "tiny-qwen3.5",
                  "hybrid-moe": "tiny-qwen3.5-moe"}
 HTP_POLICY = {"layouts": {".": "hf-hooks"}}
@@ -44,6 +47,8 @@ class Case:
     model: object
     root: object
     exports: dict = dataclasses.field(default_factory=dict)   # AR -> the raw ONNX export (faults, skips: rewrite)
+    prompt: list = dataclasses.field(default_factory=lambda: PROMPT)
+    genie: dict = dataclasses.field(default_factory=lambda: GENIE)
     goldens: dict = dataclasses.field(default_factory=dict)
     dumps: dict = dataclasses.field(default_factory=dict)
 
@@ -52,10 +57,10 @@ class Case:
         key = (convention, precision)
         if key not in self.goldens:
             follow = self.golden(convention).manifest["generated_ids"] if precision else None
-            params, steps = (GENIE, STEPS) if convention == "genie" else ({}, 0)
+            params, steps = (self.genie, STEPS) if convention == "genie" else ({}, 0)
             path = self.root / f"golden-{convention}-{precision}"
             model = D.reference(self.config, self.arrays, precision)
-            self.goldens[key] = read_bundle(write_golden(path, model, PROMPT, source="e2e", convention=convention,
+            self.goldens[key] = read_bundle(write_golden(path, model, self.prompt, source="e2e", convention=convention,
                                                          params=params, decode_steps=steps, taps=".",
                                                          decode_ids=follow))
         return self.goldens[key]
@@ -234,5 +239,32 @@ def test_htp_gathernd_bug_is_named_at_the_expert_gather(htp_cases):
     bundle = case.golden()
     rows = replay(bundle, read_dump(case.dumps["gathernd-bug"], bundle), D.reference(case.config, case.arrays,
                                                                                      "htp-fp16"),
+                  layer=0, step=0, policy=make_policy(HTP_POLICY, "fp16"))
+    assert [r.name for r in rows if r.adds_error][:1] == [name]
+
+
+def rms_norm_in_input_dtype(self, x):
+    """An RMSNorm computed in its input's dtype (transformers' Qwen3RMSNorm computes in float32 between two Casts,
+    which keeps its weight Mul out of the compiler's fusion): what a float16 export of a norm that does not upcast
+    gives the HTP, the chain Pow -> ReduceMean -> Add -> Sqrt -> Reciprocal -> Mul -> Mul(weight, .) in float16."""
+    return self.weight * (x * htp.torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def test_htp_rms_norm_bug_is_named_at_q_norm(htp_cases, tmp_path):
+    """Without the RMSNorm rewrite, a float16 export whose norms do not upcast, on a 15-token prompt (one AR = 16
+    chunk: q_norm / k_norm are [1, 16, H, D]): the fused RmsNorm kernel's wrong values are the first divergence, at
+    layer 0's q_norm or k_norm at the prompt call, and replay blames that op; with the rewrite the run passes."""
+    short = htp_cases("dense")
+    case = Case(short.config, short.arrays, short.model, tmp_path, prompt=LONG_PROMPT, genie=LONG_GENIE)
+    with mock.patch.object(type(short.model.model.norm), "forward", rms_norm_in_input_dtype):
+        honest = judge(case, case.dump())
+        report = judge(case, case.dump(skip=("rms_norm",), name="rms-norm-bug"))
+    assert honest.exit_code == 0, [(r.key, r.failures) for r in honest.failed][:3]
+    assert report.exit_code == 1
+    step, name = first(report)
+    assert step == 0 and name in ("model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"), (step, name)
+    bundle = case.golden()
+    rows = replay(bundle, read_dump(case.dumps["rms-norm-bug"], bundle), D.reference(case.config, case.arrays,
+                                                                                      "htp-fp16"),
                   layer=0, step=0, policy=make_policy(HTP_POLICY, "fp16"))
     assert [r.name for r in rows if r.adds_error][:1] == [name]
