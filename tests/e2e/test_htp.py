@@ -216,9 +216,10 @@ def test_htp_rms_norm_fusion_fails_a_float32_graph_and_the_rewrite_is_exact():
 
 
 def test_htp_rms_norm_fusion_is_wrong_on_the_4d_q_norm_of_a_longer_prompt():
-    """In float16 the fused RmsNorm kernel computes q_norm / k_norm's 4-D [B, T, H, D] (norm over D) wrong once
-    T >= 12 (T = 8, the other tests' AR, and 3-D [B, T, C] are right): here a third of the elements off by more
-    than 1 % of the tensor's scale, the worst by more than the scale. Mul(x, x) for Pow(x, 2) is exact again."""
+    """In float16 the fused RmsNorm kernel (weight first) computes q_norm / k_norm's 4-D [B, T, H, D] (norm over D)
+    wrong at T = 16 (T = 8, the other tests' AR, and 3-D [B, T, C] are right; docs/htp.md has the shapes): here a
+    third of the elements off by more than 1 % of the tensor's scale, the worst by more than the scale. Mul(x, x)
+    for Pow(x, 2) is exact again."""
     model, x, want = rms_norm_graph((1, 16, 8, 32), np.float16)
     fused = htp.session(model.SerializeToString()).run(None, {"x": x})[0].astype(np.float64)
     scale = np.abs(want).max()
