@@ -136,13 +136,6 @@ def llama_summary(rows: dict) -> dict:
     top p), each computed as perplexity.cpp computes it."""
     nll, base = rows["nll"].astype(np.float64), rows["nll_base"].astype(np.float64)
     n = len(nll)
-    log_ppl, log_base = stats.mean_and_uncertainty(nll), stats.mean_and_uncertainty(base)
-    cov = stats.covariance(nll, base)
-    ppl, ppl_base = math.exp(log_ppl[0]), math.exp(log_base[0])
-    ppl_u, base_u = ppl * log_ppl[1], ppl_base * log_base[1]
-    ratio = log_ppl[0] - log_base[0]
-    ratio_u = math.sqrt(max(0.0, log_ppl[1] ** 2 + log_base[1] ** 2 - 2 * cov))
-    diff_u = math.sqrt(max(0.0, ppl_u ** 2 + base_u ** 2 - 2 * ppl * ppl_base * cov))
     dp = rows["p_diff"].astype(np.float32)
     dp2 = (dp * dp).astype(np.float64)                                       # f32 square, summed in double
     mse = stats.mean_and_uncertainty(dp2)
@@ -150,13 +143,7 @@ def llama_summary(rows: dict) -> dict:
     top = float(np.mean(rows["same_top"]))
     return {
         "tokens": n,
-        "ppl": {"value": ppl, "uncertainty": ppl_u},
-        "ppl_reference": {"value": ppl_base, "uncertainty": base_u},
-        "ppl_correlation": cov / (log_ppl[1] * log_base[1]) if log_ppl[1] and log_base[1] else None,
-        "ln_ppl_ratio": {"value": ratio, "uncertainty": ratio_u},
-        "ppl_ratio": {"value": math.exp(ratio), "uncertainty": math.exp(ratio) * ratio_u},
-        "ppl_difference": {"value": ppl - ppl_base, "uncertainty": diff_u,
-                           "ci95": [ppl - ppl_base - 1.959964 * diff_u, ppl - ppl_base + 1.959964 * diff_u]},
+        **stats.perplexities(nll, base),
         "kld": distribution_f32(rows["kld"]),
         "p_diff": distribution_f32(dp),
         "rms_p_diff": {"value": rms, "uncertainty": 0.5 / rms * mse[1] if rms > 0 else 0.0},

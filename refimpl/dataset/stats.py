@@ -65,10 +65,9 @@ def distribution(values: np.ndarray) -> dict:
             **{f"p{100 * f:g}": percentile(v, f) for f in PERCENTILES}}
 
 
-def summarise(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, same_top: np.ndarray,
-              overlap: np.ndarray, kld_bound: np.ndarray) -> dict:
-    """Every statistic of the module docstring over per-token arrays (all of one length n >= 1)."""
-    n = len(kld)
+def perplexities(nll: np.ndarray, nll_ref: np.ndarray) -> dict:
+    """PPL(device), PPL(reference), their correlation, ln ratio, ratio and difference, each with its uncertainty
+    as llama-perplexity propagates it, from the per-token NLLs (float64, one length n >= 1)."""
     log_ppl, log_ppl_ref = mean_and_uncertainty(nll), mean_and_uncertainty(nll_ref)
     cov = covariance(nll, nll_ref)
     ppl, ppl_ref = math.exp(log_ppl[0]), math.exp(log_ppl_ref[0])
@@ -76,12 +75,7 @@ def summarise(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, same_top: n
     ln_ratio = log_ppl[0] - log_ppl_ref[0]
     ln_ratio_u = math.sqrt(max(0.0, log_ppl[1] ** 2 + log_ppl_ref[1] ** 2 - 2 * cov))
     diff_u = math.sqrt(max(0.0, ppl_u ** 2 + ppl_ref_u ** 2 - 2 * ppl * ppl_ref * cov))
-    p_diff = np.exp(-nll) - np.exp(-nll_ref)
-    mse = mean_and_uncertainty(p_diff * p_diff)
-    rms = math.sqrt(mse[0])
-    top = float(np.mean(same_top))
     return {
-        "tokens": n,
         "ppl": {"value": ppl, "uncertainty": ppl_u},
         "ppl_reference": {"value": ppl_ref, "uncertainty": ppl_ref_u},
         "ppl_correlation": cov / (log_ppl[1] * log_ppl_ref[1]) if log_ppl[1] and log_ppl_ref[1] else None,
@@ -89,6 +83,20 @@ def summarise(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, same_top: n
         "ppl_ratio": {"value": math.exp(ln_ratio), "uncertainty": math.exp(ln_ratio) * ln_ratio_u},
         "ppl_difference": {"value": ppl - ppl_ref, "uncertainty": diff_u,
                            "ci95": [ppl - ppl_ref - 1.959964 * diff_u, ppl - ppl_ref + 1.959964 * diff_u]},
+    }
+
+
+def summarise(kld: np.ndarray, nll: np.ndarray, nll_ref: np.ndarray, same_top: np.ndarray,
+              overlap: np.ndarray, kld_bound: np.ndarray) -> dict:
+    """Every statistic of the module docstring over per-token arrays (all of one length n >= 1)."""
+    n = len(kld)
+    p_diff = np.exp(-nll) - np.exp(-nll_ref)
+    mse = mean_and_uncertainty(p_diff * p_diff)
+    rms = math.sqrt(mse[0])
+    top = float(np.mean(same_top))
+    return {
+        "tokens": n,
+        **perplexities(nll, nll_ref),
         "kld": distribution(kld),
         "kld_bound": {"mean": float(np.mean(kld_bound)), "max": float(np.max(kld_bound)),
                       "meaning": "compact-form error: |mean KLD - exact| <= the mean bound; every order statistic "
