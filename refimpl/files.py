@@ -249,33 +249,45 @@ def recover(path, what: str = "output") -> bool:
     RENAME_EXCHANGE, killed between its two renames): `path` absent, `.<name>.old-<pid>-<r>` and normally
     `.<name>.tmp-<pid>-<r>` beside it, pid dead. The new tree (complete: the old one is moved aside only once the
     new one is whole and fsynced) is renamed to `path`, or the old one when the new one is gone; one warning is
-    logged. True if `path` was restored. A reader calls this before it reports `path` missing."""
+    logged. True if `path` was restored. A reader calls this before it reports `path` missing.
+
+    An `.old-*` without its `.tmp-*` partner is never put back: the replacement it belonged to was finished (the
+    target was then removed by someone else, or the old tree was being deleted), so it may be partial."""
     target = Path(path)
     if os.path.lexists(target):
         return False
     try:
-        olds = sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*"))
+        olds = list(target.parent.glob(f".{glob.escape(target.name)}.old-*"))
     except OSError:
         return False
+    swaps = []                                     # (the new tree, its writer's pid) of interrupted replacements
     for old in olds:
         m = _STALE.fullmatch(old.name)
-        if not m or m["target"] != target.name or _alive(int(m["pid"])):
+        if not m or m["target"] != target.name or _alive(m["token"]):
             continue
         new = target.parent / f".{target.name}.tmp-{m['token']}"
-        src = new if new.is_dir() and not new.is_symlink() else old
-        try:
-            os.rename(src, target)
-            _fsync_dir(target.parent)
-        except OSError:                            # another process restored it first, or a read-only directory
-            return False
-        _log.warning(f"{target}: a writer (pid {m['pid']}) died while replacing this {what}; restored the "
-                     f"{'new' if src == new else 'old'} one from {src.name}")
-        return True
-    return False
+        if new.is_dir() and not new.is_symlink():
+            swaps.append((new, m["pid"]))
+    if not swaps:
+        return False
+    new, pid = max(swaps, key=lambda s: s[0].stat().st_mtime_ns)   # several dead writers: the newest tree wins
+    try:
+        os.rename(new, target)
+        _fsync_dir(target.parent)
+    except OSError:                                # another process restored it first, or a read-only directory
+        return False
+    _log.warning(f"{target}: a writer (pid {pid}) died while replacing this {what}; restored the new one from "
+                 f"{new.name}")
+    return True
+
+
+_MINE: set[str] = set()   # the tokens this process made: another entry with its pid is a dead writer's (pid reuse)
 
 
 def _token() -> str:
-    return f"{os.getpid()}-{secrets.token_hex(4)}"
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"
+    _MINE.add(token)
+    return token
 
 
 def _fsync_dir(path) -> None:
@@ -341,7 +353,9 @@ def _move_into_place(tmp: Path, target: Path, token: str, overwrite: bool, what:
                 os.rename(old, target)
                 raise
             _fsync_dir(target.parent)
-            _remove_tree(old)
+            trash = target.parent / f".{target.name}.tmp-{_token()}"
+            os.rename(old, trash)                  # a crash while it is removed: a temporary, swept, never restored
+            _remove_tree(trash)
         _fsync_dir(target.parent)
     except OSError as e:
         raise error(f"{target}: cannot move the {what} into place ({e.strerror or e})") from None
@@ -352,7 +366,7 @@ def _remove_stale(parent: Path, target: str | None = None) -> None:
     `.<name>.old-<pid>-<rand>` (a replaced tree) of a dead pid once `<name>` exists again; those of `target` only,
     when given."""
     found = [(p, m) for p in (parent.glob(f".{glob.escape(target)}.*") if target else parent.iterdir())
-             if (m := _STALE.fullmatch(p.name)) and not _alive(int(m["pid"]))]
+             if (m := _STALE.fullmatch(p.name)) and not _alive(m["token"])]
     for name in {m["target"] for p, m in found if m["kind"] == "old"}:
         recover(parent / name)                     # an interrupted replacement: its new tree is kept, not swept
     for p, m in found:
@@ -360,14 +374,20 @@ def _remove_stale(parent: Path, target: str | None = None) -> None:
             _remove_tree(p)
 
 
-def _alive(pid: int) -> bool:
+def _alive(token: str) -> bool:
+    """Whether the writer of a temporary named with `token` (`<pid>-<random>`) may still be running: a process of
+    that pid exists here (this process only for tokens it made). Writers in another pid namespace or on another host
+    sharing the directory cannot be seen: see docs/bundle.md."""
+    pid = int(token.split("-")[0])
+    if pid == os.getpid():
+        return token in _MINE
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0) if 0 < pid <= 2 ** 31 - 1 else None
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return 0 < pid <= 2 ** 31 - 1
 
 
 def inside(root, rel, what: str, error=FormatError, links_out: bool = False) -> Path:

@@ -269,7 +269,8 @@ write_bundle(sys.argv[1], {}, steps, progress=lambda k, n: time.sleep(60))
 
 def test_sigkill_mid_write_leaves_no_target_and_stale_temps_are_cleaned(tmp_path):
     target = tmp_path / "case"
-    live = tmp_path / f".other.tmp-{os.getpid()}-0123abcd"  # a live writer's temp: must survive cleanup
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # another, live writer
+    live = tmp_path / f".other.tmp-{other.pid}-0123abcd"  # its temp: must survive cleanup
     live.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, str(target)])
     try:
@@ -283,9 +284,13 @@ def test_sigkill_mid_write_leaves_no_target_and_stale_temps_are_cleaned(tmp_path
     assert not os.path.lexists(target)
     stale = list(tmp_path.glob(f".case.tmp-{proc.pid}-*"))
     assert len(stale) == 1
-    write_bundle(tmp_path / "next", {}, [[]])
-    assert not stale[0].exists() and live.is_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "next"]
+    try:
+        write_bundle(tmp_path / "next", {}, [[]])
+        assert not stale[0].exists() and live.is_dir()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "next"]
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_safetensors_and_npz_exports_hold_the_same_arrays(bundle_dir):

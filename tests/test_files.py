@@ -63,24 +63,64 @@ def test_recover_renames_the_new_tree_of_an_interrupted_replacement(tmp_path, ca
     for d, text in ((old, "old"), (new, "new")):
         d.mkdir()
         (d / "f").write_text(text)
-    live = tmp_path / f".other.old-{os.getpid()}-0123abcd"
-    live.mkdir()
-    with caplog.at_level(logging.WARNING, "refimpl.files"):
-        assert files.recover(tmp_path / "case", "bundle")
-    assert (tmp_path / "case" / "f").read_text() == "new" and not new.exists() and old.exists()
-    assert len(caplog.records) == 1 and "restored the new one" in caplog.records[0].getMessage()
-    assert not files.recover(tmp_path / "other") and live.exists()
-    files.sweep(tmp_path / "case")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "case"]
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])   # a live writer
+    try:
+        live, live_new = tmp_path / f".other.old-{writer.pid}-0123abcd", tmp_path / f".other.tmp-{writer.pid}-0123abcd"
+        live.mkdir()
+        live_new.mkdir()
+        with caplog.at_level(logging.WARNING, "refimpl.files"):
+            assert files.recover(tmp_path / "case", "bundle")
+        assert (tmp_path / "case" / "f").read_text() == "new" and not new.exists() and old.exists()
+        assert len(caplog.records) == 1 and "restored the new one" in caplog.records[0].getMessage()
+        assert not files.recover(tmp_path / "other") and live.exists() and live_new.exists()
+        files.sweep(tmp_path / "case")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, live_new.name, "case"]
+    finally:
+        writer.kill()
+        writer.wait()
 
 
-def test_recover_keeps_the_old_tree_when_the_new_one_is_gone(tmp_path):
+def test_recover_never_restores_an_old_tree_without_its_new_one(tmp_path):
+    """An `.old-*` whose `.tmp-*` partner is gone belongs to a finished replacement (the target since removed by
+    someone else): it may be partial, so it is not put back, and nothing deletes it while the target is absent."""
     pid = _dead_pid()
     old = tmp_path / f".case.old-{pid}-0123abcd"
     old.mkdir()
     (old / "f").write_text("old")
-    assert files.recover(tmp_path / "case")
-    assert (tmp_path / "case" / "f").read_text() == "old" and not old.exists()
+    assert not files.recover(tmp_path / "case")
+    files.sweep(tmp_path / "case")
+    assert not (tmp_path / "case").exists() and (old / "f").read_text() == "old"
+
+
+def test_a_crash_while_the_old_tree_is_removed_leaves_nothing_to_restore(tmp_path, monkeypatch):
+    """Without RENAME_EXCHANGE the replaced tree is renamed to a temporary before its removal: a writer killed
+    during that removal leaves a temporary the next sweep removes, never a partial tree that recover restores."""
+    target = tmp_path / "case"
+    with files.atomic_directory(target) as tmp:
+        (tmp / "f").write_text("old")
+    monkeypatch.setattr(files, "exchange", lambda a, b: False)
+    removed = []
+    monkeypatch.setattr(files, "_remove_tree", lambda p: removed.append(p))   # killed before it removes anything
+    with files.atomic_directory(target, overwrite=True) as tmp:
+        (tmp / "f").write_text("new")
+    assert removed and all(".tmp-" in p.name for p in removed)
+    monkeypatch.undo()
+    for p in removed:                              # the writer's pid is ours: make its leftovers a dead writer's
+        p.rename(p.with_name(p.name.split(".tmp-")[0] + f".tmp-{_dead_pid()}-0123abcd"))
+    files.discard(target)                          # the target removed by someone else
+    assert not files.recover(target)
+    files.sweep(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_names_no_pid_can_have_and_our_own_pid_reused(tmp_path):
+    """A leftover named with a pid no process can have (too large, 0) is a dead writer's, not a crash; one named with
+    this process's pid but a token it did not make is a dead writer's whose pid was reused."""
+    for pid in ("99999999999999999999", "0", str(os.getpid())):
+        (tmp_path / f".x.tmp-{pid}-deadbeef").mkdir()
+    with files.atomic_directory(tmp_path / "x") as tmp:
+        (tmp / "f").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
 
 
 def test_exchange_swaps_two_directories(tmp_path):

@@ -1,7 +1,6 @@
 """safetensors writing: atomic through refimpl.files (a temporary file beside the target, with a name of its own,
 renamed into place when whole), read back as written; a failure names the file and leaves nothing behind."""
 
-import os
 import subprocess
 import sys
 
@@ -39,9 +38,14 @@ def test_temporaries_a_killed_writer_left_are_removed(tmp_path):
     writer's, and other files', stay)."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    left = [tmp_path / f".m.safetensors.tmp-{pid}-0123abcd", tmp_path / f".m.safetensors.tmp-{os.getpid()}-0123abcd",
-            tmp_path / f".other.safetensors.tmp-{pid}-0123abcd"]
-    for p in left:
-        p.write_bytes(b"partial")
-    write_safetensors(tmp_path / "m.safetensors", {"x": np.zeros(2, np.float32)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([left[1].name, left[2].name, "m.safetensors"])
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # another, live writer
+    try:
+        left = [tmp_path / f".m.safetensors.tmp-{pid}-0123abcd", tmp_path / f".m.safetensors.tmp-{live.pid}-0123abcd",
+                tmp_path / f".other.safetensors.tmp-{pid}-0123abcd"]
+        for p in left:
+            p.write_bytes(b"partial")
+        write_safetensors(tmp_path / "m.safetensors", {"x": np.zeros(2, np.float32)})
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([left[1].name, left[2].name, "m.safetensors"])
+    finally:
+        live.kill()
+        live.wait()
