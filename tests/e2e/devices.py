@@ -100,34 +100,25 @@ def planted(model, fault: Fault | None):
     fault = fault or Fault()
     stack = contextlib.ExitStack()
     with stack:
+        def edit(name, change):   # a parameter changed in place by change(value, before), restored afterwards
+            p = dict(model.named_parameters())[name]
+            before = p.detach().clone()
+            with torch.no_grad():
+                change(p, before)
+            stack.callback(lambda: p.data.copy_(before))
+
         if fault.scale_weight:
             name, factor = fault.scale_weight
-            p = dict(model.named_parameters())[name]
-            old = p.detach().clone()
-            with torch.no_grad():
-                p.mul_(factor)
-            stack.callback(lambda: p.data.copy_(old))
+            edit(name, lambda p, _: p.mul_(factor))
         if fault.scale_channel:   # a wrong per-channel scale: one output channel (weight row) of a projection
             name, row, factor = fault.scale_channel
-            q = dict(model.named_parameters())[name]
-            kept = q.detach().clone()
-            with torch.no_grad():
-                q[row].mul_(factor)
-            stack.callback(lambda: q.data.copy_(kept))
+            edit(name, lambda p, _: p[row].mul_(factor))
         if fault.swap_rows:
             name, i, j = fault.swap_rows
-            s = dict(model.named_parameters())[name]
-            held = s.detach().clone()
-            with torch.no_grad():
-                s[[i, j]] = held[[j, i]]
-            stack.callback(lambda: s.data.copy_(held))
+            edit(name, lambda p, before: p.__setitem__([i, j], before[[j, i]]))
         if fault.shift_weight:
             name, delta = fault.shift_weight
-            t = dict(model.named_parameters())[name]
-            before = t.detach().clone()
-            with torch.no_grad():
-                t.add_(delta)
-            stack.callback(lambda: t.data.copy_(before))
+            edit(name, lambda p, _: p.add_(delta))
         if fault.module_output is not None:
             path, fn = fault.module_output
 
