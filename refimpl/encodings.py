@@ -402,8 +402,9 @@ def read_onnx_encodings(path, model=None) -> dict[str, Encoding]:
     Conv [out, in, ...] channels 0, blocks 1; ConvTranspose channels 1, blocks 0), which the file does not record:
     they are read from `model`, the ONNX file exported beside it (default: the file's sibling <stem>.onnx, as
     sim.export writes both). The file lists block scales channel-major; they are returned in the weight's ONNX layout
-    (Encoding.axis: ONNX's blocked scale shape; on_rows() gives refimpl's [out, in] form). LPBQ: per_block_int_scale (laid out as the blocked scale) times the per-channel float
-    scale, with codes of the compressed width (signed, offset 0)."""
+    (Encoding.axis: ONNX's blocked scale shape; on_rows() gives refimpl's [out, in] form). LPBQ: per_block_int_scale
+    times the per-channel float scale (formed in float64, rounded to float32 once, as aimet-onnx does), with codes of
+    the compressed width (signed, offset 0)."""
     path = Path(path)
     doc = _doc(path)
     version = doc.get("version")
@@ -442,7 +443,7 @@ _WEIGHT_AXES = {"Conv": (0, 1), "ConvTranspose": (1, 0)}
 def _weight_layouts(path: Path, model) -> dict[str, tuple]:
     """{initializer name: (shape, channel axis, block axis)} of the weights of MatMul / Gemm / Conv / ConvTranspose
     in the ONNX model beside an encodings file (aimet-onnx's quantization axes)."""
-    import onnx   # imported only when such a file is read
+    import onnx  # imported only when such a file is read
 
     model = Path(model) if model is not None else path.with_suffix(".onnx")
     try:

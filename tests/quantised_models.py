@@ -90,8 +90,7 @@ def aimet_quantsim(onnx_path: Path, mix: str, feeds: list[dict]):
     import logging
 
     import onnx
-    from aimet_onnx.quantsim import (QuantizationSimModel, set_blockwise_quantization_for_weights,
-                                     set_lpbq_for_params)
+    from aimet_onnx.quantsim import QuantizationSimModel, set_blockwise_quantization_for_weights, set_lpbq_for_params
     from aimet_onnx.utils import duplicate_shared_initializers
     logging.getLogger("Quant").setLevel(logging.WARNING)
     if mix not in AIMET_MIXES:
