@@ -114,11 +114,12 @@ def aimet_onnx_quantize(x, scale, offset, qmin: int, qmax: int, axis=None, block
 
 def onnx_codes(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
     """QuantizeLinear with the QNN offset (= -zero_point) and the code range [qmin, qmax] of the quantised type:
-    q = saturate(round_half_even(fl32(x32 / s)) - offset)  -> int32, x's shape (onnx_quantize's arithmetic)."""
+    q = saturate(round_half_even(fl32(x32 / s)) - offset)  -> int32, x's shape (onnx_quantize's arithmetic; a NaN
+    gives qmin, as ONNX Runtime's CPU EP does for every type: the ONNX spec leaves it open)."""
     s, o = (expand(np.asarray(a, np.float64), np.shape(x), axis, block_size) for a in (scale, offset))
     with np.errstate(invalid="ignore", over="ignore"):
         q = np.rint(_divide(x, s)) - o
-        return np.clip(np.where(np.isnan(q), -o, q), qmin, qmax).astype(np.int32)
+        return np.clip(np.where(np.isnan(q), qmin, q), qmin, qmax).astype(np.int32)   # NaN: qmin, as ORT's CPU EP
 
 
 ARITHMETICS = {"aimet-torch": quantsim_quantize, "aimet-onnx": aimet_onnx_quantize, "onnx": onnx_codes}

@@ -1,0 +1,286 @@
+"""The quantisers of ONNX deployments read and emulated code for code (issue 27, items 1 and 3), against the
+implementations that define them:
+
+- ONNX Runtime's CPU EP running QuantizeLinear / DequantizeLinear (opset 21) on random and adversarial tensors
+  (ties at k + 1/2, their float32 neighbours, saturation, infinities, NaN, subnormals, +-0), for every quantised type
+  (int4 / uint4 / int8 / uint8 / int16 / uint16) per tensor, per axis and blocked, each model read back by
+  refimpl.formats.qdq.read_qdq: refimpl's codes and dequantised values are ORT's, 100 %;
+- real QDQ models of a tiny Qwen3 made by onnxruntime.quantization's QNN config (W8A16 uint8 weights, W4A16 int4
+  per channel; tests/quantised_models.py), run by ORT with every quantiser's input and output exposed: 100 %;
+- aimet-onnx 2.42's QuantSim of the same model (W8A16, W4A16 per channel, LPBQ, per block; default config, calibrated
+  on four prompts; `sim.export`): refimpl.encodings.read_onnx_encodings on the exported file reads every entry,
+  and its Encoding reproduces each live quantiser (libpymo's quantize_dequantize) on the real weights and on
+  adversarial tensors, and the QuantSim session's own QcQuantizeOp outputs on the calibration activations.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx", reason="onnx is refimpl's dependency for ONNX graphs")
+ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is the [test] extra's device")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import quantised_models as Q  # noqa: E402
+from refimpl.encodings import read_onnx_encodings  # noqa: E402
+from refimpl.errors import FormatError  # noqa: E402
+from refimpl.formats.onnx_graph import read_onnx  # noqa: E402
+from refimpl.formats.qdq import QTYPES, read_qdq  # noqa: E402
+
+TYPES = {v[0]: k for k, v in QTYPES.items()}
+
+
+def adversarial(scale, lo: int, hi: int, zp, n: int, rng) -> np.ndarray:
+    """float32 values quantising at a given scale / zero point to: exact ties k + 1/2 (x = fl32((k + 1/2 - zp) s))
+    and their float32 neighbours, random values over the range and beyond it, the saturation values, infinities,
+    NaN, subnormals and +-0. `scale` / `zp` broadcast against [n]."""
+    k = rng.integers(lo - 2, hi + 2, n).astype(np.float64)
+    ties = ((k + 0.5 - zp) * np.float64(1) * scale).astype(np.float32)
+    span = (hi - lo) * scale
+    x = np.stack([ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf)),
+                  (rng.uniform(-1.2, 1.2, n) * span).astype(np.float32),
+                  ((k - zp) * scale).astype(np.float32)])
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 1e-38, -3e-39, 3.4e38, -3.4e38],
+                        np.float32)
+    x = x.reshape(-1)
+    x[rng.choice(x.size, 64, replace=False)] = np.resize(specials, 64)
+    return x
+
+
+def qdq_graph(dtype: str, scale, zp, shape, axis=None, block=None) -> onnx.ModelProto:
+    """x -> QuantizeLinear -> DequantizeLinear -> y, and the codes cast to int32 as a second output (ORT returns
+    no numpy array of int4)."""
+    attrs = {k: v for k, v in (("axis", axis), ("block_size", block)) if v is not None}
+    t = TYPES[dtype]
+    inits = [numpy_helper.from_array(np.asarray(scale, np.float32), "x_scale"),
+             helper.make_tensor("x_zero_point", t, np.shape(zp), np.ravel(zp).astype(int).tolist())]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero_point"], ["x_q"], name="q", **attrs),
+             helper.make_node("DequantizeLinear", ["x_q", "x_scale", "x_zero_point"], ["y"], name="dq", **attrs),
+             helper.make_node("Identity", ["y"], ["out"], name="consumer")]
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def with_codes(model: onnx.ModelProto) -> bytes:
+    """The model with its QuantizeLinear's codes as an int32 output."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.node.append(helper.make_node("Cast", ["x_q"], ["codes"], to=TensorProto.INT32))
+    m.graph.output.append(helper.make_tensor_value_info("codes", TensorProto.INT32, None))
+    return m.SerializeToString()
+
+
+def session(model_bytes: bytes):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # no QDQ folding
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+GRANULARITIES = ("tensor", "axis", "block")
+
+
+@pytest.mark.parametrize("dtype", list(TYPES))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_ort_quantize_linear_code_for_code(dtype, granularity, tmp_path):
+    rng = np.random.default_rng(abs(hash((dtype, granularity))) % 2 ** 32)
+    _, bits, signed = QTYPES[TYPES[dtype]]
+    lo, hi = (-2 ** (bits - 1), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    C, N, B = 6, 96, 32                                       # x [C, N]: axis 0 per channel, blocks of B along 1
+    if granularity == "tensor":
+        scale, zp, axis, block = np.float32(rng.uniform(1e-4, 0.1)), rng.integers(lo, hi + 1), None, None
+        s, z = scale, zp
+    elif granularity == "axis":
+        scale = rng.uniform(1e-5, 0.1, C).astype(np.float32)
+        zp, axis, block = rng.integers(lo, hi + 1, C), 0, None
+        s, z = scale[:, None], zp[:, None]
+    else:
+        scale = rng.uniform(1e-5, 0.1, (C, N // B)).astype(np.float32)
+        zp, axis, block = rng.integers(lo, hi + 1, (C, N // B)), 1, B
+        s, z = np.repeat(scale, B, 1), np.repeat(zp, B, 1)
+    s = s * np.ones((C, N), np.float32)
+    z = z * np.ones((C, N), np.int64)
+    cases = 40
+    x = np.stack([adversarial(s.reshape(-1), lo, hi, z.reshape(-1), C * N, rng)[i::5].reshape(C, N)
+                  for i in range(5) for _ in range(cases // 5)])        # [cases, C, N]
+    model = qdq_graph(dtype, scale, zp, [C, N], axis, block)
+    onnx.save(model, tmp_path / "qdq.onnx")
+    graph, encodings = read_qdq(tmp_path / "qdq.onnx")
+    assert [n.op_type for n in graph.nodes] == ["Identity"] and graph.nodes[0].inputs == ("x",)
+    enc = encodings["x"]
+    assert (enc.bitwidth, enc.signed, enc.arithmetic, enc.axis, enc.block_size) == (bits, signed, "onnx", axis, block)
+    sess = session(with_codes(model))
+    same_codes = same_values = 0
+    for xi in x:
+        y, codes = sess.run(["out", "codes"], {"x": xi})
+        same_codes += np.sum(enc.codes(xi) == codes)
+        same_values += np.sum(enc.apply(xi).view(np.uint32) == y.view(np.uint32))
+    assert same_codes == x.size and same_values == x.size, (x.size - same_codes, x.size - same_values)
+
+
+# ------------------------------------------------------------------------------------------------ real models
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    why = Q.unavailable("torch", "transformers")
+    if why:
+        pytest.skip(why)
+    return Q.export_logits_model(tmp_path_factory.mktemp("float"))
+
+
+@pytest.fixture(scope="module")
+def feeds():
+    return Q.calibration_feeds()
+
+
+def exposed_session(path, names) -> tuple:
+    """ORT's session of the model with the named tensors added as outputs."""
+    m = onnx.load(str(path))
+    have = {o.name for o in m.graph.output}
+    for t in names:
+        if t not in have:
+            m.graph.output.append(helper.make_tensor_value_info(t, TensorProto.UNDEFINED, None))
+    return session(m.SerializeToString())
+
+
+@pytest.mark.parametrize("mix", Q.QDQ_MIXES)
+def test_ort_qdq_model_code_for_code(mix, float_model, feeds, tmp_path):
+    """ORT's QNN-config QDQ model run by ORT: each QuantizeLinear's codes (cast to int32 outside the graph: its
+    output and DequantizeLinear's are exposed) are refimpl's on that QuantizeLinear's own input; each weight's
+    DequantizeLinear output is refimpl's dequantised codes."""
+    path = Q.qdq_model(float_model, mix, feeds, tmp_path / "qdq.onnx")
+    graph, encodings = read_qdq(path)
+    float_graph = read_onnx(float_model)
+    assert sorted(n.op_type for n in graph.nodes) == sorted(n.op_type for n in float_graph.nodes)
+    model = onnx.load(str(path))
+    quants = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    deqs = {n.input[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = [n for n in deqs.values() if n.input[0] in inits]
+    assert len(encodings) == len(quants) + len(weights)
+    float_tensors = {t for n in float_graph.nodes for t in n.outputs} | set(float_graph.inputs)
+    assert all(n.input[0] in float_tensors or n.input[0].endswith("_QuantizeLinear_Input") for n in quants)
+    names = [t for n in quants for t in (n.input[0], deqs[n.output[0]].output[0])] + [n.output[0] for n in weights]
+    sess = exposed_session(path, names)
+    by_input = {n.input[0]: n for n in quants}
+    same = total = 0
+    for feed in feeds:
+        values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+        for key, enc in encodings.items():
+            if key in by_input or key == "logits":
+                q = by_input.get(key) or next(n for n in quants if deqs[n.output[0]].output[0] == key)
+                x, y = values[q.input[0]], values[deqs[q.output[0]].output[0]]
+                assert enc.apply(x).view(np.uint32).tolist() == y.view(np.uint32).tolist(), key
+                same += x.size
+                total += x.size
+    assert total > 100_000 and same == total
+    for n in weights:
+        enc = encodings[n.output[0]]
+        stored = numpy_helper.to_array(inits[n.input[0]]).astype(np.int32)
+        assert np.array_equal(enc.dequantize(stored).view(np.uint32), values[n.output[0]].view(np.uint32))
+
+
+def test_read_qdq_refuses_broken_models(tmp_path):
+    good = qdq_graph("uint16", np.float32(0.01), 1000, [2, 8])
+
+    def broken(edit, name="m.onnx"):
+        m = onnx.ModelProto()
+        m.CopyFrom(good)
+        edit(m)
+        onnx.save(m, tmp_path / name)
+        with pytest.raises(FormatError) as e:
+            read_qdq(tmp_path / name)
+        assert str(e.value).startswith(str(tmp_path / name)) and "\n" not in str(e.value)
+        return str(e.value)
+
+    def init(m, name, array, dtype=None):
+        i = next(k for k, t in enumerate(m.graph.initializer) if t.name == name)
+        m.graph.initializer[i].CopyFrom(helper.make_tensor(name, dtype or m.graph.initializer[i].data_type,
+                                                           np.shape(array), np.ravel(array).tolist()))
+    assert "scale" in broken(lambda m: init(m, "x_scale", np.float32(-1)))
+    assert "scale" in broken(lambda m: init(m, "x_scale", np.float32(np.nan)))
+    assert "data type 6 is not" in broken(lambda m: init(m, "x_zero_point", 70000, TensorProto.INT32))
+    assert "axis 5" in broken(lambda m: (m.graph.node[0].attribute.append(helper.make_attribute("axis", 5)),
+                                         m.graph.node[1].attribute.append(helper.make_attribute("axis", 5)),
+                                         init(m, "x_scale", np.full(8, 0.01, np.float32)),
+                                         init(m, "x_zero_point", np.full(8, 3)), None))
+    assert "without its DequantizeLinear" in broken(lambda m: (m.graph.node[1].op_type.__class__,
+                                                               m.graph.node[1].CopyFrom(helper.make_node(
+                                                                   "Relu", ["x_q"], ["y"], name="dq"))))
+    assert "not produced by a QuantizeLinear" in broken(lambda m: m.graph.node[0].CopyFrom(helper.make_node(
+        "Identity", ["x"], ["x_q"], name="q")))
+    assert "differ" in broken(lambda m: (m.graph.initializer.append(numpy_helper.from_array(np.float32(0.02), "s2")),
+                                         m.graph.node[1].input.__setitem__(1, "s2")))
+    assert "shape" in broken(lambda m: init(m, "x_zero_point", np.array([1, 2])))
+
+
+# ------------------------------------------------------------------------------------------------ aimet-onnx
+
+@pytest.fixture(scope="module")
+def aimet(float_model, feeds, tmp_path_factory):
+    why = Q.unavailable("aimet_onnx")
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("aimet")
+    return {mix: Q.aimet_export(float_model, mix, feeds, root / mix) for mix in Q.AIMET_MIXES}
+
+
+@pytest.mark.parametrize("mix", Q.AIMET_MIXES)
+def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds):
+    """Every entry of the exported file read; each Encoding reproduces the live QuantSim quantiser of its tensor on
+    the real weight (params) and on adversarial tensors, and the QuantSim session's quantiser outputs on the
+    calibration activations."""
+    onnx_path, path = aimet[mix]
+    doc = json.loads(path.read_text())
+    encodings = read_onnx_encodings(path)
+    entries = [e["name"] for section in ("activation_encodings", "param_encodings") for e in doc[section]]
+    assert sorted(encodings) == sorted(entries)
+    graph = read_onnx(onnx_path)
+    tensors = {t for n in graph.nodes for t in (*n.inputs, *n.outputs)} | set(graph.initializers)
+    assert set(encodings) <= tensors
+    sim = Q.aimet_quantsim(float_model, mix, feeds)
+    live = {name: q for name, q in sim.qc_quantize_op_dict.items() if q.enabled}
+    assert set(live) == set(encodings)
+    params = {t.name: numpy_helper.to_array(t) for t in sim.model.model.graph.initializer}
+    rng = np.random.default_rng(3)
+    counts = {"weights": [0, 0], "adversarial": [0, 0], "session": [0, 0]}
+    for name, q in live.items():
+        enc = encodings[name]
+        lo, hi = enc.qrange
+        if name in params and params[name].ndim >= 1 and params[name].dtype == np.float32:
+            w = params[name]
+            same = np.sum(q.quantize_dequantize(w).view(np.uint32) == enc.fake_quant(w).view(np.uint32))
+            counts["weights"][0] += same
+            counts["weights"][1] += w.size
+            s = np.broadcast_to(enc.dequantize(np.ones(w.shape, np.int32)) - enc.dequantize(np.zeros(w.shape,
+                                                                                             np.int32)), w.shape)
+            z = -np.broadcast_to(np.asarray(enc.dequantize(np.zeros(w.shape, np.int32)) / s), w.shape)
+            x = adversarial(s.reshape(-1), lo, hi, z.reshape(-1), w.size, rng)[:w.size].reshape(w.shape)
+        else:
+            x = adversarial(np.float32(enc.scale), lo, hi, -float(enc.offset), 4096, rng)
+        finite = np.isfinite(x)   # NaN aside: checked below
+        got, want = q.quantize_dequantize(x), enc.apply(x)
+        counts["adversarial"][0] += np.sum((got.view(np.uint32) == want.view(np.uint32))[finite])
+        counts["adversarial"][1] += np.sum(finite)
+    # the session's own QcQuantizeOp nodes: each quantiser's input and output on the calibration activations
+    nodes = [n for n in sim.model.model.graph.node if n.op_type == "QcQuantizeOp" and n.input[0] in live and
+             n.input[0] not in params]
+    for n in nodes:
+        sim.model.model.graph.output.append(helper.make_tensor_value_info(n.input[0], TensorProto.UNDEFINED, None))
+        sim.model.model.graph.output.append(helper.make_tensor_value_info(n.output[0], TensorProto.UNDEFINED, None))
+    sim._rebuild_session()
+    names = [o.name for o in sim.session.get_outputs()]
+    for feed in feeds:
+        values = dict(zip(names, sim.session.run(None, feed)))
+        for n in nodes:
+            x, y = values[n.input[0]], values[n.output[0]]
+            if x.dtype != np.float32:
+                continue
+            counts["session"][0] += np.sum(encodings[n.input[0]].apply(x).view(np.uint32) == y.view(np.uint32))
+            counts["session"][1] += x.size
+    print(mix, {k: f"{a}/{b}" for k, (a, b) in counts.items()})
+    for kind, (same, total) in counts.items():
+        assert total > 10_000, kind
+        assert same == total, (kind, same, total)
