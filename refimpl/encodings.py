@@ -546,8 +546,11 @@ def _onnx_entry(e: dict, where: str, layout) -> Encoding:
     if not np.all(np.isfinite(expanded)):
         raise FormatError(f"{where}: LPBQ scales overflow float32")
     if "compressed_bw" in e:
-        # bw is the expanded width with offset -2^(bw-1); the codes are the compressed width's signed range
+        # bw is the expanded width with offset -2^(bw-1); the codes are the compressed width's, and aimet-onnx's
+        # quantiser holds them as unsigned codes with offset -2^(cbw-1) (the same grid as signed codes, but the
+        # offset enters its float32 arithmetic: fl32(x / s) + 8 rounds where x / s alone would not)
         bw = integer(e["compressed_bw"], f"{where}: compressed_bw", lo=1, hi=bw)
-        return Encoding(bw, expanded, np.zeros(grid, np.int32), block, True, axis=block_axis, arithmetic="aimet-onnx")
+        return Encoding(bw, expanded, np.full(grid, -2 ** (bw - 1), np.int32), block, False, axis=block_axis,
+                        arithmetic="aimet-onnx")
     return Encoding(bw, expanded, np.broadcast_to(offset.reshape(per_channel.shape), grid).astype(np.int32), block,
                     signed, axis=block_axis, arithmetic="aimet-onnx")
