@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import FormatError, InputError, brief
-from .files import expect, integer, load_json, number
+from .files import expect, integer, load_json, number, read_exact, regular_file
 from .kernels import quant
 
 
@@ -436,6 +436,19 @@ def read_onnx_encodings(path, model=None) -> dict[str, Encoding]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def load_onnx_model(path):
+    """An ONNX model file (its external data not read) -> onnx.ModelProto: a regular file (not a FIFO or device),
+    parsed by the onnx package; FormatError naming the file otherwise."""
+    import onnx  # imported only when an ONNX file is read (it costs ~0.3 s)
+
+    path = Path(path)
+    data = read_exact(path, regular_file(path, "ONNX model"))
+    try:
+        return onnx.load_model_from_string(data)
+    except Exception as e:  # protobuf's DecodeError and friends: a file that is not an ONNX model
+        raise FormatError(f"{path}: not an ONNX model ({brief(str(e))})") from None
+
+
 _BLOCKED = ("PER_BLOCK", "LPBQ")
 _WEIGHT_AXES = {"Conv": (0, 1), "ConvTranspose": (1, 0)}
 
@@ -443,16 +456,11 @@ _WEIGHT_AXES = {"Conv": (0, 1), "ConvTranspose": (1, 0)}
 def _weight_layouts(path: Path, model) -> dict[str, tuple]:
     """{initializer name: (shape, channel axis, block axis)} of the weights of MatMul / Gemm / Conv / ConvTranspose
     in the ONNX model beside an encodings file (aimet-onnx's quantization axes)."""
-    import onnx  # imported only when such a file is read
-
     model = Path(model) if model is not None else path.with_suffix(".onnx")
-    try:
-        m = onnx.load(str(model), load_external_data=False)
-    except FileNotFoundError:
+    if not model.exists() and not model.is_symlink():
         raise FormatError(f"{path}: per-channel / per-block entries need the ONNX model they were exported with, for "
-                          f"their axes; {model} does not exist (pass model=)") from None
-    except Exception as e:  # protobuf's DecodeError and friends
-        raise FormatError(f"{model}: not an ONNX model ({brief(str(e))})") from None
+                          f"their axes; {model} does not exist (pass model=)")
+    m = load_onnx_model(model)
     shapes = {t.name: tuple(int(d) for d in t.dims) for t in m.graph.initializer}
     # a weight transposed in the graph (Transpose of an initializer feeding a MatMul: a tied lm_head): aimet-onnx's
     # "transposed_params", channels on the axis before the last

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..encodings import Encoding
+from ..encodings import Encoding, load_onnx_model
 from ..errors import FormatError, brief
 from .onnx_graph import OnnxGraph, OnnxNode
 
@@ -42,12 +42,7 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     from onnx import numpy_helper
 
     path = Path(path)
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: no such ONNX file") from None
-    except Exception as e:  # protobuf's DecodeError and friends: a file that is not an ONNX model
-        raise FormatError(f"{path}: not an ONNX model ({brief(str(e))})") from None
+    model = load_onnx_model(path)
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*g.input, *g.output, *g.value_info)
