@@ -102,7 +102,7 @@ def test_ort_quantize_linear_code_for_code(dtype, granularity, tmp_path):
         s, z = np.repeat(scale, B, 1), np.repeat(zp, B, 1)
     s = s * np.ones((C, N), np.float32)
     z = z * np.ones((C, N), np.int64)
-    cases = 40
+    cases = 10
     x = np.stack([adversarial(s.reshape(-1), lo, hi, z.reshape(-1), C * N, rng)[i::5].reshape(C, N)
                   for i in range(5) for _ in range(cases // 5)])        # [cases, C, N]
     model = qdq_graph(dtype, scale, zp, [C, N], axis, block)
@@ -257,10 +257,9 @@ def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds)
             x = adversarial(s.reshape(-1), lo, hi, z.reshape(-1), w.size, rng)[:w.size].reshape(w.shape)
         else:
             x = adversarial(np.float32(enc.scale), lo, hi, -float(enc.offset), 4096, rng)
-        finite = np.isfinite(x)   # NaN aside: checked below
-        got, want = q.quantize_dequantize(x), enc.apply(x)
-        counts["adversarial"][0] += np.sum((got.view(np.uint32) == want.view(np.uint32))[finite])
-        counts["adversarial"][1] += np.sum(finite)
+        got, want = q.quantize_dequantize(x), enc.apply(x)      # NaN included: both give qmin's value
+        counts["adversarial"][0] += np.sum(got.view(np.uint32) == want.view(np.uint32))
+        counts["adversarial"][1] += x.size
     # the session's own QcQuantizeOp nodes: each quantiser's input and output on the calibration activations
     nodes = [n for n in sim.model.model.graph.node if n.op_type == "QcQuantizeOp" and n.input[0] in live and
              n.input[0] not in params]
