@@ -90,7 +90,10 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
         scale_t = inits.get(n.input[1])
         if scale_t is not None and scale_t.data_type not in SCALE_TYPES:
             raise FormatError(f"{at}: scale of data type {scale_t.data_type} (float, float16 or bfloat16)")
-        scale = np.asarray(array(n.input[1], at)).astype(np.float64)
+        try:
+            scale = np.asarray(array(n.input[1], at)).astype(np.float64)
+        except (TypeError, ValueError):   # a string or otherwise non-numeric Constant
+            raise FormatError(f"{at}: scale {brief(n.input[1])} is not numeric") from None
         zp_name = n.input[2] if len(n.input) == 3 else ""
         if zp_name:
             zt = inits.get(zp_name)
@@ -101,7 +104,10 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
             if zt is None:
                 raise FormatError(f"{at}: zero point {brief(zp_name)} is not an initializer or Constant")
             dtype = zt.data_type
-            zp = np.asarray(array(zp_name, at)).astype(np.int64)
+            try:
+                zp = np.asarray(array(zp_name, at)).astype(np.int64)
+            except (TypeError, ValueError, OverflowError):
+                raise FormatError(f"{at}: zero point {brief(zp_name)} is not an integer tensor") from None
         else:
             dtype = attrs["output_dtype"].i if n.op_type == "QuantizeLinear" and "output_dtype" in attrs else 2
             zp = np.zeros(scale.shape, np.int64)
@@ -164,6 +170,7 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     removed: set[int] = set()
     weights: list[str] = []
     dropped_inits: set[str] = set()
+    index = {id(n): i for i, n in enumerate(g.node)}
     for i, n in enumerate(g.node):
         if n.op_type not in QDQ_OPS:
             continue
@@ -220,7 +227,7 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
             rename[x] = float_name
         for d in deqs:
             rename[d.output[0]] = float_name
-            removed.add(next(j for j, m in enumerate(g.node) if m is d))
+            removed.add(index[id(d)])
         if float_name in encodings and encodings[float_name].describe() != enc.describe():
             raise FormatError(f"{where(n)}: a second quantiser of {brief(float_name)} with other parameters "
                               f"(a type conversion: not supported)")
