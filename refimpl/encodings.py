@@ -122,7 +122,7 @@ class Encoding:
         graph's encoding, axis set: w as that graph holds it)."""
         if self.float_dtype is not None:
             return quant.float_fake_cast(w, self.float_dtype)
-        if self.axis is not None or self.arithmetic != "aimet-torch":
+        if self.axis is not None:
             return self.apply(np.asarray(w, np.float32)).astype(w.dtype)
         x = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w   # channels = every output row (fused experts too)
         scale, offset, kw = self.scale, self.offset, {}
@@ -141,7 +141,8 @@ class Encoding:
                 raise InputError(f"block encodings: {offset.size} offsets for {x.shape[0]} channels x {blocks} blocks")
             offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size in (1, x.shape[0]) else offset.reshape(
                 x.shape[0], blocks), scale.shape)
-        return quant.quantsim_fake_quant(x, scale, offset, *self.qrange, **kw).reshape(w.shape).astype(w.dtype)
+        q = quant.ARITHMETICS[self.arithmetic](x, scale, offset, *self.qrange, **kw)   # = quantsim_fake_quant
+        return quant.qnn_dequantize(q, scale, offset, **kw).reshape(w.shape).astype(w.dtype)
 
     def _where(self, x: np.ndarray) -> tuple:
         """(axis, block_size) of this encoding on x, checked: an ONNX graph's axis, else the last axis."""
@@ -496,7 +497,7 @@ def _onnx_entry(e: dict, where: str, layout) -> Encoding:
     bw = integer(e.get("bw"), f"{where}: bw", lo=1, hi=MAX_BITWIDTH)
     kind = expect(e.get("dtype", "INT"), str, f"{where}: dtype").lower()
     if kind == "float":
-        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where))
+        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where), arithmetic="aimet-onnx")
     if kind != "int":
         raise FormatError(f"{where}: dtype {brief(e.get('dtype'))} is not INT or FLOAT")
     enc_type = e.get("enc_type", "PER_TENSOR")

@@ -279,3 +279,64 @@ def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds)
     for kind, (same, total) in counts.items():
         assert total > 10_000, kind
         assert same == total, (kind, same, total)
+
+
+# ------------------------------------------------------------------------------------------------ reading, no aimet
+
+def test_read_onnx_encodings_layouts_and_refimpl_form(tmp_path):
+    """The fuzzer's aimet-onnx-shaped export (tests/fuzz/onnx_quantisers.py: MatMul per block, a transposed tied
+    weight and a Gemm with LPBQ, a Conv per channel): each weight encoding is laid out on the weight's ONNX axes, and
+    on_rows() quantises refimpl's [out, in] weight to the same values, transposed."""
+    from fuzz.onnx_bases import aimet_onnx_encodings, weights_model
+    model, w = weights_model()
+    onnx.save(model, tmp_path / "model.onnx")
+    (tmp_path / "model.encodings").write_text(json.dumps(aimet_onnx_encodings(w)))
+    enc = read_onnx_encodings(tmp_path / "model.encodings")
+    assert sorted(enc) == ["h0", "h2", "h3", "h4", "w_conv", "w_gemm", "w_mm", "w_tied", "x"]   # y: float32, left out
+    assert (enc["w_mm"].axis, enc["w_mm"].block_size, enc["w_mm"].scale.shape) == (0, 32, (2, 32))
+    assert (enc["w_tied"].axis, enc["w_tied"].scale.shape, enc["w_tied"].bitwidth) == (1, (48, 2), 4)
+    assert (enc["w_gemm"].axis, enc["w_gemm"].scale.shape) == (1, (16, 2))
+    assert (enc["w_conv"].axis, enc["w_conv"].scale.shape) == (0, (8,))
+    assert enc["h4"].float_dtype is np.float16 and all(e.arithmetic == "aimet-onnx" for e in enc.values())
+    for name, transpose in (("w_mm", True), ("w_tied", False), ("w_gemm", False)):
+        a = w[name].astype(np.float32)
+        onnx_form = enc[name].fake_quant(a)
+        rows = enc[name].on_rows().fake_quant(a.T if transpose else a)
+        assert np.array_equal(rows.T if transpose else rows, onnx_form), name
+        assert 0 < np.abs(onnx_form - a).max()
+    a = w["w_mm"].astype(np.float32)       # per block, its scales from each block's range: within half a step
+    step = np.repeat(enc["w_mm"].scale, 32, axis=0)
+    assert np.all(np.abs(enc["w_mm"].fake_quant(a) - a) <= step / 2 * 1.0001)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version="0.6.1"), "version '0.6.1'"),
+    (lambda d: (d["param_encodings"][3]["scale"].pop(), d["param_encodings"][3]["offset"].pop()),
+     "7 scales for the 8 channels"),
+    (lambda d: d["param_encodings"][0].update(block_size=24), "block_size 24 does not divide"),
+    (lambda d: d["param_encodings"][1]["per_block_int_scale"].pop(), "per_block_int_scale"),
+    (lambda d: d["activation_encodings"][0].update(offset=[5]), "offset 5 > 0"),
+    (lambda d: d["activation_encodings"][0].update(scale=[-1.0]), "not a positive float32"),
+    (lambda d: d["activation_encodings"][0].update(enc_type="PER_ROW"), "unknown enc_type"),
+    (lambda d: d["activation_encodings"][0].update(enc_type="PER_CHANNEL"), "not the weight of a MatMul"),
+    (lambda d: d["activation_encodings"].append(dict(d["activation_encodings"][0])), "a second encoding of 'x'"),
+])
+def test_read_onnx_encodings_refuses(edit, message, tmp_path):
+    from fuzz.onnx_bases import aimet_onnx_encodings, weights_model
+    model, w = weights_model()
+    onnx.save(model, tmp_path / "model.onnx")
+    doc = aimet_onnx_encodings(w)
+    edit(doc)
+    (tmp_path / "model.encodings").write_text(json.dumps(doc))
+    with pytest.raises(FormatError) as e:
+        read_onnx_encodings(tmp_path / "model.encodings")
+    text = str(e.value)
+    assert text.startswith(str(tmp_path / "model.encodings")) and message in text and "\n" not in text, text
+
+
+def test_read_onnx_encodings_needs_the_model_for_axes(tmp_path):
+    from fuzz.onnx_bases import aimet_onnx_encodings, weights_model
+    _, w = weights_model()
+    (tmp_path / "model.encodings").write_text(json.dumps(aimet_onnx_encodings(w)))
+    with pytest.raises(FormatError, match="need the ONNX model they were exported with"):
+        read_onnx_encodings(tmp_path / "model.encodings")
