@@ -145,38 +145,46 @@ def exposed_session(path, names) -> tuple:
     return session(m.SerializeToString())
 
 
-@pytest.mark.parametrize("mix", Q.QDQ_MIXES)
-def test_ort_qdq_model_code_for_code(mix, float_model, feeds, tmp_path):
-    """ORT's QNN-config QDQ model run by ORT: each QuantizeLinear's codes (cast to int32 outside the graph: its
-    output and DequantizeLinear's are exposed) are refimpl's on that QuantizeLinear's own input; each weight's
-    DequantizeLinear output is refimpl's dequantised codes."""
-    path = Q.qdq_model(float_model, mix, feeds, tmp_path / "qdq.onnx")
+def check_qdq_code_for_code(path, float_model, feeds) -> int:
+    """A QDQ model run by ORT: each QuantizeLinear -> DequantizeLinear pair's output (exposed as a graph output) is
+    refimpl's Encoding applied to the pair's input, bit for bit; each weight stored as integers dequantises to ORT's
+    DequantizeLinear output. The float graph has the float model's ops. -> the number of values compared."""
     graph, encodings = read_qdq(path)
     float_graph = read_onnx(float_model)
     assert sorted(n.op_type for n in graph.nodes) == sorted(n.op_type for n in float_graph.nodes)
     model = onnx.load(str(path))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producers = {t: n for n in model.graph.node for t in n.output}
+    scale_dqs = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+                 and any(n.output[0] == m.input[1] for m in model.graph.node if m.op_type == "QuantizeLinear")}
     quants = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
     deqs = {n.input[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
-    inits = {t.name: t for t in model.graph.initializer}
-    weights = [n for n in deqs.values() if n.input[0] in inits]
-    assert len(encodings) == len(quants) + len(weights)
-    float_tensors = {t for n in float_graph.nodes for t in n.outputs} | set(float_graph.inputs)
-    assert all(n.input[0] in float_tensors or n.input[0].endswith("_QuantizeLinear_Input") for n in quants)
-    names = [t for n in quants for t in (n.input[0], deqs[n.output[0]].output[0])] + [n.output[0] for n in weights]
-    sess = exposed_session(path, names)
+    weights = [n for n in deqs.values() if n.input[0] in inits and n.output[0] not in scale_dqs]
+    assert len(encodings) == len(quants) + len(weights) and quants
+    names = {t for n in quants for t in (n.input[0], deqs[n.output[0]].output[0]) if t not in inits}
+    sess = exposed_session(path, sorted(names | {n.output[0] for n in weights}))
     same = total = 0
     for feed in feeds:
-        values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+        values = {**inits, **dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))}
         for q in quants:
             key = q.input[0] if q.input[0] in encodings else deqs[q.output[0]].output[0]   # a graph output's name
             x, y = values[q.input[0]], values[deqs[q.output[0]].output[0]]
             same += np.sum(encodings[key].apply(x).view(np.uint32) == y.view(np.uint32))
             total += x.size
-    assert total > 100_000 and same == total
-    for n in weights:
-        enc = encodings[n.output[0]]
-        stored = numpy_helper.to_array(inits[n.input[0]]).astype(np.int32)
-        assert np.array_equal(enc.dequantize(stored).view(np.uint32), values[n.output[0]].view(np.uint32))
+        for n in weights:
+            stored = inits[n.input[0]].astype(np.int32)
+            same += np.sum(encodings[n.output[0]].dequantize(stored).view(np.uint32) == values[n.output[0]].view(
+                np.uint32))
+            total += stored.size
+    assert producers and same == total, (same, total)
+    return total
+
+
+@pytest.mark.parametrize("mix", Q.QDQ_MIXES)
+def test_ort_qdq_model_code_for_code(mix, float_model, feeds, tmp_path):
+    """onnxruntime.quantization's QNN-config QDQ model (weights stored as integers)."""
+    assert check_qdq_code_for_code(Q.qdq_model(float_model, mix, feeds, tmp_path / "qdq.onnx"), float_model,
+                                   feeds) > 100_000
 
 
 def test_read_qdq_refuses_broken_models(tmp_path):
@@ -275,6 +283,11 @@ def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds)
                 continue
             counts["session"][0] += np.sum(encodings[n.input[0]].apply(x).view(np.uint32) == y.view(np.uint32))
             counts["session"][1] += x.size
+    # aimet-onnx's own QDQ export of the same QuantSim (weights as Q -> DQ of the float initializer; LPBQ scales as
+    # a DequantizeLinear of the integer block scales): read_qdq's encodings are ORT's run of it, code for code
+    qdq = onnx_path.parent / "qdq.onnx"
+    onnx.save(Q.aimet_quantsim(float_model, mix, feeds).to_onnx_qdq(), qdq)
+    counts["qdq export, ORT"] = [check_qdq_code_for_code(qdq, float_model, feeds)] * 2
     print(mix, {k: f"{a}/{b}" for k, (a, b) in counts.items()})
     for kind, (same, total) in counts.items():
         assert total > 10_000, kind

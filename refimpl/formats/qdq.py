@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..encodings import Encoding, load_onnx_model
-from ..errors import FormatError, brief
+from ..errors import FormatError, InputError, brief
+from ..kernels import quant
 from .onnx_graph import OnnxGraph, OnnxNode
 
 # ONNX TensorProto data types of the quantised integer types: name, bits, signed
@@ -47,6 +48,7 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     inits = {t.name: t for t in g.initializer}
     ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*g.input, *g.output, *g.value_info)
              if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")}
+    ranks.update({t.name: len(t.dims) for t in g.initializer})
     producer = {}
     consumers = {}
     for n in g.node:
@@ -57,6 +59,12 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
             if t:
                 consumers.setdefault(t, []).append(n)
     outputs = [o.name for o in g.output]
+    # a scale computed by a DequantizeLinear of integer constants (LPBQ in QDQ form, aimet-onnx's to_onnx_qdq:
+    # per-block integer scales times a per-channel float scale) is part of its quantiser
+    scale_dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and n.input and n.output and
+                 n.input[0] in inits and n.output[0] not in outputs and consumers.get(n.output[0]) and
+                 all(c.op_type in QDQ_OPS and list(c.input[1:2]) == [n.output[0]] and c.input[0] != n.output[0]
+                     for c in consumers[n.output[0]])}
 
     def where(n) -> str:
         return f"{path}: node {brief(n.name or '<unnamed>')} ({n.op_type} of {brief(n.input[0] if n.input else '')})"
@@ -77,6 +85,27 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
         except Exception as e:  # a tensor whose byte size disagrees with its dims, an unknown data type
             raise FormatError(f"{at}: {brief(name)} cannot be read ({brief(str(e))})") from None
 
+    def computed_scale(name: str, at: str) -> np.ndarray:
+        """The float32 scale a DequantizeLinear of constants computes: (q - zp) * s, as ORT's DequantizeLinear."""
+        d = scale_dqs[name]
+        if not 2 <= len(d.input) <= 3 or any(t and t not in inits for t in d.input[1:]):
+            raise FormatError(f"{where(d)}: a scale's DequantizeLinear with inputs that are not initializers")
+        attrs = {a.name: a for a in d.attribute}
+        q = np.asarray(array(d.input[0], at))
+        s = np.asarray(array(d.input[1], at))
+        z = np.asarray(array(d.input[2], at)) if len(d.input) == 3 and d.input[2] else np.zeros(s.shape, np.int64)
+        axis = attrs["axis"].i if "axis" in attrs else 1
+        block = attrs["block_size"].i if "block_size" in attrs else 0
+        if q.dtype.kind not in "iu" or s.dtype.kind != "f" or z.shape != s.shape or z.dtype.kind not in "iu":
+            raise FormatError(f"{where(d)}: a scale's DequantizeLinear of {q.dtype} codes, {s.dtype} scales and "
+                              f"{z.dtype} zero points of shape {list(z.shape)} for scales {list(s.shape)}")
+        if s.ndim and not -q.ndim <= axis < q.ndim or block < 0:
+            raise FormatError(f"{where(d)}: axis {axis} / block_size {block} for codes of shape {list(q.shape)}")
+        try:
+            return quant.onnx_dequantize(q, s, z, axis % max(q.ndim, 1) if s.ndim else None, block or None)
+        except InputError as e:
+            raise FormatError(f"{where(d)}: {e}") from None
+
     def params(n, rank: int | None) -> tuple[tuple, Encoding]:
         """(the parameters that identify the quantiser, its Encoding) of a Q or DQ node on a tensor of `rank`."""
         at = where(n)
@@ -91,7 +120,8 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
         if scale_t is not None and scale_t.data_type not in SCALE_TYPES:
             raise FormatError(f"{at}: scale of data type {scale_t.data_type} (float, float16 or bfloat16)")
         try:
-            scale = np.asarray(array(n.input[1], at)).astype(np.float64)
+            scale = np.asarray(computed_scale(n.input[1], at) if n.input[1] in scale_dqs else
+                               array(n.input[1], at)).astype(np.float64)
         except (TypeError, ValueError):   # a string or otherwise non-numeric Constant
             raise FormatError(f"{at}: scale {brief(n.input[1])} is not numeric") from None
         zp_name = n.input[2] if len(n.input) == 3 else ""
@@ -173,6 +203,10 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     index = {id(n): i for i, n in enumerate(g.node)}
     for i, n in enumerate(g.node):
         if n.op_type not in QDQ_OPS:
+            continue
+        if n.op_type == "DequantizeLinear" and n.output and n.output[0] in scale_dqs:
+            removed.add(i)                                    # a quantiser's computed scale: read with it
+            dropped_inits.update(x for x in n.input if x)
             continue
         if n.op_type == "DequantizeLinear":
             if not n.input:
