@@ -247,7 +247,20 @@ def qdq_model():
     nodes.append(helper.make_node("MatMul", ["o_dq", w3], ["p"], name="node_linear_2"))
     w4 = weight("w4", (16,), T.UINT4, 0, 15, 0.1, 8)
     w5 = weight("w5", (16,), T.UINT16, 0, 65535, 3e-5, 30000)
-    nodes.append(helper.make_node("Mul", ["p", w4], ["r"], name="node_mul"))
+    # LPBQ as aimet-onnx's to_onnx_qdq writes it: a float weight quantised by Q -> DQ whose blocked scale is a
+    # DequantizeLinear of integer block scales by a per-channel float scale
+    const("w6", rng.normal(0, 0.05, (16, 16)))
+    const("w6_block_scales", rng.integers(1, 16, (2, 16)), T.UINT8)
+    const("w6_channel_scale", rng.uniform(1e-3, 2e-3, 16))
+    nodes.append(helper.make_node("DequantizeLinear", ["w6_block_scales", "w6_channel_scale"], ["w6_scale"],
+                                  name="w6_scale_DequantizeLinear", axis=1))
+    const("w6_zero_point", np.zeros((2, 16)), T.INT4)
+    nodes.append(helper.make_node("QuantizeLinear", ["w6", "w6_scale", "w6_zero_point"], ["w6_q"], name="w6_q",
+                                  axis=0, block_size=8))
+    nodes.append(helper.make_node("DequantizeLinear", ["w6_q", "w6_scale", "w6_zero_point"], ["w6_dq"], name="w6_dq",
+                                  axis=0, block_size=8))
+    nodes.append(helper.make_node("MatMul", ["p", "w6_dq"], ["p6"], name="node_linear_3"))
+    nodes.append(helper.make_node("Mul", ["p6", w4], ["r"], name="node_mul"))
     nodes.append(helper.make_node("Add", ["r", w5], ["y_QuantizeLinear_Input"], name="node_add"))
     pair("y_QuantizeLinear_Input", "y", 1.5e-4, 30000, T.UINT16)
     value_info = [helper.make_tensor_value_info("h", T.FLOAT, [2, 8, 32])]
