@@ -43,10 +43,11 @@ def unavailable(*modules) -> str | None:
 
 
 def export_logits_model(directory: Path, preset: str = "tiny-qwen3", vocab: int = VOCAB, seq: int = SEQ,
-                        seed: int = 11) -> Path:
+                        seed: int = 11, layers: int | None = None) -> Path:
     """transformers' model of a preset (seeded random weights, small vocabulary: tests/e2e/devices.small_preset)
     exported with torch.onnx.export (dynamo, optimized, one file): input_ids int64 [1, seq] -> logits float32
-    [1, seq, vocab], no cache. The checkpoint is kept beside it (directory/ckpt). -> directory/model.onnx"""
+    [1, seq, vocab], no cache; `layers` overrides the preset's layer count (fewer: a faster export). The checkpoint is
+    kept beside it (directory/ckpt). -> directory/model.onnx"""
     import sys
     e2e = str(Path(__file__).resolve().parent / "e2e")
     if e2e not in sys.path:
@@ -59,6 +60,15 @@ def export_logits_model(directory: Path, preset: str = "tiny-qwen3", vocab: int 
     if f.exists():
         return f
     config, arrays = D.small_preset(preset, vocab=vocab, seed=seed)
+    if layers is not None:
+        from refimpl.models.config import config_from_dict
+        from refimpl.presets import random_weights
+        config = {**config, "num_hidden_layers": layers}
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:layers]
+        head = "model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"
+        arrays = random_weights(config_from_dict(config), seed=seed)
+        arrays[head] = arrays[head] * np.float32(0.05)              # as small_preset scales it
     model = D.load_hf(D.hf_checkpoint(config, arrays, directory / "ckpt"))
 
     class Logits(torch.nn.Module):

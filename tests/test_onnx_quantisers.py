@@ -127,7 +127,7 @@ def float_model(tmp_path_factory):
     why = Q.unavailable("torch", "transformers")
     if why:
         pytest.skip(why)
-    return Q.export_logits_model(tmp_path_factory.mktemp("float"))
+    return Q.export_logits_model(tmp_path_factory.mktemp("float"), layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -223,21 +223,17 @@ def test_read_qdq_refuses_broken_models(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ aimet-onnx
 
-@pytest.fixture(scope="module")
-def aimet(float_model, feeds, tmp_path_factory):
+@pytest.mark.parametrize("mix", Q.AIMET_MIXES)
+def test_aimet_onnx_encodings_reproduce_quantsim(mix, float_model, feeds, tmp_path):
+    """Every entry of the exported file read; each Encoding reproduces the live QuantSim quantiser of its tensor on
+    the real weight (params) and on adversarial tensors, and the QuantSim session's quantiser outputs on the
+    calibration activations; aimet-onnx's QDQ export of the same QuantSim is ORT's, code for code."""
     why = Q.unavailable("aimet_onnx")
     if why:
         pytest.skip(why)
-    root = tmp_path_factory.mktemp("aimet")
-    return {mix: Q.aimet_export(float_model, mix, feeds, root / mix) for mix in Q.AIMET_MIXES}
-
-
-@pytest.mark.parametrize("mix", Q.AIMET_MIXES)
-def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds):
-    """Every entry of the exported file read; each Encoding reproduces the live QuantSim quantiser of its tensor on
-    the real weight (params) and on adversarial tensors, and the QuantSim session's quantiser outputs on the
-    calibration activations."""
-    onnx_path, path = aimet[mix]
+    sim = Q.aimet_quantsim(float_model, mix, feeds)
+    sim.export(str(tmp_path), "model")
+    onnx_path, path = tmp_path / "model.onnx", tmp_path / "model.encodings"
     doc = json.loads(path.read_text())
     encodings = read_onnx_encodings(path)
     entries = [e["name"] for section in ("activation_encodings", "param_encodings") for e in doc[section]]
@@ -245,7 +241,6 @@ def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds)
     graph = read_onnx(onnx_path)
     tensors = {t for n in graph.nodes for t in (*n.inputs, *n.outputs)} | set(graph.initializers)
     assert set(encodings) <= tensors
-    sim = Q.aimet_quantsim(float_model, mix, feeds)
     live = {name: q for name, q in sim.qc_quantize_op_dict.items() if q.enabled}
     assert set(live) == set(encodings)
     params = {t.name: numpy_helper.to_array(t) for t in sim.model.model.graph.initializer}
@@ -285,8 +280,8 @@ def test_aimet_onnx_encodings_reproduce_quantsim(mix, aimet, float_model, feeds)
             counts["session"][1] += x.size
     # aimet-onnx's own QDQ export of the same QuantSim (weights as Q -> DQ of the float initializer; LPBQ scales as
     # a DequantizeLinear of the integer block scales): read_qdq's encodings are ORT's run of it, code for code
-    qdq = onnx_path.parent / "qdq.onnx"
-    onnx.save(Q.aimet_quantsim(float_model, mix, feeds).to_onnx_qdq(), qdq)
+    qdq = tmp_path / "qdq.onnx"
+    onnx.save(sim.to_onnx_qdq(), qdq)   # last: it may take the quantisers out of sim.model
     counts["qdq export, ORT"] = [check_qdq_code_for_code(qdq, float_model, feeds)] * 2
     print(mix, {k: f"{a}/{b}" for k, (a, b) in counts.items()})
     for kind, (same, total) in counts.items():
