@@ -112,6 +112,9 @@ class Encoding:
         rows of lm_head): per-channel and per-block scales / offsets restricted to that part's rows."""
         def part(a):
             return np.asarray(a).reshape(shape[0], -1)[index].reshape(-1)
+        if self.axis is not None and np.ndim(self.scale):
+            raise InputError(f"rows() of an encoding laid out on an ONNX tensor (axis {self.axis}): take on_rows() "
+                             f"first")
         if not np.ndim(self.scale):
             return self
         return dataclasses.replace(self, scale=part(self.scale),

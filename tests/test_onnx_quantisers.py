@@ -23,7 +23,7 @@ ort = pytest.importorskip("onnxruntime", reason="ONNX Runtime is the [test] extr
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import quantised_models as Q  # noqa: E402
-from refimpl.encodings import read_onnx_encodings  # noqa: E402
+from refimpl.encodings import Encoding, read_onnx_encodings  # noqa: E402
 from refimpl.errors import FormatError  # noqa: E402
 from refimpl.formats.onnx_graph import read_onnx  # noqa: E402
 from refimpl.formats.qdq import QTYPES, read_qdq  # noqa: E402
@@ -312,6 +312,8 @@ def test_read_onnx_encodings_layouts_and_refimpl_form(tmp_path):
         rows = enc[name].on_rows().fake_quant(a.T if transpose else a)
         assert np.array_equal(rows.T if transpose else rows, onnx_form), name
         assert 0 < np.abs(onnx_form - a).max()
+        again = Encoding.from_record(json.loads(json.dumps(enc[name].describe())))   # as a manifest records it
+        assert np.array_equal(again.fake_quant(a), onnx_form), name
     a = w["w_mm"].astype(np.float32)       # per block, its scales from each block's range: within half a step
     step = np.repeat(enc["w_mm"].scale, 32, axis=0)
     assert np.all(np.abs(enc["w_mm"].fake_quant(a) - a) <= step / 2 * 1.0001)
