@@ -27,6 +27,8 @@ $(VENV)/.dev: pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(QAI_HUB_MODELS)
 	($(PIP) install -q --no-deps aimet-torch==2.42.0 && $(PIP) install -q -e '.[aimet]') \
 		|| echo "aimet-torch could not be installed: tests/test_aimet.py will skip"
+	($(PIP) install -q --no-deps aimet-onnx==2.42.0 onnx2torch==1.5.15 && $(PIP) install -q -e '.[aimet-onnx]') \
+		|| echo "aimet-onnx could not be installed: tests/test_onnx_quantisers.py's aimet-onnx tests will skip"
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime

@@ -14,6 +14,11 @@ AIMET QuantSim (aimet-torch 2.x, on CPU) computes the QNN codes in float32, in o
   per block, LPBQ (its own QuantDequantFunc):
                    q = clip(round(fl(x / scale)) - offset, qmin, qmax)
                    the two differ by one code for ~1e-4 of the elements (a quotient within an ulp of k + 1/2).
+aimet-onnx QuantSim (2.42, its C++ quantiser libpymo / the QcQuantizeOp of its ORT session, on CPU; measured:
+docs/numerics.md, tests/test_onnx_quantisers.py), every granularity:
+                   q = clip(round_half_away(fl32(fl32(x32 / s) - offset)), qmin, qmax)
+                   a float32 quotient, the offset subtracted in float32 (rounding the sum once more above 2^24 / ulp),
+                   ties rounded away from zero (std::round), not to even.
 Granularity is given by the shape of scale / offset:
   per tensor:   scalars
   per channel:  1-D [x.shape[axis]], one per index along `axis`
@@ -93,6 +98,31 @@ def quantsim_quantize(x, scale, offset, qmin: int, qmax: int, axis=None, block_s
     o = expand(np.asarray(offset, np.float32), x.shape, axis, block_size)
     scaled = x / s if block_size is not None else x * (np.float32(1) / s)
     return np.clip(np.rint(scaled) - o, qmin, qmax).astype(np.int32)
+
+
+def aimet_onnx_quantize(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """aimet-onnx QuantSim's codes on CPU  -> int32, x's shape (offset QNN's; [qmin, qmax] the code range):
+    q = clip(round_half_away(fl32(fl32(x32 / s) - offset)), qmin, qmax)."""
+    x = np.asarray(x, np.float32)
+    s = expand(np.asarray(scale, np.float32), x.shape, axis, block_size)
+    o = expand(np.asarray(offset, np.float32), x.shape, axis, block_size)
+    with np.errstate(invalid="ignore", over="ignore"):
+        shifted = (x / s - o).astype(np.float64)                        # fl32(fl32(x / s) - offset), exact in f64
+        q = np.sign(shifted) * np.floor(np.abs(shifted) + 0.5)          # ties away from zero
+        return np.clip(np.nan_to_num(q, nan=qmin), qmin, qmax).astype(np.int32)
+
+
+def onnx_codes(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:
+    """QuantizeLinear with the QNN offset (= -zero_point) and the code range [qmin, qmax] of the quantised type:
+    q = saturate(round_half_even(fl32(x32 / s)) - offset)  -> int32, x's shape (onnx_quantize's arithmetic; a NaN
+    gives qmin, as ONNX Runtime's CPU EP does for every type: the ONNX spec leaves it open)."""
+    s, o = (expand(np.asarray(a, np.float64), np.shape(x), axis, block_size) for a in (scale, offset))
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.rint(_divide(x, s)) - o
+        return np.clip(np.where(np.isnan(q), qmin, q), qmin, qmax).astype(np.int32)   # NaN: qmin, as ORT's CPU EP
+
+
+ARITHMETICS = {"aimet-torch": quantsim_quantize, "aimet-onnx": aimet_onnx_quantize, "onnx": onnx_codes}
 
 
 def quantsim_fake_quant(x, scale, offset, qmin: int, qmax: int, axis=None, block_size=None) -> np.ndarray:

@@ -837,5 +837,7 @@ class DatasetResume(Format):
                 raise SilentAcceptance(f"the resumed run ended with another {f}", f"silent acceptance ({f.name})")
 
 
+from .onnx_quantisers import AimetOnnxEncodings, QDQModel  # noqa: E402  (it subclasses Format, defined above)
+
 FORMATS = {f.name: f for f in (GGUF(), Safetensors(), Config(), Bundle(), Dump(), Encodings(), DiffInputs(), CLI(),
-                               DatasetReference(), DatasetResume())}
+                               DatasetReference(), DatasetResume(), AimetOnnxEncodings(), QDQModel())}

@@ -10,7 +10,7 @@ from .engine import Pool, table
 from .formats import FORMATS
 
 REGRESSIONS = Path(__file__).with_name("regressions.json")
-SHORT_BUDGET = 60   # seeded cases per format in `make test` (the ten formats of tests/fuzz/formats.py)
+SHORT_BUDGET = 60   # seeded cases per format in `make test` (the twelve formats of tests/fuzz/formats.py)
 
 
 def _run(jobs, formats):
