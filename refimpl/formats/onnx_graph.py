@@ -13,9 +13,8 @@ are not loaded here.
 """
 
 import dataclasses
-from pathlib import Path
 
-from ..errors import FormatError, brief
+from ..encodings import load_onnx_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +49,7 @@ class OnnxGraph:
 
 def read_onnx(path) -> OnnxGraph:
     """The graph of an ONNX model file (external data is not read)."""
-    import onnx  # imported only when an ONNX file is read (it costs ~0.3 s)
-
-    path = Path(path)
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: no such ONNX file") from None
-    except Exception as e:  # protobuf's DecodeError and friends: a file that is not an ONNX model
-        raise FormatError(f"{path}: not an ONNX model ({brief(str(e))})") from None
+    model = load_onnx_model(path)   # a regular file (never a FIFO), parsed; FormatError naming it otherwise
     g = model.graph
     nodes = tuple(OnnxNode(n.op_type, n.name, tuple(n.input), tuple(n.output), n.domain) for n in g.node)
     return OnnxGraph(nodes, tuple(i.name for i in g.input), tuple(o.name for o in g.output),
