@@ -6,7 +6,7 @@ import numpy as np
 
 from ..encodings import read_activation_encodings
 from ..errors import InputError
-from ..graph import Node, declare, merge, module_taps, modules
+from ..graph import Node, Point, declare, merge, module_taps, modules
 from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
@@ -55,13 +55,18 @@ def graph(cfg: ModelConfig) -> dict[str, Node]:
     declared here, each block's beside its code (qwen3.py, hybrid.py)."""
     last = cfg.num_hidden_layers - 1
     head = "logits = x E^T (tied)" if cfg.tie_word_embeddings else "logits = x W_lm^T"
+    lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     return merge(
         declare({"model.embed_tokens": Node("embedding", "x[b, t] = E[input_ids[b, t]]", ("input_ids",),
-                                            shape="[B, T, H]", module=0)}),
+                                            shape="[B, T, H]", module=0, points=(
+                                                Point("", ("Gather",), ("weight:model.embed_tokens.weight",
+                                                                        "input:input_ids")),))}),
         *(architecture(cfg).layer_nodes(cfg, i) for i in range(cfg.num_hidden_layers)),
         declare({"model.norm": Node("rms_norm", qwen3.norm_formula(cfg), (f"model.layers.{last}",), shape="[B, T, H]",
-                                    module=1),
-                 "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1)}))
+                                    module=1, points=qwen3.norm_points(cfg, f"model.layers.{last}",
+                                                                       "model.norm.weight")),
+                 "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1,
+                                 points=qwen3.linear_points("model.norm", "lm_head.weight"))}))
 
 
 class Model:

@@ -1,0 +1,249 @@
+"""A quantised device graph's quantisers placed on refimpl's graph, by the exported graph's structure (issue 27).
+
+aimet-onnx encodings and QDQ models key their quantisers by ONNX tensor names. Each is placed where refimpl computes
+the same tensor: a node's output, a sub-op point of its kernel's equation, a constant or graph input as the kernel
+reads it, or a weight. The names themselves are not read (an export may call a tensor `mul_13` or
+`/model/layers.0/mlp/Mul_output_0`): the ONNX graph is walked in file (topological) order, and each node is matched to
+the declared point (refimpl/graph.py's Point: the ONNX op types it exports as, its inputs) whose op type it has and
+whose inputs are the values already found, in declaration order among equals (q_proj before k_proj before v_proj,
+as transformers computes them; a weight's initializer name, where the export kept the checkpoint's, decides).
+
+    data movement   Reshape, Transpose, (Un)Squeeze, Expand, Identity, Cast, Flatten, Split, a Slice / Concat no point
+                    declares, a Gather of an activation (`select`): the output holds the input's values, so its
+                    quantiser acts on the same value: `shared` where its encoding is the one already applied there,
+                    else a further quantiser of that value (a chain, applied in order)
+    constants       an initializer or Constant (through data movement): a weight ("weight:w"), or a constant the kernel
+                    reads (eps, the attention scale, the exponent of x^2, a folded 1 + w: "const:p")
+    graph inputs    bound by where they are read: the mask, the cos / sin tables, the past keys / values ("input:p")
+
+Every encoding is placed or listed with the reason it is not (`unplaced`); strict refuses any.
+"""
+
+import dataclasses
+
+from ..errors import InputError
+from ..graph import points as declared_points
+
+ROLES = ("const:", "weight:", "input:")
+ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
+DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze", "Expand",
+                         "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
+MOVES = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Identity", "Cast", "Flatten", "Split", "Slice",
+         "Concat", "Gather", "QuantizeLinear", "DequantizeLinear", "Tile"}
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a device graph's quantisers act. activations: {node or "node/point": (Encoding, ...)} in the order
+    applied; weights: {checkpoint weight name: (Encoding, ...)}; tensors: {ONNX tensor name: [where, ...]}
+    (a quantiser of a graph input or constant read at several points is placed at each); shared: {ONNX tensor:
+    where} for quantisers identical to one already applied there; unplaced: [(ONNX tensor name, reason)]."""
+    activations: dict
+    weights: dict
+    tensors: dict
+    shared: dict
+    unplaced: list
+    source: str = "encodings"
+
+    @property
+    def total(self) -> int:
+        return len(self.tensors) + len(self.shared) + len(self.unplaced)
+
+    @property
+    def placed(self) -> int:
+        return len(self.tensors) + len(self.shared)
+
+    def points(self) -> dict:
+        """{node: {point: encodings}} of the sub-op points, for models/quantisers.Quantisers."""
+        out = {}
+        for name, encs in self.activations.items():
+            if "/" in name:
+                node, point = name.split("/", 1)
+                out.setdefault(node, {})[point] = encs
+        return out
+
+    def outputs(self) -> dict:
+        return {name: encs for name, encs in self.activations.items() if "/" not in name}
+
+    def describe(self) -> dict:
+        """The manifest record: per node / point / weight, its quantisers (ONNX tensor, encoding) in order; the shared
+        ones; the unplaced ones with their reasons."""
+        by_place = {}
+        for tensor, wheres in self.tensors.items():
+            for w in wheres:
+                by_place.setdefault(w, []).append(tensor)
+        return {"source": self.source, "placed": self.placed, "total": self.total,
+                "quantisers": [{"at": w, "onnx": tensors} for w, tensors in by_place.items()],
+                "shared": dict(self.shared),
+                "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
+
+    def summary(self) -> str:
+        return f"{self.source}: {self.placed} of {self.total} quantisers placed" + (
+            f"; unplaced: {', '.join(f'{t} ({r})' for t, r in self.unplaced[:5])}"
+            + (" ..." if len(self.unplaced) > 5 else "") if self.unplaced else "")
+
+
+def _same(a, b) -> bool:
+    """Two encodings that quantise identically."""
+    import numpy as np
+    return (a.bitwidth == b.bitwidth and a.signed == b.signed and a.float_dtype == b.float_dtype
+            and np.array_equal(a.scale, b.scale) and np.array_equal(a.offset, b.offset) and a.block_size == b.block_size)
+
+
+def _checkpoint(initializer: str, weights: set) -> str | None:
+    """An initializer named after a checkpoint tensor (an export's wrapper prefix, e.g. "model.", dropped) -> it."""
+    parts = initializer.split(".")
+    for k in range(len(parts)):
+        name = ".".join(parts[k:])
+        if name in weights:
+            return name
+    return None
+
+
+def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: bool = False,
+               source: str = "encodings") -> Placement:
+    """Place {ONNX tensor name: Encoding} of `graph` (refimpl.formats.onnx_graph.OnnxGraph, QDQ pairs removed) on the
+    declared graph `nodes` (refimpl.models.model.graph(cfg)); weight_names: the checkpoint's tensor names (an
+    initializer named after one is that weight)."""
+    weight_names = set(weight_names)
+    pts = declared_points(nodes)
+    index = {}                            # (op type, value inputs) -> [point names], declaration order
+    for full, (node, pt) in pts.items():
+        values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
+        for op in pt.onnx:
+            index.setdefault((op, values), []).append(full)
+    consts = set(graph.initializers)
+    value, const, ginput = {}, {}, {}     # tensor -> point name / (root initializer, path) / (graph input, path)
+    path = {}                             # tensor -> tensors from its root (a point's output, a constant, an input)
+    uses = {}                             # constant / graph-input tensor -> [(where, kind)] it was read as
+    assigned, produced_by = set(), {}
+    for g in graph.inputs:
+        ginput[g], path[g] = g, (g,)
+    for t in consts:
+        const[t], path[t] = t, (t,)
+    unmatched = {}                        # tensor -> why its node matched nothing
+    for n in graph.nodes:
+        outs = [o for o in n.outputs if o]
+        ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
+        if n.op_type == "Constant" or (ins and all(i in const for i in ins)):
+            for o in outs:
+                const[o], path[o] = o, (o,)
+            continue
+        kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
+                 else ("?", i) for i in ins]
+        if any(k == "?" for k, _ in kinds):
+            why = next(unmatched.get(i, "its input is unknown") for k, i in kinds if k == "?")
+            for o in outs:
+                unmatched[o] = why
+            continue
+        values = tuple(sorted(v for k, v in kinds if k == "v"))
+        n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
+        candidates = [c for c in index.get((n.op_type, values), ()) if c not in assigned
+                      and _counts(pts[c][1]) == (n_const, n_input)
+                      and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+        if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
+            named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
+                                                  for k, i in kinds if k == "c" for w in pts[c][1].inputs
+                                                  if w.startswith("weight:"))]
+            point = (named or candidates)[0]
+            assigned.add(point)
+            node, pt = pts[point]
+            value[outs[0]], path[outs[0]], produced_by[outs[0]] = point, (outs[0],), point
+            roles = [i for i in pt.inputs if i.startswith(("const:", "weight:", "input:"))]
+            for (k, i), role in zip([ki for ki in kinds if ki[0] in "ci"], _ordered(roles, kinds)):
+                where = role[7:] if role.startswith("weight:") else _full(node, "/" + role.split(":", 1)[1])
+                uses.setdefault(i, []).append((where, "weight" if role.startswith("weight:") else "point"))
+            continue
+        if n.op_type in MOVES:
+            data = kinds[0]
+            if n.op_type == "Gather" and data[0] == "c":
+                for o in outs:
+                    unmatched[o] = f"{n.op_type} {n.name}: a lookup in a constant no declared point reads"
+                continue
+            src = ins[0]
+            for o in outs:
+                path[o] = path[src] + (o,)
+                if data[0] == "v":
+                    value[o] = data[1]
+                elif data[0] == "i":
+                    ginput[o] = ginput[src]
+                else:
+                    const[o] = const[src]
+            continue
+        for o in outs:
+            unmatched[o] = f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})"
+    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source)
+
+
+def _full(node: str, name: str) -> str:
+    """A point's input as a full name: "/p" -> "node/p", "/" -> the node; others as they are."""
+    if name.startswith("/"):
+        return f"{node}{name}" if name != "/" else node
+    return name
+
+
+def _operands(node, pt, kinds=None) -> tuple:
+    """A point's declared operands, or a node's found ones: values by name, constants "c", graph inputs "i"."""
+    if kinds is not None:
+        return tuple(v if k == "v" else k for k, v in kinds)
+    return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
+                 for i in pt.inputs)
+
+
+def _counts(pt) -> tuple:
+    return (sum(i.startswith(("const:", "weight:")) for i in pt.inputs), sum(i.startswith("input:") for i in pt.inputs))
+
+
+def _ordered(roles, kinds):
+    """The declared constant / input roles in the order of the node's constant / input operands (constants first
+    matched to const:/weight: roles, graph inputs to input: roles)."""
+    c = iter([r for r in roles if not r.startswith("input:")])
+    i = iter([r for r in roles if r.startswith("input:")])
+    return [next(c) if k == "c" else next(i) for k, _ in kinds if k in "ci"]
+
+
+def _moves_only(op: str, kinds) -> bool:
+    """A Concat of one value with itself (cat(t, t)) moves data; any other declared op computes."""
+    return op == "Concat" and len({v for _, v in kinds}) == 1
+
+
+def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source) -> Placement:
+    activations, weights, tensors, shared, unplaced = {}, {}, {}, {}, []
+
+    def put(table, where, tensor, enc):
+        chain = table.get(where, ())
+        if chain and _same(chain[-1], enc):
+            shared[tensor] = where
+            return
+        table[where] = chain + (enc,)
+        tensors.setdefault(tensor, []).append(where)
+
+    known = set(path)
+    for tensor in _in_graph_order(graph, encodings):
+        enc = encodings[tensor]
+        if tensor in value:
+            put(activations, value[tensor], tensor, enc)
+        elif tensor in const or tensor in ginput:
+            root = path[tensor][0]
+            readers = [(w, kind) for t, ws in uses.items() if path.get(t, (None,))[0] == root
+                       and tensor in path[t] for w, kind in ws]
+            if not readers:
+                unplaced.append((tensor, f"a {'constant' if tensor in const else 'graph input'} no matched point "
+                                         f"reads"))
+            for where, kind in dict.fromkeys(readers):
+                put(weights if kind == "weight" else activations, where, tensor, enc)
+        elif tensor in unmatched:
+            unplaced.append((tensor, unmatched[tensor]))
+        else:
+            unplaced.append((tensor, "not a tensor of the graph" if tensor not in known else "not reached"))
+    p = Placement(activations, weights, tensors, shared, unplaced, source)
+    if unplaced and strict:
+        raise InputError(f"{p.summary()} (--strict-encodings)")
+    return p
+
+
+def _in_graph_order(graph, encodings) -> list:
+    """The encoded tensors in the graph's order (inputs, initializers, then each node's outputs), then the rest."""
+    order = [*graph.inputs, *graph.initializers, *(o for n in graph.nodes for o in n.outputs)]
+    seen = dict.fromkeys(t for t in order if t in encodings)
+    return [*seen, *(t for t in encodings if t not in seen)]
