@@ -1,6 +1,7 @@
 """The model: a config, its weights, and the forward pass over a per-layer cache."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -16,8 +17,9 @@ from ..trace import tap
 from . import hybrid, qwen3
 from .cache import Cache
 from .config import ModelConfig
+from .onnx_placement import Placement, place_onnx
 from .quantisers import NONE as NO_QUANTISERS
-from .quantisers import Quantisers, place
+from .quantisers import EncodingsWarning, Quantisers, place
 from .weights import Weights
 
 
@@ -55,7 +57,6 @@ def graph(cfg: ModelConfig) -> dict[str, Node]:
     declared here, each block's beside its code (qwen3.py, hybrid.py)."""
     last = cfg.num_hidden_layers - 1
     head = "logits = x E^T (tied)" if cfg.tie_word_embeddings else "logits = x W_lm^T"
-    lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     return merge(
         declare({"model.embed_tokens": Node("embedding", "x[b, t] = E[input_ids[b, t]]", ("input_ids",),
                                             shape="[B, T, H]", module=0, points=(
@@ -70,7 +71,8 @@ def graph(cfg: ModelConfig) -> dict[str, Node]:
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
+    def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None,
+                 placement: Placement | None = None):
         self.config = config
         self.weights = weights
         self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
@@ -85,7 +87,15 @@ class Model:
         nodes = graph(config)
         self.modules = modules(nodes)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
-        if self.precision.encodings is not None:
+        if placement is not None:                # a device graph's quantisers (onnx_placement), placed
+            if placement.unplaced:
+                warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
+            self.quantisers = Quantisers(outputs=placement.outputs(), points=placement.points(),
+                                         rnd=rounder(self.precision.activations), placement=placement)
+        elif self.precision.device_graph:
+            raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
+                             f"loaded (refimpl.load, Model.from_arrays(device=...))")
+        elif self.precision.encodings is not None:
             self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
                                     rounder(self.precision.activations), self.precision.strict_encodings,
                                     self.precision.encodings, taps=module_taps(nodes))
@@ -100,11 +110,20 @@ class Model:
 
     @classmethod
     def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy,
-                    max_resident_bytes: int | None = None, origins: dict | None = None) -> "Model":
+                    max_resident_bytes: int | None = None, origins: dict | None = None,
+                    device: tuple | None = None) -> "Model":
         """A model over checkpoint arrays at precision policy p (its weight emulation applied when a tensor is
-        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights)."""
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p),
-                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p)
+        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights).
+        device: (OnnxGraph, {tensor: Encoding}) of a quantised device graph (refimpl.formats.device_encodings),
+        its quantisers placed on this model's graph, weights included (refimpl/models/onnx_placement.py)."""
+        placement = None
+        if device is not None:
+            names = set(expected_tensors(config)) | {"lm_head.weight"}
+            placement = place_onnx(*device, graph(config), names, p.strict_encodings, str(p.encodings))
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source,
+                                   transform=weight_transform(p, placement and placement.weights),
+                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p,
+                   placement=placement)
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:

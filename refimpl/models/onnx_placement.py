@@ -21,6 +21,8 @@ Every encoding is placed or listed with the reason it is not (`unplaced`); stric
 
 import dataclasses
 
+import numpy as np
+
 from ..errors import InputError
 from ..graph import points as declared_points
 
@@ -85,9 +87,9 @@ class Placement:
 
 def _same(a, b) -> bool:
     """Two encodings that quantise identically."""
-    import numpy as np
     return (a.bitwidth == b.bitwidth and a.signed == b.signed and a.float_dtype == b.float_dtype
-            and np.array_equal(a.scale, b.scale) and np.array_equal(a.offset, b.offset) and a.block_size == b.block_size)
+            and a.block_size == b.block_size and np.array_equal(a.scale, b.scale)
+            and np.array_equal(a.offset, b.offset))
 
 
 def _checkpoint(initializer: str, weights: set) -> str | None:

@@ -85,6 +85,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
         k, v = ctx.precision.store_kv(k), ctx.precision.store_kv(v)
     if ctx.cache is not None:
         k, v = ctx.cache.append_kv(layer, k, v)                          # [B, Hkv, P+T, D]
+    k, v = cached(k, T, quant.at(f"{p}.attn_scores"), "keys"), cached(v, T, quant.at(f"{p}.attn_output"), "values")
     mask = ctx.precision.mask(ctx.masks[cfg.layer_types[layer]])
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
@@ -100,6 +101,14 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
         o = r(o * quant.at(f"{p}.gated_output")("sigmoid", gate_sigmoid(gate, ctx)))
         o = tap(p, "gated_output", quant.output(f"{p}.gated_output", o))
     return tap(p, "o_proj", project(w, f"{p}.o_proj", o, ctx, bias))
+
+
+def cached(x: np.ndarray, T: int, at, what: str) -> np.ndarray:
+    """The keys / values attention reads, [B, Hkv, P+T, D], through the points of a device graph that carries its
+    cache as graph inputs: past_<what> (the P cached entries as the input holds them) and <what> (all of them)."""
+    if f"past_{what}" in at.points and x.shape[2] > T:
+        x = np.concatenate([at(f"past_{what}", x[:, :, :-T]), x[:, :, -T:]], axis=2)   # [past | new]
+    return at(what, x)
 
 
 def mlp(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:

@@ -19,7 +19,7 @@ def read_qdq_minimal(path):
     def enc(scale, zp):
         s = numpy_helper.to_array(inits[scale]).astype(np.float32)
         z = numpy_helper.to_array(inits[zp])
-        bits = {np.dtype("uint8"): 8, np.dtype("int8"): 8, np.dtype("uint16"): 16, np.dtype("int16"): 16}.get(z.dtype, 8)
+        bits = {"uint8": 8, "int8": 8, "uint16": 16, "int16": 16}.get(z.dtype.name, 8)
         signed = z.dtype.kind == "i"
         offset = -z.astype(np.int64)
         if signed:   # signed codes q - zp: QNN's offset over signed codes
@@ -49,7 +49,6 @@ def read_qdq_minimal(path):
     nodes = tuple(OnnxNode(n.op_type, n.name, tuple(real(i) for i in n.input), tuple(n.output), n.domain)
                   for n in g.node if n.name not in drop)
     stored = {real(n.output[0]) for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
-    initializers = tuple(t for t in inits if not t.endswith(("_scale", "_zero_point")) and not t.endswith("_quantized")) \
-        + tuple(stored)
+    initializers = tuple(t for t in inits if not t.endswith(("_scale", "_zero_point", "_quantized"))) + tuple(stored)
     outputs = tuple(real(o.name) if o.name in alias else o.name for o in g.output)
     return OnnxGraph(nodes, tuple(i.name for i in g.input), outputs, initializers), encodings
