@@ -29,6 +29,7 @@ class Point:
     onnx: tuple[str, ...]
     inputs: tuple[str, ...]
     formula: str = ""
+    more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half, TopK's indices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +86,8 @@ def points(nodes: dict) -> dict[str, tuple[str, Point]]:
     """Every declared point of a graph, "<node>/<point>" (the node's own output: "<node>") -> (node, Point)."""
     return {(f"{name}/{pt.name}" if pt.name else name): (name, pt)
             for name, node in nodes.items() for pt in node.points}
+
+
+def point_name(node: str, point: str) -> str:
+    """The full name of a node's point ("" its output)."""
+    return f"{node}/{point}" if point else node

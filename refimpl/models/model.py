@@ -90,8 +90,11 @@ class Model:
         if placement is not None:                # a device graph's quantisers (onnx_placement), placed
             if placement.unplaced:
                 warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
-            self.quantisers = Quantisers(outputs=placement.outputs(), points=placement.points(),
-                                         rnd=rounder(self.precision.activations), placement=placement)
+            taps = module_taps(nodes)                # a module computes its output as the module (the router: mlp.gate)
+            module_of = {tap: module for module, tap in taps.items()}
+            self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
+                                         points=placement.points(), rnd=rounder(self.precision.activations),
+                                         taps=taps, placement=placement)
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
                              f"loaded (refimpl.load, Model.from_arrays(device=...))")

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import InputError
+from ..graph import point_name
 from ..graph import points as declared_points
 
 ROLES = ("const:", "weight:", "input:")
@@ -31,7 +32,7 @@ ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}  
 DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze", "Expand",
                          "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
 MOVES = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Identity", "Cast", "Flatten", "Split", "Slice",
-         "Concat", "Gather", "QuantizeLinear", "DequantizeLinear", "Tile"}
+         "Concat", "Gather", "GatherND", "GatherElements", "QuantizeLinear", "DequantizeLinear", "Tile"}
 
 
 @dataclasses.dataclass
@@ -151,6 +152,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
             assigned.add(point)
             node, pt = pts[point]
             value[outs[0]], path[outs[0]], produced_by[outs[0]] = point, (outs[0],), point
+            for o, more in zip(n.outputs[1:], pt.more):       # a Split's second half, TopK's indices
+                if o:
+                    value[o] = path[o] = point_name(node, more)
+                    path[o] = (o,)
             roles = [i for i in pt.inputs if i.startswith(("const:", "weight:", "input:"))]
             for (k, i), role in zip([ki for ki in kinds if ki[0] in "ci"], _ordered(roles, kinds)):
                 where = role[7:] if role.startswith("weight:") else _full(node, "/" + role.split(":", 1)[1])
@@ -158,10 +163,6 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
             continue
         if n.op_type in MOVES:
             data = kinds[0]
-            if n.op_type == "Gather" and data[0] == "c":
-                for o in outs:
-                    unmatched[o] = f"{n.op_type} {n.name}: a lookup in a constant no declared point reads"
-                continue
             src = ins[0]
             for o in outs:
                 path[o] = path[src] + (o,)

@@ -46,8 +46,8 @@ class Quantisers:
     the quantised device holds it (x itself where no encoding is placed); `at(node)` is the hook of node's kernel
     (its sub-op points). After each quantiser the value is cast to the activation dtype (`rnd`): QuantSim on a
     reduced-precision model quantises in float32 and returns the tensor's own dtype. An encoding may be a tuple of
-    encodings, applied in order. record: None, or a dict that receives {node or node/point: the value its first
-    quantiser received} (the device's float tensor before quantisation)."""
+    encodings, applied in order. record: None, or a dict that receives {node (its tap name) or node/point, or
+    "module:input.i": the value its first quantiser received} (the device's float tensor before quantisation)."""
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
                  taps: dict | None = None, points: dict | None = None, placement=None):
@@ -77,11 +77,18 @@ class Quantisers:
 
     def output(self, node: str, y: np.ndarray) -> np.ndarray:
         enc = self.outputs.get(node) if self.outputs else None
-        return y if enc is None else self._apply(node, enc, y)
+        return y if enc is None else self._apply(self.taps.get(node, node), enc, y)
 
     def at(self, node: str):
         """The hook of node's kernel: its sub-op points' quantisers (kernels/activation.Unhooked where none)."""
         return self._hooks.get(node, unhooked) if self._hooks else unhooked
+
+    def within(self, prefix: str):
+        """A hook over a block's nodes (a kernel computing several: the MoE router): point "node" is node
+        prefix.node's output, "node/p" its point p."""
+        if not (self.outputs or self._hooks):
+            return unhooked
+        return BlockHook(self, prefix)
 
     def output_taps(self) -> dict[str, Encoding]:
         """{tap: Encoding} of every output-quantised tap (the last of a chain: the values the tap holds)."""
@@ -103,6 +110,24 @@ class Quantisers:
                 placed.append({"module": module, "io": "output", "index": 0, "tap": self.taps.get(module, module),
                                **self.outputs[module].describe()})
         return {"quantisers": placed, "unplaced": list(self.unplaced)}
+
+
+class BlockHook:
+    """Quantisers.within(prefix): hook("node" | "node/point", value) for the nodes under prefix."""
+
+    def __init__(self, quantisers: Quantisers, prefix: str):
+        self.quantisers, self.prefix = quantisers, prefix
+        cut = len(prefix) + 1
+        self.points = frozenset([n[cut:] for n in quantisers.outputs if n.startswith(prefix + ".")]
+                                + [f"{n[cut:]}/{p}" for n, h in quantisers._hooks.items() if n.startswith(prefix + ".")
+                                   for p in h.points])
+
+    def __call__(self, point: str, value):
+        if point not in self.points:
+            return value
+        node, _, sub = point.partition("/")
+        node = f"{self.prefix}.{node}"
+        return self.quantisers.at(node)(sub, value) if sub else self.quantisers.output(node, value)
 
 
 class Hook:

@@ -19,7 +19,7 @@ which taps are HF modules' outputs that can carry them and which taps are those 
 import numpy as np
 
 from ..graph import Node, Point, declare, merge
-from ..kernels.activation import ACTIVATIONS, activate, sigmoid, sigmoid_rounded
+from ..kernels.activation import ACTIVATIONS, activate, sigmoid, sigmoid_rounded, unhooked
 from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
@@ -128,7 +128,10 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
     logits = tap(p, "router_logits", project(w, f"{p}.gate", x, ctx)).reshape(B * T, -1)          # router logits [N, E]
-    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
+    quant = ctx.quant
+    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r, at=quant.within(p))
+    weights = quant.output(f"{p}.routing_weights", weights)
+    at = quant.at(f"{p}.experts")
     w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))
     experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
@@ -136,10 +139,18 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
 
     def expert(e: int, xe: np.ndarray) -> np.ndarray:
         gate, up, down = w.expert(f"{p}.experts", e)
-        return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
+        if at is unhooked:
+            return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
+        # a device graph's points: x W_gate_up^T split in [gate | up], silu as x * sigmoid(x), the product, down
+        g, u = r(linear(xe, gate)), r(linear(xe, up))                                  # [n_e, Ie] each
+        if "gate_up" in at.points:
+            g, u = np.split(at("gate_up", np.concatenate([g, u], axis=-1)), 2, axis=-1)
+        g, u = at("gate", g), at("up", u)
+        a = at("act", r(activate(cfg.hidden_act, g, at=at)))                          # act(gate)
+        return at("down", r(linear(at("hidden", r(a * u)), down)))                    # (act * up) W_down^T
 
-    out = mix_experts(xs, experts, weights, expert, rnd=r)
-    out = tap(p, "experts", out.reshape(B, T, H)).reshape(B * T, H)
+    out = mix_experts(xs, experts, weights, expert, rnd=r, at=at)
+    out = tap(p, "experts", quant.output(f"{p}.experts", out.reshape(B, T, H))).reshape(B * T, H)
     if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
         shared = mlp(w, f"{p}.shared_expert", x, cfg, ctx).reshape(B * T, H)
         gate = tap(p, "shared_expert_gate", project(w, f"{p}.shared_expert_gate", x, ctx)).reshape(B * T, 1)
@@ -316,16 +327,27 @@ def moe_nodes(cfg, i: int) -> dict:
     checkpoint has one the shared expert and its gate."""
     p, x = f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm"
     shared = cfg.shared_expert_intermediate_size
+    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("indices",)),)
+    weights = top + ((Point("sum", ("ReduceSum",), ("/top-k",)), Point("", ("Div",), ("/top-k", "/sum")))
+                     if cfg.norm_topk_prob else ())
     nodes = declare({
         "router_logits": Node("linear", "router logits = x Wr^T", (x,), shape="[B, T, E]", module=1,
-                              module_name="gate"),
-        "router_probs": Node("softmax", "softmax over experts (float32)", (f"{p}.router_logits",), shape="[B, T, E]"),
+                              module_name="gate", points=linear_points(x, f"{p}.gate.weight")),
+        "router_probs": Node("softmax", "softmax over experts (float32)", (f"{p}.router_logits",), shape="[B, T, E]",
+                             points=(Point("", ("Softmax",), (f"{p}.router_logits",)),)),
         "selected_experts": Node("top-k", "k experts of highest probability (ties: lower id)", (f"{p}.router_logits",),
                                  shape="[B, T, k] int"),
         "routing_weights": Node("top-k weights", "their probabilities, renormalised if norm_topk_prob",
-                                (f"{p}.router_logits",), shape="[B, T, k]"),
+                                (f"{p}.router_logits",), shape="[B, T, k]", points=weights),
         "experts": Node("expert mix", "sum_e w_e * down_e(act(gate_e x) * up_e x), ascending e",
-                        (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]"),
+                        (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]", points=(
+                            Point("gate_up", ("MatMul",), (f"weight:{p}.experts.gate_up_proj", x)),
+                            Point("gate", ("Split",), ("/gate_up",), more=("up",)),
+                            Point("sigmoid", ("Sigmoid",), ("/gate",)), Point("act", ("Mul",), ("/gate", "/sigmoid")),
+                            Point("hidden", ("Mul",), ("/act", "/up")),
+                            Point("down", ("MatMul",), (f"weight:{p}.experts.down_proj", "/hidden")),
+                            Point("weighted", ("Mul",), ("/down", f"{p}.routing_weights")),
+                            Point("", ("ReduceSum",), ("/weighted",)))),
     }, p, i)
     if shared:
         nodes = merge(nodes, mlp_nodes(f"{p}.shared_expert", x, i), declare({"shared_expert_gate": Node(
@@ -351,6 +373,8 @@ def decoder_layer_nodes(cfg, i: int, mixer_nodes: dict, mixer_output: str) -> di
     """`decoder_layer`'s taps around its token mixer's (mixer_nodes, whose output tap is mixer_output)."""
     p, norm = f"model.layers.{i}", norm_formula(cfg)
     ff = f"{p}.mlp" if cfg.is_moe_layer(i) else f"{p}.mlp.down_proj"
+    # the value the residual add reads in an exported graph: a MoE block without shared expert is its expert mix
+    ff_value = f"{p}.mlp.experts" if cfg.is_moe_layer(i) and not cfg.shared_expert_intermediate_size else ff
     x, h = layer_input(i), f"{p}.attn_residual"
     return merge(
         declare({"input_layernorm": Node("rms_norm", norm, (x,), shape="[B, T, H]", module=1,
@@ -363,7 +387,7 @@ def decoder_layer_nodes(cfg, i: int, mixer_nodes: dict, mixer_output: str) -> di
                 p, i),
         feed_forward_nodes(cfg, i),
         declare({"": Node("residual add", "out = attn_residual + mlp", (h, ff), shape="[B, T, H]",
-                          points=(Point("", ("Add",), (h, ff)),))}, p, i))
+                          points=(Point("", ("Add",), (h, ff_value)),))}, p, i))
 
 
 def layer_nodes(cfg, i: int) -> dict:
