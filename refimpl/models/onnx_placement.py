@@ -69,16 +69,21 @@ class Placement:
         return {name: encs for name, encs in self.activations.items() if "/" not in name}
 
     def describe(self) -> dict:
-        """The manifest record: per node / point / weight, its quantisers (ONNX tensor, encoding) in order; the shared
-        ones; the unplaced ones with their reasons."""
+        """The manifest record: per node output (io "output", its tap), point (io "point") and weight (io
+        "weight"), the ONNX tensors whose quantisers act there in order and the last one's encoding (the values the
+        tensor holds); the shared quantisers; the unplaced ones with their reasons."""
         by_place = {}
         for tensor, wheres in self.tensors.items():
             for w in wheres:
                 by_place.setdefault(w, []).append(tensor)
-        return {"source": self.source, "placed": self.placed, "total": self.total,
-                "quantisers": [{"at": w, "onnx": tensors} for w, tensors in by_place.items()],
-                "shared": dict(self.shared),
-                "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
+        placed = []
+        for table, io in ((self.activations, None), (self.weights, "weight")):
+            for where, chain in table.items():
+                kind = io or ("point" if "/" in where else "output")
+                placed.append({"at": where, "io": kind, **({"tap": where} if kind == "output" else {}),
+                               "onnx": by_place.get(where, []), **chain[-1].describe()})
+        return {"source": self.source, "placed": self.placed, "total": self.total, "quantisers": placed,
+                "shared": dict(self.shared), "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
 
     def summary(self) -> str:
         return f"{self.source}: {self.placed} of {self.total} quantisers placed" + (

@@ -1,0 +1,105 @@
+"""A quantised device graph's quantisers placed on refimpl's graph by structure (refimpl/models/onnx_placement.py),
+and refimpl computing through exactly the declared points.
+
+Fixtures: tests/fixtures/quantised/*-qdq-structure.onnx, tiny presets exported by torch.onnx.export and quantised
+W8A16 by onnxruntime's QNN QDQ config (tests/quantised/make_structure_fixtures.py; weights zero-filled: placement
+reads the graph and the scales)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refimpl
+from refimpl.encodings import Encoding
+from refimpl.errors import InputError
+from refimpl.graph import points
+from refimpl.models import qwen3
+from refimpl.models.config import config_from_dict
+from refimpl.models.model import expected_tensors, graph
+from refimpl.models.onnx_placement import place_onnx
+from refimpl.models.quantisers import Quantisers
+from refimpl.presets import PRESETS
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "quantised"))
+from qdq_minimal import read_qdq_minimal  # noqa: E402  (until refimpl.formats.qdq, branch i27read, lands)
+
+FIXTURES = HERE / "fixtures" / "quantised"
+MODELS = ["tiny-qwen3", "tiny-qwen3-moe"]
+
+
+def config(preset):
+    return config_from_dict({**PRESETS[preset], "vocab_size": 256})
+
+
+def placed(preset, strict=False):
+    g, encs = read_qdq_minimal(FIXTURES / f"{preset}-qdq-structure.onnx")
+    cfg = config(preset)
+    return g, encs, place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"}, strict)
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_every_quantiser_of_a_w8a16_qdq_model_is_placed_at_a_point_of_its_op(preset):
+    g, encs, p = placed(preset)
+    assert (p.placed, p.total, p.unplaced) == (len(encs), len(encs), [])
+    declared, producers = points(graph(config(preset))), g.producers()
+    acting = [(t, w) for t, ws in p.tensors.items() for w in ws if t in producers and w in declared]
+    assert len(acting) > 0.5 * len(encs)
+    for tensor, where in acting:   # a point's own quantiser sits on an output of an op it declares, or data movement
+        op = producers[tensor].op_type
+        assert op in declared[where][1].onnx or op in ("Transpose", "Reshape", "Unsqueeze", "Slice", "Squeeze",
+                                                       "Expand", "Gather", "Concat", "Split"), (tensor, op, where)
+    weights = set(p.weights)
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.input_layernorm.weight"} <= weights
+    norm = "model.layers.0.input_layernorm"
+    for sub in ("x^2", "mean", "+eps", "sqrt", "1/sqrt", "x*1/sqrt", "eps", "2"):
+        assert f"{norm}/{sub}" in p.activations
+    for sub in ("cos", "sin", "x*cos", "-x2", "rotate_half", "rotate_half*sin"):
+        assert f"model.layers.0.self_attn.q_rope/{sub}" in p.activations
+    for sub in ("mask", "scale", "q*k^T", "scaled", "keys", "past_keys"):
+        assert f"model.layers.0.self_attn.attn_scores/{sub}" in p.activations
+
+
+def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(monkeypatch):
+    original = qwen3.norm_points
+    monkeypatch.setattr(qwen3, "norm_points", lambda cfg, x, w: tuple(pt for pt in original(cfg, x, w)
+                                                                      if pt.name != "sqrt"))
+    g, encs, p = placed("tiny-qwen3")
+    assert p.unplaced and p.placed < len(encs)
+    assert any("Sqrt" in reason and "matches no declared point" in reason for _, reason in p.unplaced)
+    with pytest.raises(InputError, match="quantisers placed.*--strict-encodings"):
+        placed("tiny-qwen3", strict=True)
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_the_code_computes_through_exactly_the_declared_points(preset):
+    """A quantiser (float16) at every declared point and node output: the forward passes a value through each,
+    a prompt and a cached step (the past keys / values points act from the second call)."""
+    m = refimpl.load(preset)
+    nodes = graph(m.config)
+    f16 = Encoding(16, np.float32(1), np.int32(0), float_dtype=np.float16)
+    outputs, pts = {}, {}
+    for name, (node, pt) in points(nodes).items():
+        if pt.name:
+            pts.setdefault(node, {})[pt.name] = f16
+        else:
+            outputs[nodes[node].module_name or node] = f16
+    m.quantisers = Quantisers(outputs=outputs, points=pts, taps={nodes[n].module_name: n for n in nodes
+                                                                  if nodes[n].module_name})
+    m.quantisers.record = {}
+    cache = m.new_cache()
+    m.forward(np.array([[1, 2, 3, 4]]), cache=cache)
+    m.forward(np.array([[5]]), cache=cache)
+    assert set(m.quantisers.record) == set(points(nodes))
+
+
+def test_float_path_hooks_are_the_identity():
+    """No quantiser: every kernel's hook is the shared identity (the float path computes as before; golden anchors,
+    tests/test_golden.py, are bit-identical)."""
+    from refimpl.kernels.activation import unhooked
+    m = refimpl.load("tiny-qwen3")
+    assert m.quantisers.at("model.layers.0.input_layernorm") is unhooked
+    assert m.quantisers.within("model.layers.0.mlp") is unhooked
