@@ -84,8 +84,9 @@ def precision_flags(p) -> None:
                    help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
                         "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
     p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its "
-                                       "activations quantised where AIMET's QuantSim quantises them (docs/numerics.md); "
-                                       "or a QDQ .onnx model: its quantisers placed on refimpl's graph (docs/precision.md)")
+                                       "activations quantised where AIMET's QuantSim quantises them "
+                                       "(docs/numerics.md); or a QDQ .onnx model: its quantisers placed on "
+                                       "refimpl's graph (docs/precision.md)")
     p.add_argument("--onnx", metavar="MODEL.onnx",
                    help="with --encodings from aimet-onnx: the ONNX model whose tensors the file names (its quantisers "
                         "are placed by that graph's structure, docs/precision.md)")
