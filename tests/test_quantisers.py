@@ -122,6 +122,9 @@ def test_the_module_tables_are_what_the_code_quantises(preset, tmp_path):
 
         def at(self, node):
             return inner.at(node)
+
+        def within(self, prefix):
+            return inner.within(prefix)
     q.quantisers = Asking()
     cache = q.new_cache()
     with refimpl.trace() as tr:
