@@ -74,7 +74,7 @@ def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(mon
         placed("tiny-qwen3", strict=True)
 
 
-@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_the_code_computes_through_exactly_the_declared_points(preset):
     """A quantiser (float16) at every declared point and node output: the forward passes a value through each,
     a prompt and a cached step (the past keys / values points act from the second call)."""

@@ -29,7 +29,10 @@ from ..graph import points as declared_points
 
 ROLES = ("const:", "weight:", "input:")
 ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
-DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze", "Expand",
+CONDITIONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "IsNaN", "IsInf",
+              "Shape", "Size", "NonZero", "Range", "ConstantOfShape", "EyeLike"}   # shapes, masks, conditions
+DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze",
+                         "Expand",
                          "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
 MOVES = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Identity", "Cast", "Flatten", "Split", "Slice",
          "Concat", "Gather", "GatherND", "GatherElements", "QuantizeLinear", "DequantizeLinear", "Tile"}
@@ -124,31 +127,57 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     value, const, ginput = {}, {}, {}     # tensor -> point name / (root initializer, path) / (graph input, path)
     path = {}                             # tensor -> tensors from its root (a point's output, a constant, an input)
     uses = {}                             # constant / graph-input tensor -> [(where, kind)] it was read as
-    assigned, produced_by = set(), {}
+    assigned, derived = set(), {}        # derived: a tensor computed from graph inputs only -> its op
     for g in graph.inputs:
         ginput[g], path[g] = g, (g,)
     for t in consts:
         const[t], path[t] = t, (t,)
     unmatched = {}                        # tensor -> why its node matched nothing
+    ancestry = {}                         # an unmatched tensor -> the found values it is computed from
+    opaque = {node: frozenset(_full(node, i) for i in pt.inputs) for _, (node, pt) in pts.items() if "*" in pt.onnx}
+
+    def candidates_of(n, kinds):
+        values = tuple(sorted(v for k, v in kinds if k == "v"))
+        n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
+        return [c for c in index.get((n.op_type, values), ()) if c not in assigned
+                and _counts(pts[c][1]) == (n_const, n_input)
+                and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+
     for n in graph.nodes:
         outs = [o for o in n.outputs if o]
         ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
-        if n.op_type == "Constant" or (ins and all(i in const for i in ins)):
-            for o in outs:
+        if n.op_type == "Constant" or n.op_type in CONDITIONS or (ins and all(i in const for i in ins)):
+            for o in outs:                # a constant (computed from constants), a shape, a condition
                 const[o], path[o] = o, (o,)
             continue
         kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
                  else ("?", i) for i in ins]
+        candidates = []
         if any(k == "?" for k, _ in kinds):
-            why = next(unmatched.get(i, "its input is unknown") for k, i in kinds if k == "?")
-            for o in outs:
-                unmatched[o] = why
-            continue
-        values = tuple(sorted(v for k, v in kinds if k == "v"))
-        n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
-        candidates = [c for c in index.get((n.op_type, values), ()) if c not in assigned
-                      and _counts(pts[c][1]) == (n_const, n_input)
-                      and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+            # an opaque node's output (a kernel refimpl computes in another factorisation: the chunked delta rule)
+            # is the first unmatched tensor, computed from its inputs, that a declared point reads
+            for node, needs in opaque.items():
+                if node in assigned:
+                    continue
+                tried = [("v", node) if k == "?" and needs & ancestry.get(i, frozenset()) else (k, i)
+                         for k, i in kinds]   # (a Loop body reads outer values without naming them: some suffice)
+                if not any(k == "?" for k, _ in tried) and candidates_of(n, tried):
+                    for (k, i), (k2, _) in zip(kinds, tried):
+                        if k == "?" and k2 == "v":
+                            value[i], path[i] = node, (i,)
+                    assigned.add(node)
+                    kinds = tried
+                    break
+            else:
+                why = next(unmatched.get(i, "its input is unknown") for k, i in kinds if k == "?")
+                if why.startswith("inside "):   # the opaque kernel's own ops: name each
+                    why = why.split(" (")[0] + f" ({n.op_type} {n.name})" + why[why.index("):") + 1:]
+                anc = frozenset().union(*(ancestry.get(i, frozenset()) if k == "?" else {i} if k == "v" else ()
+                                          for k, i in kinds))
+                for o in outs:
+                    unmatched[o], ancestry[o] = why, anc | {v for k, v in kinds if k == "v"}
+                continue
+        candidates = candidates_of(n, kinds)
         if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
             named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
                                                   for k, i in kinds if k == "c" for w in pts[c][1].inputs
@@ -156,11 +185,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
             point = (named or candidates)[0]
             assigned.add(point)
             node, pt = pts[point]
-            value[outs[0]], path[outs[0]], produced_by[outs[0]] = point, (outs[0],), point
-            for o, more in zip(n.outputs[1:], pt.more):       # a Split's second half, TopK's indices
+            value[outs[0]], path[outs[0]] = point, (outs[0],)
+            for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
                 if o:
-                    value[o] = path[o] = point_name(node, more)
-                    path[o] = (o,)
+                    value[o], path[o] = point_name(node, more), (o,)
             roles = [i for i in pt.inputs if i.startswith(("const:", "weight:", "input:"))]
             for (k, i), role in zip([ki for ki in kinds if ki[0] in "ci"], _ordered(roles, kinds)):
                 where = role[7:] if role.startswith("weight:") else _full(node, "/" + role.split(":", 1)[1])
@@ -178,9 +206,20 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                 else:
                     const[o] = const[src]
             continue
+        if all(k in "ci" for k, _ in kinds):      # computed from graph inputs only: the host's mask plumbing
+            for o in outs:
+                ginput[o], path[o] = o, (o,)
+                derived[o] = f"{n.op_type} {n.name}"
+            continue
+        anc = frozenset(v for k, v in kinds if k == "v")
+        inside = [node for node, needs in opaque.items() if node not in assigned and needs & anc]
         for o in outs:
-            unmatched[o] = f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})"
-    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source)
+            unmatched[o] = (f"inside {inside[0]} ({n.op_type} {n.name}): refimpl computes that kernel in another "
+                            f"factorisation and declares no points inside it" if inside else
+                            f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})")
+            ancestry[o] = anc
+    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+                   weight_names)
 
 
 def _full(node: str, name: str) -> str:
@@ -215,7 +254,8 @@ def _moves_only(op: str, kinds) -> bool:
     return op == "Concat" and len({v for _, v in kinds}) == 1
 
 
-def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source) -> Placement:
+def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+            weight_names) -> Placement:
     activations, weights, tensors, shared, unplaced = {}, {}, {}, {}, []
 
     def put(table, where, tensor, enc):
@@ -235,9 +275,13 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
             root = path[tensor][0]
             readers = [(w, kind) for t, ws in uses.items() if path.get(t, (None,))[0] == root
                        and tensor in path[t] for w, kind in ws]
+            weight = tensor in const and _checkpoint(tensor, weight_names)
+            if not readers and weight:            # a checkpoint weight read through a constant op (1 + w, exp(A_log))
+                readers = [(weight, "weight")]
             if not readers:
-                unplaced.append((tensor, f"a {'constant' if tensor in const else 'graph input'} no matched point "
-                                         f"reads"))
+                what = (f"computed from graph inputs only ({derived[root]}: the host's plumbing)" if root in derived
+                        else "a constant" if tensor in const else "a graph input")
+                unplaced.append((tensor, f"{what}, read by no matched point"))
             for where, kind in dict.fromkeys(readers):
                 put(weights if kind == "weight" else activations, where, tensor, enc)
         elif tensor in unmatched:

@@ -296,7 +296,7 @@ def attention_nodes(cfg, i: int, gated: bool = False) -> dict:
                                     Point("", ("MatMul",), (f"{p}.attn_probs", "/values")))),
         **({"gated_output": Node("gate", "o * sigmoid(gate)", (f"{p}.attn_output", f"{p}.gate"),
                                  shape="[B, T, Hq*D]",
-                                 points=(Point("sigmoid", ("Sigmoid",), (f"{p}.gate",)),
+                                 points=(Point("sigmoid", ("Sigmoid",), (f"{p}.q_proj",)),   # gate: q_proj's half
                                          Point("", ("Mul",), (f"{p}.attn_output", "/sigmoid"))))}
            if gated else {}),
         "o_proj": Node("linear", "y = o Wo^T (+ b)", (o_in,), shape="[B, T, H]", module=1,
