@@ -1,9 +1,9 @@
 """A quantised device graph's quantisers placed on refimpl's graph by structure (refimpl/models/onnx_placement.py),
 and refimpl computing through exactly the declared points.
 
-Fixtures: tests/fixtures/quantised/*-qdq-structure.onnx, tiny presets exported by torch.onnx.export and quantised
-W8A16 by onnxruntime's QNN QDQ config (tests/quantised/make_structure_fixtures.py; weights zero-filled: placement
-reads the graph and the scales)."""
+Fixtures (tests/quantised/make_structure_fixtures.py): tiny presets (vocab 256) exported as a Genie graph by
+torch.onnx.export and quantised W8A16 by onnxruntime's QNN QDQ config: tests/fixtures/quantised/tiny-qwen3-qdq.onnx
+whole, *-qdq-structure.onnx with the weights zero-filled (placement reads the graph and the scales)."""
 
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ from refimpl.models.quantisers import Quantisers
 from refimpl.presets import PRESETS
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE / "quantised"))
+sys.path[:0] = [str(HERE / "quantised"), str(HERE / "e2e")]
 from qdq_minimal import read_qdq_minimal  # noqa: E402  (until refimpl.formats.qdq, branch i27read, lands)
 
 FIXTURES = HERE / "fixtures" / "quantised"
@@ -34,8 +34,12 @@ def config(preset):
     return config_from_dict({**PRESETS[preset], "vocab_size": 256})
 
 
+def fixture(preset):
+    return FIXTURES / (f"{preset}-qdq.onnx" if preset == "tiny-qwen3" else f"{preset}-qdq-structure.onnx")
+
+
 def placed(preset, strict=False):
-    g, encs = read_qdq_minimal(FIXTURES / f"{preset}-qdq-structure.onnx")
+    g, encs = read_qdq_minimal(fixture(preset))
     cfg = config(preset)
     return g, encs, place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"}, strict)
 
@@ -103,3 +107,51 @@ def test_float_path_hooks_are_the_identity():
     m = refimpl.load("tiny-qwen3")
     assert m.quantisers.at("model.layers.0.input_layernorm") is unhooked
     assert m.quantisers.within("model.layers.0.mlp") is unhooked
+
+
+def test_a_golden_with_a_device_graph_records_every_quantiser_in_its_manifest(tmp_path):
+    from refimpl.bundle import read_bundle
+    from refimpl.golden import write_golden
+    from refimpl.models.model import Model
+    from refimpl.precision import Policy
+    from refimpl.presets import random_weights
+    f = fixture("tiny-qwen3")
+    cfg = config("tiny-qwen3")
+    m = Model.from_arrays(cfg, random_weights(cfg), "preset", Policy(weights="encodings", encodings=str(f)),
+                          device=read_qdq_minimal(f))
+    out = write_golden(tmp_path / "q", m, np.array([[1, 2, 3, 4]]), source="preset", codes=True)
+    q = read_bundle(out).manifest["quantisation"]
+    assert (q["placed"], q["total"], q["unplaced"]) == (408, 408, [])
+    assert q["encodings"]["file"] == f.name
+    rows = {r["at"]: r for r in q["quantisers"]}
+    assert rows["model.layers.0.input_layernorm/x^2"]["io"] == "point"
+    assert rows["model.layers.0.self_attn.attn_probs"]["io"] == "output"
+    assert rows["model.layers.0.self_attn.q_proj.weight"]["io"] == "weight"
+    assert len({t for r in q["quantisers"] for t in r["onnx"]}) + len(q["shared"]) == 408
+
+
+@pytest.mark.oracle
+def test_refimpl_with_a_qdq_models_quantisers_computes_what_onnxruntime_computes():
+    """refimpl with the fixture's quantisers placed vs onnxruntime running that QDQ model (CPU EP, graph
+    optimizations off: its QDQ fusions compute in integer kernels, another arithmetic), on the fixture's own
+    calibration input: max |refimpl - ORT| <= 1 % of max |float - ORT| on logits."""
+    import onnxruntime as ort
+
+    from refimpl.models.model import Model
+    from refimpl.precision import Policy, policy
+    from refimpl.presets import random_weights
+    f = fixture("tiny-qwen3")
+    config_ = {**PRESETS["tiny-qwen3"], "vocab_size": 256, "eos_token_id": 256 - 48, "bos_token_id": 256 - 49}
+    cfg = config_from_dict(config_)
+    arrays = random_weights(cfg, seed=11)                     # tests/e2e/devices.small_preset's weights
+    arrays["model.embed_tokens.weight"] = arrays["model.embed_tokens.weight"] * np.float32(0.05)
+    inputs = dict(np.load(FIXTURES / "tiny-qwen3-qdq-inputs.npz"))   # the export's example and calibration input
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.graph_optimization_level = 1, ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(f), options, providers=["CPUExecutionProvider"])
+    device = s.run(["logits"], {i.name: inputs[i.name] for i in s.get_inputs()})[0]
+    ids = inputs["input_ids"].astype(np.int64)
+    m = Model.from_arrays(cfg, arrays, "e2e", Policy(weights="encodings", encodings=str(f)), device=read_qdq_minimal(f))
+    assert m.quantisers.placement.unplaced == []
+    ours, floating = m.forward(ids), Model.from_arrays(cfg, arrays, "e2e", policy("float32")).forward(ids)
+    assert np.abs(ours - device).max() <= 0.01 * np.abs(floating - device).max()

@@ -1,7 +1,9 @@
-"""Regenerate tests/fixtures/quantised/*-qdq-structure.onnx: tiny presets (vocab 256, tests/e2e/devices.small_preset)
-as GenieGraph (prompt AR 8, CL 32) exported by torch.onnx.export (dynamo, optimize=True), quantised W8A16 by
-onnxruntime.quantization's QNN QDQ config on one calibration input, then every quantised / float initializer of more
-than 16 elements zero-filled (the graph, its scales and zero points kept: what placement reads; zeros compress).
+"""Regenerate tests/fixtures/quantised/: tiny presets (vocab 256, tests/e2e/devices.small_preset) as GenieGraph
+(prompt AR 8, CL 32) exported by torch.onnx.export (dynamo, optimize=True), quantised W8A16 by
+onnxruntime.quantization's QNN QDQ config on one calibration input (genie_inputs; tiny-qwen3-qdq-inputs.npz). The
+tiny Qwen3 is kept whole (tiny-qwen3-qdq.onnx, run by onnxruntime in the tests); the others as *-qdq-structure.onnx,
+every initializer of more than 16 elements but scales / zero points zero-filled (what placement reads; zeros
+compress).
 
     PYTHONPATH=. python tests/quantised/make_structure_fixtures.py tiny-qwen3 tiny-qwen3-moe tiny-qwen3.5
 """
@@ -91,5 +93,8 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         for preset in sys.argv[1:]:
             f, inputs = export(preset, Path(tmp))
-            structure_only(qdq(f, inputs, Path(tmp) / "qdq.onnx"), OUT / f"{preset}-qdq-structure.onnx")
-            print(OUT / f"{preset}-qdq-structure.onnx")
+            if preset == "tiny-qwen3":
+                qdq(f, inputs, OUT / f"{preset}-qdq.onnx")
+                np.savez_compressed(OUT / f"{preset}-qdq-inputs.npz", **inputs)
+            else:
+                structure_only(qdq(f, inputs, Path(tmp) / "qdq.onnx"), OUT / f"{preset}-qdq-structure.onnx")
