@@ -243,7 +243,8 @@ def linear_attention_nodes(cfg, i: int) -> dict:
             Point("softplus", ("Where",), ("const:threshold", "/+dt_bias", "/softplus_raw")),
             Point("", ("Mul",), ("const:-exp(A_log)", "/softplus")))),
         "core": Node("gated delta rule", "S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)", core_in,
-                     shape="[B, T, Hv, Dv]", points=(Point("", ("*",), (f"{p}.q", f"{p}.k", f"{p}.beta", f"{p}.g")),)),
+                     shape="[B, T, Hv, Dv]",
+                     points=(Point("", ("*",), (f"{p}.q", f"{p}.k", f"{silu_out}/split_v", f"{p}.beta", f"{p}.g")),)),
         "norm": Node("rms_norm_gated", "y = w * x / sqrt(mean(x^2) + eps) * silu(z)", (f"{p}.core", f"{p}.z"),
                      shape="[B, T, Hv, Dv]", module=2, points=(
                          *qwen3.norm_points(cfg, f"{p}.core", None)[:-1],

@@ -194,9 +194,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                 where = role[7:] if role.startswith("weight:") else _full(node, "/" + role.split(":", 1)[1])
                 uses.setdefault(i, []).append((where, "weight" if role.startswith("weight:") else "point"))
             continue
-        if n.op_type in MOVES:
-            data = kinds[0]
-            src = ins[0]
+        if n.op_type in MOVES:   # the moved data: a Concat's value (else its graph input), any other op's first operand
+            order = [next((j for j, (k, _) in enumerate(kinds) if k == want), None) for want in "vic"]
+            first = next(j for j in order if j is not None) if n.op_type == "Concat" else 0
+            data, src = kinds[first], ins[first]
             for o in outs:
                 path[o] = path[src] + (o,)
                 if data[0] == "v":
