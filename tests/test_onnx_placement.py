@@ -155,3 +155,28 @@ def test_refimpl_with_a_qdq_models_quantisers_computes_what_onnxruntime_computes
     assert m.quantisers.placement.unplaced == []
     ours, floating = m.forward(ids), Model.from_arrays(cfg, arrays, "e2e", policy("float32")).forward(ids)
     assert np.abs(ours - device).max() <= 0.01 * np.abs(floating - device).max()
+
+
+def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatch):
+    """`refimpl golden --encodings model_qdq.onnx`: every quantiser placed and recorded; --onnx without --encodings
+    and --strict-encodings with an unplaced quantiser are one-line errors, exit 2, nothing written."""
+    import importlib.util
+    import json
+    import types
+
+    from refimpl.cli import main
+    if importlib.util.find_spec("refimpl.formats.qdq") is None:   # the reader is branch i27read's
+        monkeypatch.setitem(sys.modules, "refimpl.formats.qdq", types.SimpleNamespace(read_qdq=read_qdq_minimal))
+    f = fixture("tiny-qwen3")
+    args = ["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "-q"]
+    assert main([*args, "--out", str(tmp_path / "q"), "--encodings", str(f)]) == 0
+    q = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantisation"]
+    assert (q["placed"], q["total"]) == (408, 408)
+    assert main([*args, "--out", str(tmp_path / "a"), "--onnx", str(f)]) == 2
+    assert "--onnx needs --encodings" in capsys.readouterr().err
+    original = qwen3.rope_points
+    monkeypatch.setattr(qwen3, "rope_points", lambda x, partial: original(x, partial)[1:])   # x*cos undeclared
+    assert main([*args, "--out", str(tmp_path / "b"), "--encodings", str(f), "--strict-encodings"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of 408 quantisers placed" in err and "--strict-encodings" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
