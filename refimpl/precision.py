@@ -196,7 +196,13 @@ def from_manifest(recorded: dict, encodings: str | None = None, onnx: str | None
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx)
+    graph = (recorded.get("encodings") or {}).get("onnx")
+    if graph and onnx is None:
+        raise InputError(f"the bundle's encodings name the tensors of an ONNX model ({graph.get('file')}); "
+                         f"give it again (--onnx)")
+    if graph and sha256_file(onnx, "ONNX model", InputError)[0] != graph.get("sha256"):
+        raise InputError(f"{onnx}: sha256 differs from the bundle's ONNX model ({str(graph.get('sha256'))[:12]})")
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx if graph else None)
 
 
 def policy(precision) -> Policy:
