@@ -67,6 +67,32 @@ def test_every_quantiser_of_a_w8a16_qdq_model_is_placed_at_a_point_of_its_op(pre
         assert f"model.layers.0.self_attn.attn_scores/{sub}" in p.activations
 
 
+def test_qwen35_everything_outside_the_chunked_delta_rule_is_placed():
+    """Qwen3.5's float Genie graph with an encoding on every float tensor (a superset of any quantisation config's):
+    the Gated DeltaNet and gated attention outside the delta rule are placed; the chunked delta rule's insides (refimpl
+    declares no points there) and the host's mask arithmetic are listed with those reasons, nothing else."""
+    from refimpl.formats.onnx_graph import read_onnx
+    g = read_onnx(FIXTURES / "tiny-qwen3.5-structure.onnx")
+    cfg = config("tiny-qwen3.5")
+    enc = Encoding(16, np.float32(1e-3), np.int32(-30000))
+    skip = {"Shape", "Greater", "Less", "Equal", "Not", "And", "Cast", "Range", "ConstantOfShape", "NonZero",
+            "Constant", "EyeLike"}
+    encs = {o: enc for n in g.nodes if n.op_type not in skip for o in n.outputs if o}
+    encs.update({i: enc for i in g.inputs if i != "input_ids"})
+    p = place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"})
+    inside = [t for t, r in p.unplaced if r.startswith("inside model.layers.") and ".linear_attn.core (" in r]
+    other = [(t, r) for t, r in p.unplaced if t not in inside]
+    assert len(inside) > 2000 and p.placed > 350
+    assert len(other) <= 10 and all("graph input" in r or "host's plumbing" in r or "a constant" in r
+                                    for _, r in other), other
+    for sub in ("in_proj_qkv/masked", "conv1d/x", "conv1d", "conv1d_silu/sigmoid", "conv1d_silu/split_q", "q/x^2",
+                "k/1/sqrt", "beta", "g/+dt_bias", "g/softplus", "g", "core", "norm/x^2", "norm/silu(z)", "norm",
+                "out_proj"):
+        assert f"model.layers.0.linear_attn.{sub}" in p.activations, sub
+    for sub in ("q_rope/rot", "q_rope/sum", "q_rope", "gated_output/sigmoid", "gated_output", "attn_probs"):
+        assert f"model.layers.3.self_attn.{sub}" in p.activations, sub
+
+
 def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(monkeypatch):
     original = qwen3.norm_points
     monkeypatch.setattr(qwen3, "norm_points", lambda cfg, x, w: tuple(pt for pt in original(cfg, x, w)

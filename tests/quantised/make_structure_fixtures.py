@@ -1,9 +1,9 @@
 """Regenerate tests/fixtures/quantised/: tiny presets (vocab 256, tests/e2e/devices.small_preset) as GenieGraph
 (prompt AR 8, CL 32) exported by torch.onnx.export (dynamo, optimize=True), quantised W8A16 by
 onnxruntime.quantization's QNN QDQ config on one calibration input (genie_inputs; tiny-qwen3-qdq-inputs.npz). The
-tiny Qwen3 is kept whole (tiny-qwen3-qdq.onnx, run by onnxruntime in the tests); the others as *-qdq-structure.onnx,
-every initializer of more than 16 elements but scales / zero points zero-filled (what placement reads; zeros
-compress).
+tiny Qwen3 is kept whole (tiny-qwen3-qdq.onnx, run by onnxruntime in the tests); the others as *-qdq-structure.onnx
+(Qwen3.5: its float graph, *-structure.onnx), every initializer of more than 16 elements but scales / zero points
+emptied (what placement reads).
 
     PYTHONPATH=. python tests/quantised/make_structure_fixtures.py tiny-qwen3 tiny-qwen3-moe tiny-qwen3.5
 """
@@ -78,11 +78,17 @@ def qdq(f: Path, inputs: dict, out: Path) -> Path:
 
 
 def structure_only(src: Path, out: Path) -> Path:
+    """The graph with every initializer of more than 16 elements but scales / zero points emptied (name, dtype and
+    dims kept, no data: what placement reads) and the nodes' metadata dropped."""
     m = onnx.load(str(src))
     for t in m.graph.initializer:
         a = numpy_helper.to_array(t)
         if a.size > 16 and not t.name.endswith(("_scale", "_zero_point")):
-            t.CopyFrom(numpy_helper.from_array(np.zeros_like(a), t.name))
+            t.ClearField("raw_data")
+            for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(field)
+    for n in m.graph.node:
+        del n.metadata_props[:]
     onnx.save(m, str(out))
     return out
 
@@ -96,5 +102,7 @@ if __name__ == "__main__":
             if preset == "tiny-qwen3":
                 qdq(f, inputs, OUT / f"{preset}-qdq.onnx")
                 np.savez_compressed(OUT / f"{preset}-qdq-inputs.npz", **inputs)
+            elif "3.5" in preset:     # its QDQ calibration takes tens of minutes: the float graph's structure
+                structure_only(f, OUT / f"{preset}-structure.onnx")
             else:
                 structure_only(qdq(f, inputs, Path(tmp) / "qdq.onnx"), OUT / f"{preset}-qdq-structure.onnx")
