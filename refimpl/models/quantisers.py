@@ -59,12 +59,13 @@ class Quantisers:
         self.placement = placement               # an ONNX graph's placement (onnx_placement.Placement), if any
         self.record: dict | None = None
         self._rnd = rnd
-        self._hooks = {node: Hook(self, node, encs) for node, encs in self.points.items()}
+        self.hooks = {node: Hook(self, node, encs) for node, encs in self.points.items()}
 
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.points)
 
-    def _apply(self, name: str, enc, x):
+    def quantise(self, name: str, enc, x):
+        """x through the quantiser(s) enc (recorded as `name` when recording)."""
         if self.record is not None:
             self.record[name] = np.array(x, copy=True)
         for e in _chain(enc):
@@ -73,20 +74,20 @@ class Quantisers:
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None
-        return x if enc is None else self._apply(f"{module}:input.{i}", enc, x)
+        return x if enc is None else self.quantise(f"{module}:input.{i}", enc, x)
 
     def output(self, node: str, y: np.ndarray) -> np.ndarray:
         enc = self.outputs.get(node) if self.outputs else None
-        return y if enc is None else self._apply(self.taps.get(node, node), enc, y)
+        return y if enc is None else self.quantise(self.taps.get(node, node), enc, y)
 
     def at(self, node: str):
         """The hook of node's kernel: its sub-op points' quantisers (kernels/activation.Unhooked where none)."""
-        return self._hooks.get(node, unhooked) if self._hooks else unhooked
+        return self.hooks.get(node, unhooked) if self.hooks else unhooked
 
     def within(self, prefix: str):
         """A hook over a block's nodes (a kernel computing several: the MoE router): point "node" is node
         prefix.node's output, "node/p" its point p."""
-        if not (self.outputs or self._hooks):
+        if not (self.outputs or self.hooks):
             return unhooked
         return BlockHook(self, prefix)
 
@@ -119,7 +120,7 @@ class BlockHook:
         self.quantisers, self.prefix = quantisers, prefix
         cut = len(prefix) + 1
         self.points = frozenset([n[cut:] for n in quantisers.outputs if n.startswith(prefix + ".")]
-                                + [f"{n[cut:]}/{p}" for n, h in quantisers._hooks.items() if n.startswith(prefix + ".")
+                                + [f"{n[cut:]}/{p}" for n, h in quantisers.hooks.items() if n.startswith(prefix + ".")
                                    for p in h.points])
 
     def __call__(self, point: str, value):
@@ -143,7 +144,7 @@ class Hook:
         if enc is None:
             return value
         x = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else np.asarray(value, np.float32)
-        return self.quantisers._apply(f"{self.node}/{point}", enc, x)
+        return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
 
 
 NONE = Quantisers()
