@@ -29,7 +29,7 @@ class Point:
     onnx: tuple[str, ...]
     inputs: tuple[str, ...]
     formula: str = ""
-    more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half, TopK's indices)
+    more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half); "#name": integers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,11 @@ ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}  
 CONDITIONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "IsNaN", "IsInf",
               "Shape", "Size", "NonZero", "Range", "ConstantOfShape", "EyeLike"}   # shapes, masks, conditions
 DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze",
-                         "Expand",
+                         "Expand", "SequenceAt",
                          "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
 MOVES = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Identity", "Cast", "Flatten", "Split", "Slice",
-         "Concat", "Gather", "GatherND", "GatherElements", "QuantizeLinear", "DequantizeLinear", "Tile"}
+         "Concat", "Gather", "GatherND", "GatherElements", "QuantizeLinear", "DequantizeLinear", "Tile",
+         "SplitToSequence", "SequenceAt"}
 
 
 @dataclasses.dataclass
@@ -147,8 +148,9 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         outs = [o for o in n.outputs if o]
         ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
         if n.op_type == "Constant" or n.op_type in CONDITIONS or (ins and all(i in const for i in ins)):
-            for o in outs:                # a constant (computed from constants), a shape, a condition
-                const[o], path[o] = o, (o,)
+            moved = n.op_type in MOVES and ins and n.op_type not in CONDITIONS
+            for o in outs:                # a constant moved (a weight transposed, an expert's rows gathered) keeps its
+                const[o], path[o] = (const[ins[0]], path[ins[0]] + (o,)) if moved else (o, (o,))   # root; else its own
             continue
         kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
                  else ("?", i) for i in ins]
@@ -187,7 +189,9 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
             node, pt = pts[point]
             value[outs[0]], path[outs[0]] = point, (outs[0],)
             for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
-                if o:
+                if o and more.startswith("#"):                 # integers (indices): no values, like a shape
+                    const[o], path[o] = o, (o,)
+                elif o:
                     value[o], path[o] = point_name(node, more), (o,)
             roles = [i for i in pt.inputs if i.startswith(("const:", "weight:", "input:"))]
             for (k, i), role in zip([ki for ki in kinds if ki[0] in "ci"], _ordered(roles, kinds)):

@@ -327,7 +327,7 @@ def moe_nodes(cfg, i: int) -> dict:
     checkpoint has one the shared expert and its gate."""
     p, x = f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm"
     shared = cfg.shared_expert_intermediate_size
-    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("indices",)),)
+    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("#indices",)),)
     weights = top + ((Point("sum", ("ReduceSum",), ("/top-k",)), Point("", ("Div",), ("/top-k", "/sum")))
                      if cfg.norm_topk_prob else ())
     nodes = declare({
@@ -342,7 +342,8 @@ def moe_nodes(cfg, i: int) -> dict:
         "experts": Node("expert mix", "sum_e w_e * down_e(act(gate_e x) * up_e x), ascending e",
                         (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]", points=(
                             Point("gate_up", ("MatMul",), (f"weight:{p}.experts.gate_up_proj", x)),
-                            Point("gate", ("Split",), ("/gate_up",), more=("up",)),
+                            Point("gate", ("Split", "SequenceAt"), ("/gate_up",), more=("up",)),
+                            Point("up", ("SequenceAt",), ("/gate_up",)),   # an export without optimizer
                             Point("sigmoid", ("Sigmoid",), ("/gate",)), Point("act", ("Mul",), ("/gate", "/sigmoid")),
                             Point("hidden", ("Mul",), ("/act", "/up")),
                             Point("down", ("MatMul",), (f"weight:{p}.experts.down_proj", "/hidden")),
