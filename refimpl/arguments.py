@@ -84,7 +84,12 @@ def precision_flags(p) -> None:
                    help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
                         "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
     p.add_argument("--encodings", help="AIMET / QNN encodings JSON: the quantised device's weights, and its "
-                                       "activations quantised where AIMET's QuantSim quantises them (docs/numerics.md)")
+                                       "activations quantised where AIMET's QuantSim quantises them "
+                                       "(docs/numerics.md); or a QDQ .onnx model: its quantisers placed on "
+                                       "refimpl's graph (docs/precision.md)")
+    p.add_argument("--onnx", metavar="MODEL.onnx",
+                   help="with --encodings from aimet-onnx: the ONNX model whose tensors the file names (its quantisers "
+                        "are placed by that graph's structure, docs/precision.md)")
     p.add_argument("--strict-encodings", action="store_true",
                    help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
     p.add_argument("--max-resident", type=size, metavar="SIZE",
@@ -100,8 +105,9 @@ def load_model(args, source=None, strict=True):
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
-        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings)
-    elif args.strict_encodings:
-        raise InputError("--strict-encodings needs --encodings")
+        fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings,
+                      onnx=args.onnx)
+    elif args.strict_encodings or args.onnx:
+        raise InputError(f"--{'onnx' if args.onnx else 'strict-encodings'} needs --encodings")
     return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict,
                 max_resident_bytes=args.max_resident)

@@ -72,7 +72,10 @@ def cmd_info(args) -> int:
     placed = model.quantisers.describe(model.modules) if model.quantisers else None
     print(f"precision    activations {p.activations}, weights {p.weight_format}"
           + (f" ({p.encodings})" if p.encodings else "") + (f", kv {p.kv}" if p.kv else "")
-          + (f", {len(placed['quantisers'])} activation quantisers" if placed else ""))
+          + (f", {len(placed['quantisers'])} activation quantisers" if placed and "total" not in placed else "")
+          + (f", {placed['placed']} of {placed['total']} device-graph quantisers placed"
+             + (f" ({len(placed['unplaced'])} unplaced)" if placed["unplaced"] else "")
+             if placed and "total" in placed else ""))
     print(f"weights      {w.residency()}")
     if w.set_aside:
         print(f"note         {len(w.set_aside)} tensors set aside (multi-token prediction / vision), not run")

@@ -5,9 +5,31 @@ these declarations; docs/taps.md is generated from them (tests/test_graph.py kee
 has exactly one declared node, every declared node is tapped).
 
     nodes = declare({"q_proj": Node("linear", "q = x Wq^T (+ b)", (x,), module=1)}, prefix="model.layers.0.self_attn")
+
+A quantised device graph (an exported ONNX model: aimet-onnx, QDQ) quantises tensors inside a node too: each node
+declares the sub-op points of its kernel's equation (`points`, named `<node>/<point>`; the kernel passes each
+through its hook `at`, kernels/activation.Unhooked) and the ONNX op each exports as, with its inputs, so that
+refimpl/models/onnx_placement.py finds them in an exported graph by its structure. The point named "" is the node's
+own output.
 """
 
 import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """A sub-op point of a node's kernel equation (name "" the node's own output): the ONNX op types it exports as
+    (one of) and its inputs, each one of
+        "/p"              point p of the same node              a tap name, "n/p"   that node / point's value
+        "const:p"         a constant of the graph (eps, the attention scale, 2 of x^2), quantised at point p
+        "weight:w"        checkpoint weight w (a MatMul's or Gather's constant; quantised as that weight)
+        "input:p"         a graph input read here (the mask, the cos / sin tables), quantised at point p
+    """
+    name: str
+    onnx: tuple[str, ...]
+    inputs: tuple[str, ...]
+    formula: str = ""
+    more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half); "#name": integers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +46,7 @@ class Node:
     layer: int | None = None
     module: int | None = None
     module_name: str | None = None
+    points: tuple[Point, ...] = ()
 
 
 def declare(table: dict, prefix: str | None = None, layer: int | None = None) -> dict[str, Node]:
@@ -57,3 +80,14 @@ def modules(nodes: dict) -> dict[str, tuple[str, ...]]:
     """The AIMET-quantisable modules of a graph -> their input taps, in declaration (execution) order."""
     return {node.module_name or name: node.inputs[:node.module] for name, node in nodes.items()
             if node.module is not None}
+
+
+def points(nodes: dict) -> dict[str, tuple[str, Point]]:
+    """Every declared point of a graph, "<node>/<point>" (the node's own output: "<node>") -> (node, Point)."""
+    return {(f"{name}/{pt.name}" if pt.name else name): (name, pt)
+            for name, node in nodes.items() for pt in node.points}
+
+
+def point_name(node: str, point: str) -> str:
+    """The full name of a node's point ("" its output)."""
+    return f"{node}/{point}" if point else node

@@ -84,6 +84,7 @@ class Policy:
     kv: str | None = None
     encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings", and its activations)
     strict_encodings: bool = False    # an activation encoding that names nothing refimpl has is an error
+    onnx: str | None = None           # the ONNX model whose tensors an aimet-onnx encodings file names (issue 27)
     fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
 
     def __post_init__(self):
@@ -97,6 +98,9 @@ class Policy:
             raise InputError("precision: weights='encodings' and an encodings file go together")
         if self.strict_encodings and self.encodings is None:
             raise InputError("precision: strict_encodings needs an encodings file")
+        if self.onnx is not None and (self.encodings is None or str(self.encodings).endswith(".onnx")):
+            raise InputError("precision: onnx names the ONNX model an aimet-onnx encodings JSON keys (a QDQ model is "
+                             "given as the encodings itself)")
         if self.kv not in KV:
             raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
         if not isinstance(self.fast, bool):
@@ -112,6 +116,12 @@ class Policy:
     @property
     def weight_format(self) -> str:
         return self.weights or ("fp16" if self.activations == "htp-fp16" else self.activations)
+
+    @property
+    def device_graph(self) -> bool:
+        """The encodings are a quantised device graph's (a QDQ .onnx model, or aimet-onnx encodings of `onnx`):
+        quantisers on that graph's tensors, placed by refimpl/models/onnx_placement.py."""
+        return self.encodings is not None and (self.onnx is not None or str(self.encodings).endswith(".onnx"))
 
     @property
     def emulated(self) -> bool:
@@ -147,6 +157,9 @@ class Policy:
             encodings = {"file": Path(self.encodings).name,
                          "sha256": sha256_file(self.encodings, "encodings file", InputError)[0]}
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
+        if self.onnx is not None:
+            encodings["onnx"] = {"file": Path(self.onnx).name,
+                                 "sha256": sha256_file(self.onnx, "ONNX model", InputError)[0]}
         return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
                 "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
                 "cast_points": self.cast_points, "arithmetic": self.arithmetic}
@@ -169,7 +182,7 @@ class Policy:
 _ROUNDERS = {name: rounder(name) for name in ACTIVATIONS}
 
 
-def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
+def from_manifest(recorded: dict, encodings: str | None = None, onnx: str | None = None) -> Policy:
     """The policy a bundle manifest's `precision` records (older bundles: just {"dtype"}). An encodings policy
     needs the file again (the manifest keeps its name and sha256), which must match."""
     activations = recorded.get("activations", recorded.get("dtype", "float32"))
@@ -183,7 +196,13 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings), fast=fast)
+    graph = (recorded.get("encodings") or {}).get("onnx")
+    if graph and onnx is None:
+        raise InputError(f"the bundle's encodings name the tensors of an ONNX model ({graph.get('file')}); "
+                         f"give it again (--onnx)")
+    if graph and sha256_file(onnx, "ONNX model", InputError)[0] != graph.get("sha256"):
+        raise InputError(f"{onnx}: sha256 differs from the bundle's ONNX model ({str(graph.get('sha256'))[:12]})")
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx if graph else None)
 
 
 def policy(precision) -> Policy:
@@ -235,18 +254,19 @@ def fake_quant_weight(w: np.ndarray, spec: str, tensor_range=None) -> np.ndarray
 def check_encodings(p: "Policy", names, encodings: dict | None = None) -> None:
     """Every encoding must name a weight of the model: a typo would otherwise silently leave it in float.
     encodings: the file already read (the weight transform keeps it), else it is read here."""
-    if p.weight_format != "encodings":
+    if p.weight_format != "encodings" or (p.device_graph and encodings is None):
         return
     unknown = sorted(set(read_encodings(p.encodings) if encodings is None else encodings) - set(names))
     if unknown:
         raise InputError(f"{p.encodings}: {len(unknown)} encoding(s) name no weight of the model, e.g. {unknown[:3]}")
 
 
-def weight_transform(p: Policy):
+def weight_transform(p: Policy, encodings: dict | None = None):
     """The per-tensor weight emulation of a policy, or None (nothing to do):
     (name, float array, part=None) -> array. `part` (refimpl.models.weights.Part), when given, says the array is
     part `part.index` of the leading axis of the tensor (an expert of a fused tensor, rows of lm_head): the
-    result is that part of the emulated whole tensor."""
+    result is that part of the emulated whole tensor. encodings: {weight: Encoding or a tuple applied in order}
+    instead of the file's (a device graph's, placed: refimpl/models/onnx_placement.py)."""
     fmt = p.weight_format
     if fmt in ("float32", "float64"):
         return None
@@ -255,14 +275,16 @@ def weight_transform(p: Policy):
         return lambda name, a, part=None: r(a)
     rest = rounder(p.activations)  # tensors that are not quantised keep the activation dtype
     if fmt == "encodings":
-        encs = read_encodings(p.encodings)
+        encs = read_encodings(p.encodings) if encodings is None else encodings
 
         def from_file(name, a, part=None):
             enc = encs.get(name)
             if enc is None:
                 return rest(a)
             try:
-                return (enc if part is None else enc.rows(part.index, part.shape)).fake_quant(a)
+                for e in (enc if isinstance(enc, tuple) else (enc,)):
+                    a = (e if part is None else e.rows(part.index, part.shape)).fake_quant(a)
+                return a
             except (InputError, ValueError) as e:
                 raise FormatError(f"{p.encodings}: {name} {list(part.shape if part else a.shape)}: {e}") from None
         from_file.encodings = encs   # for check_encodings: the file is read once

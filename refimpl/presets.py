@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import InputError, brief
 from .files import atomic_directory, write_atomic
+from .formats.device_encodings import read_device_encodings
 from .formats.safetensors import write_safetensors
 from .kernels import elementary
 from .models.config import config_from_dict
@@ -100,9 +101,9 @@ def build(name: str, dtype: str = "float32", seed: int = PRESET_SEED, precision=
           max_resident_bytes: int | None = None):
     """The preset as a Model; precision: a refimpl.precision policy (default: `dtype` activations);
     max_resident_bytes: as refimpl.load."""
-    config = config_from_dict(PRESETS[name], source=f"preset:{name}")
-    return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", policy(precision or dtype),
-                             max_resident_bytes)
+    config, p = config_from_dict(PRESETS[name], source=f"preset:{name}"), policy(precision or dtype)
+    return Model.from_arrays(config, random_weights(config, seed), f"preset:{name}", p, max_resident_bytes,
+                             device=read_device_encodings(p))
 
 
 def checkpoint_layout(config, arrays: dict) -> dict:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from . import presets
 from .errors import InputError
+from .formats.device_encodings import read_device_encodings
 from .formats.gguf import load_gguf
 from .formats.safetensors import read_checkpoint
 from .formats.tokenizer import MODEL_VOCAB, VOCABS, Tokenizer, gguf_tokenizer, qwen_tokenizer, tokenizer_from_json
@@ -33,14 +34,14 @@ def load(source: str | Path, dtype: str = "float32", precision=None, strict: boo
     path = Path(source)
     if path.suffix.lower() == ".gguf":
         config, arrays = load_gguf(path, strict)
-        return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes)
+        return Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, device=read_device_encodings(p))
     if not path.exists():
         raise InputError(f"{source}: not a preset ({', '.join(presets.PRESETS)}) and no such file or directory")
     if not path.is_dir():
         raise InputError(f"{path}: expected an HF checkpoint directory (config.json + *.safetensors)")
     config = load_config(path)
     arrays, origins = read_checkpoint(path)
-    model = Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, origins)
+    model = Model.from_arrays(config, arrays, str(path), p, max_resident_bytes, origins, read_device_encodings(p))
     model.generation_config = read_generation_config(path)
     return model
 

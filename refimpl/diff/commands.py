@@ -91,6 +91,7 @@ def add_commands(sub) -> None:
 def _reading_flags(p) -> None:
     """How a dump is read (as `refimpl diff` reads it), and the model's encodings file if the bundle used one."""
     p.add_argument("--encodings", help="the AIMET / QNN encodings file of a bundle made with --weights encodings")
+    p.add_argument("--onnx", help="the ONNX model an aimet-onnx encodings file names (a bundle made with --onnx)")
     p.add_argument("--dump-dtype", help="dtype of raw dump files (default float32; native for a bundle)")
     p.add_argument("--mapping", help="JSON {golden name: device name}")
     p.add_argument("--layout", action="append", default=[], metavar="[REGEX=]ADAPTER", help="declared dump layout")
@@ -122,12 +123,12 @@ def _bundle(path):
     return bundle
 
 
-def _model(bundle, source=None, encodings=None, max_resident=None):
+def _model(bundle, source=None, encodings=None, max_resident=None, onnx=None):
     """The bundle's model at the bundle's precision policy (its encodings file given again, if it used one)."""
     m = bundle.manifest.get("model") or {}
     if source is None and not isinstance(m.get("source"), str):
         raise InputError(f"{bundle.path}: manifest.json records no model source; give --model")
-    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings),
+    model = load(source or m["source"], precision=from_manifest(bundle.manifest.get("precision", {}), encodings, onnx),
                  max_resident_bytes=max_resident)
     digest = model.weights.sha256()
     if digest != m.get("weights_sha256"):
@@ -242,8 +243,8 @@ def cmd_replay(args) -> int:
     bundle = _bundle(args.bundle)
     policy = _policy(args)
     dump = _dump(args, bundle)
-    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings, args.max_resident), layer=args.layer,
-                  tensor=args.tensor, step=args.step, policy=policy)
+    rows = replay(bundle, dump, _model(bundle, args.model, args.encodings, args.max_resident, args.onnx),
+                  layer=args.layer, tensor=args.tensor, step=args.step, policy=policy)
     if not rows:
         raise InputError("replay: the dump holds none of the replayed tensors")
     if args.json:
@@ -279,7 +280,7 @@ def cmd_replay(args) -> int:
 
 def cmd_explain(args) -> int:
     bundle = _bundle(args.bundle)
-    model = _model(bundle, args.model, args.encodings, args.max_resident)
+    model = _model(bundle, args.model, args.encodings, args.max_resident, args.onnx)
     device = None
     if args.device:
         name, _ = parse(args.element)

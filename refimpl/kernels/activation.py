@@ -14,6 +14,21 @@ def identity(x):
     return x
 
 
+class Unhooked:
+    """A kernel's sub-op hook by default (kernels' `at=`, as `rnd=`): every named point of its equation passes its
+    value on unchanged, and no point asks for a fused intermediate to be formed. A device's quantisers act through
+    a hook with the same interface (refimpl/models/quantisers.py): `at(point, value) -> value`, and `points`, the
+    points it acts on (a kernel computes a fused step, x^2 inside a sum or silu, op by op only where a hook acts
+    on its intermediate: the float path keeps its correctly rounded fused form)."""
+    points = frozenset()
+
+    def __call__(self, point: str, value):
+        return value
+
+
+unhooked = Unhooked()
+
+
 def compute_dtype(*arrays) -> np.dtype:
     """The dtype a kernel computes in: the inputs' result type, promoted to at least float32."""
     return np.result_type(np.float32, *[a.dtype for a in arrays])
@@ -39,6 +54,14 @@ ACTIVATIONS = {
     "relu": relu,
     "sigmoid": sigmoid,
 }
+
+
+def activate(kind: str, x: np.ndarray, *, at=unhooked) -> np.ndarray:
+    """ACTIVATIONS[kind](x); silu as x * sigmoid(x), op by op (ONNX's Sigmoid, Mul), where a hook acts on the
+    sigmoid.  [...] -> [...]"""
+    if kind in ("silu", "swish") and "sigmoid" in at.points:
+        return x * at("sigmoid", sigmoid(x))                                   # y = x * sigmoid(x)
+    return ACTIVATIONS[kind](x)
 
 
 def sigmoid_rounded(x: np.ndarray, rnd) -> np.ndarray:

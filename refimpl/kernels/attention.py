@@ -8,7 +8,7 @@ transformers' eager path builds them), optionally clamped from below to a floor 
 import numpy as np
 
 from . import elementary, products
-from .activation import compute_dtype, identity, softmax
+from .activation import compute_dtype, identity, softmax, unhooked
 
 
 def causal_mask(Lq: int, Lk: int, *, offset: int | None = None, sliding_window: int | None = None,
@@ -51,18 +51,21 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
 
 
 def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None,
-                     mask_floor: float | None = None, rnd=identity) -> np.ndarray:
-    """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] -> s [B, Hq, Lq, Lk]."""
+                     mask_floor: float | None = None, rnd=identity, at=unhooked) -> np.ndarray:
+    """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] -> s [B, Hq, Lq, Lk].
+    Sub-op points: q*k^T, scale (the constant), scaled, mask (as added, after the floor)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     n_rep = Hq // Hkv
     scale = elementary.inverse_sqrt(D) if scale is None else scale
     qg = q.reshape(B, Hkv, n_rep, Lq, D)
     # [B, Hkv, n_rep, Lq, Lk]
-    scores = rnd(rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))) * q.dtype.type(scale))
+    qk = at("q*k^T", rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))))          # q k^T
+    scores = at("scaled", rnd(qk * at("scale", q.dtype.type(scale))))                   # q k^T * scale
     if mask is not None:
         if mask_floor is not None:
             mask = np.maximum(mask, mask.dtype.type(mask_floor))
+        mask = at("mask", mask)
         heads = mask.shape[1]
         scores = rnd(scores + mask.reshape(mask.shape[0], Hkv if heads > 1 else 1, n_rep if heads > 1 else 1, Lq, Lk))
     return scores.reshape(B, Hq, Lq, Lk)

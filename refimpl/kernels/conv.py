@@ -18,10 +18,10 @@ continuation and a single-token decode (T = 1: the state is a shift register).
 import numpy as np
 
 from ..errors import InputError
-from .activation import identity, silu
+from .activation import identity, silu, unhooked
 
 
-def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=identity):
+def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, rnd=identity, at=unhooked):
     """Causal depthwise conv1d + activation over T new tokens, continuing from `state`.
 
     x [B, C, T]; weight [C, Kc]; state [B, C, S] with S >= Kc - 1, or None (zero left context).
@@ -31,7 +31,7 @@ def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, r
 
     Computes in x's and weight's dtype promoted to at least float32, summing the Kc taps oldest first; transformers
     runs the conv in the weight dtype (e.g. bf16) and casts y to x's dtype: `rnd` (identity by default) emulates
-    that, rounding the conv output and the activation's output.
+    that, rounding the conv output and the activation's output. Point (`at`): x, the [state | x] columns read.
     """
     if x.ndim != 3 or weight.ndim != 2 or weight.shape[0] != x.shape[1]:
         raise InputError(f"causal_conv1d: x must be [B, C, T] and weight [C, Kc]; got x {x.shape}, "
@@ -50,7 +50,7 @@ def causal_conv1d(x, weight, state=None, *, activation="silu", state_len=None, r
 
     if state is None:
         state = np.zeros((B, C, state_len), x.dtype)
-    history = np.concatenate([state.astype(x.dtype, copy=False), x], axis=2)  # [B, C, S + T]  raw, oldest first
+    history = at("x", np.concatenate([state.astype(x.dtype, copy=False), x], axis=2))  # [B, C, S + T] oldest first
 
     dt = np.result_type(np.float32, x.dtype, weight.dtype)
     X = history[:, :, history.shape[2] - (Kc - 1) - T:].astype(dt)  # [B, C, Kc - 1 + T]

@@ -25,17 +25,24 @@ import numpy as np
 from refimpl.errors import InputError
 
 from . import elementary, products
+from .activation import unhooked
 from .elementary import exp
 from .products import matmul
 
 
-def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+def l2_normalize(x: np.ndarray, eps: float = 1e-6, at=unhooked) -> np.ndarray:
     """l2norm(x) = x * 1/sqrt(sum_i x_i^2 + eps) over the last axis.  [..., D] -> [..., D], in x's dtype.
 
     eps is added to the SUM of squares inside the root (transformers' l2norm, fla's l2norm to rounding); it is
     not rms_norm_eps, and this is not F.normalize's x / max(||x||, eps). A zero vector maps to 0.
+    Points (`at`): x^2 (formed only where a hook acts on it), sum, eps, +eps, sqrt, 1/sqrt.
     """
-    return x * (1 / np.sqrt(products.sumprod(x, x, keepdims=True) + x.dtype.type(eps)))
+    if "x^2" in at.points:
+        total = at("sum", products.sum(at("x^2", x * x), keepdims=True))             # sum_i x_i^2
+    else:
+        total = at("sum", products.sumprod(x, x, keepdims=True))                     # one correctly rounded sum
+    root = at("sqrt", np.sqrt(at("+eps", total + at("eps", x.dtype.type(eps)))))   # sqrt(sum + eps)
+    return x * at("1/sqrt", 1 / root)
 
 
 def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm):

@@ -9,32 +9,35 @@ shared:  out += sigmoid(x . w_sg) * shared_expert(x)   (the model composes it: a
 import numpy as np
 
 from . import products
-from .activation import compute_dtype, identity, softmax
+from .activation import compute_dtype, identity, softmax, unhooked
 
 
-def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity):
+def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity, at=unhooked):
     """logits [N, E] -> probs [N, E] (float32+), weights [N, k] (logits dtype), experts [N, k] int64.
 
     Experts are ordered by descending probability; exact ties go to the lower expert id (torch.topk on CPU
     breaks exact ties differently; the `selected_experts` tap records the choice). rnd: the activation cast of
-    the weights (reduced-precision emulation; identity by default).
+    the weights (reduced-precision emulation; identity by default). Points (`at`, over the MoE block's nodes):
+    router_probs, routing_weights/top-k (the chosen probabilities), routing_weights/sum (their sum).
     """
-    probs = softmax(logits.astype(compute_dtype(logits), copy=False))
+    probs = at("router_probs", softmax(logits.astype(compute_dtype(logits), copy=False)))   # p = softmax(logits)
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(probs, experts, axis=-1)
+    weights = at("routing_weights/top-k", np.take_along_axis(probs, experts, axis=-1))     # the top-k p
     if renormalize:
-        weights = weights / products.sum(weights, axis=-1, keepdims=True)
+        weights = weights / at("routing_weights/sum", products.sum(weights, axis=-1, keepdims=True))  # w / sum w
     return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
 
 
-def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=identity) -> np.ndarray:
+def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=identity,
+                at=unhooked) -> np.ndarray:
     """x [N, H], experts/weights [N, k], expert_fn(e, x_e [n_e, H]) -> [n_e, H]  ->  out [N, H].
 
     Each term is weighted after the expert's down projection and added in ascending expert id; in emulated
     bf16 / fp16 the weighted term and the running sum are rounded (transformers' index_add_ in that dtype).
+    Point: weighted (each weighted term).
     """
     out = np.zeros_like(x)
     for e in np.unique(experts):
         token, slot = np.nonzero(experts == e)  # a token picks an expert at most once: no repeated rows
-        out[token] = rnd(out[token] + rnd(expert_fn(int(e), x[token]) * weights[token, slot, None]))
+        out[token] = rnd(out[token] + rnd(at("weighted", expert_fn(int(e), x[token]) * weights[token, slot, None])))
     return out

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import elementary
-from .activation import identity
+from .activation import identity, unhooked
 
 
 def _base_powers(base: float, dim: int, dtype) -> np.ndarray:
@@ -136,20 +136,32 @@ def rope_tables(positions: np.ndarray, inv_freq: np.ndarray, attention_scaling: 
 
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity) -> np.ndarray:
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity, at=unhooked) -> np.ndarray:
     """Half-split rotation of the first rot channels of every head; channels rot..D pass through.
 
     x [B, T, H, D], cos/sin [B, T, rot/2] (broadcast over heads), h = rot/2:
       y[:h]    = x[:h] * cos - x[h:rot] * sin
       y[h:rot] = x[h:rot] * cos + x[:h] * sin      (= x*cos + rotate_half(x)*sin with duplicated tables)
       y[rot:]  = x[rot:]
+    computed as the right-hand form over the rot channels (the same values: x1 c + (-x2) s is x1 c - x2 s), so that
+    its sub-op points are tensors a device graph has: cos, sin (the tables as read), x*cos, x1, x2, -x2,
+    rotate_half, rotate_half*sin, and with partial rotary rot / pass (the channels rotated / passed through) and the
+    sum before the pass-through channels join it.
     rnd rounds each product and each sum, as transformers' elementwise ops do in bf16 / fp16 (identity default).
     """
     h = cos.shape[-1]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    x1, x2, rest = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
-    y1, y2 = rnd(rnd(x1 * c) - rnd(x2 * s)), rnd(rnd(x2 * c) + rnd(x1 * s))
-    return np.concatenate([y1, y2, rest], axis=-1).astype(x.dtype, copy=False)
+    c, s = at("cos", cos)[:, :, None, :], at("sin", sin)[:, :, None, :]          # [B, T, 1, h]
+    c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)      # [B, T, 1, rot]: cat(t, t)
+    xr, rest = x[..., :2 * h], x[..., 2 * h:]
+    if rest.shape[-1]:
+        xr, rest = at("rot", xr), at("pass", rest)                               # x[:rot], x[rot:]
+    x1, x2 = at("x1", xr[..., :h]), at("x2", xr[..., h:])                         # halves of the rotated channels
+    xc = at("x*cos", rnd(xr * c))                                                # x cos
+    half = at("rotate_half", np.concatenate([at("-x2", -x2), x1], axis=-1))      # rotate_half(x) = [-x2 | x1]
+    y = rnd(xc + at("rotate_half*sin", rnd(half * s)))                           # x cos + rotate_half(x) sin
+    if rest.shape[-1]:
+        y = np.concatenate([at("sum", y), rest], axis=-1)                        # [y | x[rot:]]
+    return y.astype(x.dtype, copy=False)
 
 
 def interleaved_mrope_axes(n_pairs: int, mrope_section, llama_cpp: bool = False) -> np.ndarray:

@@ -19,8 +19,8 @@ rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_d
 
 import numpy as np
 
-from ..graph import Node, declare
-from ..kernels.activation import sigmoid, sigmoid_rounded, silu, softplus, softplus_rounded
+from ..graph import Node, Point, declare
+from ..kernels.activation import activate, sigmoid, sigmoid_rounded, softplus, softplus_rounded
 from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
 from ..kernels.gated_delta import (
@@ -80,25 +80,40 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     B, T, _ = x.shape
     Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim, r, quant = Hk * Dk, ctx.round, ctx.quant
+    at = quant.at(f"{p}.in_proj_qkv")
+    if "masked" in at.points:   # a device graph zeroing pad rows (x * mask; its mask 1 on the real rows run here)
+        x = at("masked", x * at("pad_mask", np.ones((), x.dtype)))
     mixed_qkv, z, b, a = projections(w, p, x, cfg, put, ctx)
     mixed_qkv = put("mixed_qkv", mixed_qkv)
     conv_in = quant.input(f"{p}.conv1d", mixed_qkv).transpose(0, 2, 1)                 # [B, conv_dim, T]
     conv_out, conv_state = causal_conv1d(conv_in, w[f"{p}.conv1d.weight"][:, 0, :],
-                                         None if state is None else state.conv, activation=None, rnd=r)
+                                         None if state is None else state.conv, activation=None, rnd=r,
+                                         at=quant.at(f"{p}.conv1d"))
     conv_out = put("conv1d", quant.output(f"{p}.conv1d", conv_out.transpose(0, 2, 1)))  # [B, T, conv_dim]
-    conv_out = put("conv1d_silu", r(silu(conv_out)))
+    at = quant.at(f"{p}.conv1d_silu")
+    conv_out = put("conv1d_silu", quant.output(f"{p}.conv1d_silu", r(activate("silu", conv_out, at=at))))
     q, k, v = np.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    if at.points:   # the split as a device graph quantises its parts
+        q, k, v = at("split_q", q), at("split_k", k), at("split_v", v)
     npu = ctx.precision.rounds_each_op   # htp-fp16: g, the l2norms and the delta rule rounded at each op too
-    l2 = (lambda x, eps: l2_normalize_rounded(x, r, eps)) if npu else l2_normalize
-    q = put("q", l2(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))                   # [B, T, Hk, Dk]
-    k = put("k", l2(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps))
+
+    def l2(x, eps, node):
+        return l2_normalize_rounded(x, r, eps) if npu else l2_normalize(x, eps, at=quant.at(node))
+    q = put("q", quant.output(f"{p}.q", l2(q.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps, f"{p}.q")))
+    k = put("k", quant.output(f"{p}.k", l2(k.reshape(B, T, Hk, Dk), cfg.linear_l2norm_eps, f"{p}.k")))
     v = put("v", v.reshape(B, T, -1, Dv))                                              # [B, T, Hv, Dv]
     z = put("z", z)
-    beta = put("beta", sigmoid_rounded(b, r) if npu else r(sigmoid(b)))               # [B, T, Hv]
+    beta = put("beta", quant.output(f"{p}.beta", sigmoid_rounded(b, r) if npu else r(sigmoid(b))))   # [B, T, Hv]
     if npu:   # -exp(A_log) a constant of the graph; a + dt_bias, softplus and the product on the NPU
         g = put("g", r(r(-exp(w[f"{p}.A_log"])) * softplus_rounded(r(a + w[f"{p}.dt_bias"]), r)))
     else:
-        g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))      # [B, T, Hv], < 0
+        at = quant.at(f"{p}.g")
+        t = at("+dt_bias", a + w[f"{p}.dt_bias"])                                     # a + dt_bias
+        sp = softplus(t)
+        if "softplus_raw" in at.points:   # a device's Softplus, then Where(t > 20, t, .) as torch's threshold
+            sp = np.where(t > 20, t, at("softplus_raw", softplus(np.minimum(t, 20))))
+        g = at("-exp(A_log)", -exp(w[f"{p}.A_log"])) * at("softplus", sp)
+        g = put("g", quant.output(f"{p}.g", g))                                       # [B, T, Hv], < 0
     if npu:   # token by token, as a static NPU graph runs the rule (prompt and decode alike)
         core, S = gated_delta_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r)
     elif state is not None and T == 1:
@@ -106,9 +121,10 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
     else:
         core, S = gated_delta_chunked(q, k, v, g, beta, None if state is None else state.recurrent,
                                       use_qk_l2norm=False, allow_neg_inf=True)         # [B, T, Hv, Dv]
-    core = put("core", r(core))                                                        # float32 core, cast out
+    core = put("core", quant.output(f"{p}.core", r(core)))                            # float32 core, cast out
     normed = quant.output(f"{p}.norm", rms_norm_gated(quant.input(f"{p}.norm", core, 0), quant.input(f"{p}.norm", z, 1),
-                                                      w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r))
+                                                      w[f"{p}.norm.weight"], cfg.rms_norm_eps, rnd=r,
+                                                      at=quant.at(f"{p}.norm")))
     normed = put("norm", normed)                                                       # [B, T, Hv, Dv]
     out = put("out_proj", qwen3.project(w, f"{p}.out_proj", normed.reshape(B, T, -1), ctx))
     return out, LinearAttentionState(conv_state, S.astype(np.result_type(np.float32, x.dtype)))
@@ -181,6 +197,10 @@ def linear_attention_nodes(cfg, i: int) -> dict:
     fused = cfg.fused_linear_projections
     qkv = f"{p}.in_proj_qkvz" if fused else f"{p}.in_proj_qkv"
     pads = ("attention_mask", "position_ids")  # how the graph tells pad slots (which leave the state alone)
+    xm = f"{p}.in_proj_qkv/masked"              # x as the projections read it (a graph zeroing pad rows: x * mask)
+    silu_out, b_in = f"{p}.conv1d_silu", f"{p}.in_proj_ba" if fused else f"{p}.in_proj_b"
+    a_in = f"{p}.in_proj_ba" if fused else f"{p}.in_proj_a"
+    z_in = qkv if fused else f"{p}.in_proj_z"   # z's value in a graph: the projection's (a split moves data)
     conv_in = (f"cache:conv_state.{i}", *pads)
     core_in = (f"{p}.q", f"{p}.k", f"{p}.v", f"{p}.g", f"{p}.beta", f"cache:recurrent_state.{i}", *pads)
     projections = {
@@ -188,34 +208,63 @@ def linear_attention_nodes(cfg, i: int) -> dict:
                              module=1),
         "in_proj_ba": Node("linear", "[b | a] per key head = x W^T", (x,), shape="[B, T, 2*Hv]", module=1),
     } if fused else {
-        "in_proj_qkv": Node("linear", "[q | k | v] = x W^T", (x,), shape="[B, T, conv_dim]", module=1),
-        "in_proj_z": Node("linear", "z = x Wz^T", (x,), shape="[B, T, Hv*Dv]", module=1),
-        "in_proj_b": Node("linear", "b = x Wb^T", (x,), shape="[B, T, Hv]", module=1),
-        "in_proj_a": Node("linear", "a = x Wa^T", (x,), shape="[B, T, Hv]", module=1),
+        "in_proj_qkv": Node("linear", "[q | k | v] = x W^T", (x,), shape="[B, T, conv_dim]", module=1,
+                            points=(Point("masked", ("Mul",), (x, "const:pad_mask")),
+                                    *qwen3.linear_points(xm, f"{p}.in_proj_qkv.weight"))),
+        "in_proj_z": Node("linear", "z = x Wz^T", (x,), shape="[B, T, Hv*Dv]", module=1,
+                          points=qwen3.linear_points(xm, f"{p}.in_proj_z.weight")),
+        "in_proj_b": Node("linear", "b = x Wb^T", (x,), shape="[B, T, Hv]", module=1,
+                          points=qwen3.linear_points(xm, f"{p}.in_proj_b.weight")),
+        "in_proj_a": Node("linear", "a = x Wa^T", (x,), shape="[B, T, Hv]", module=1,
+                          points=qwen3.linear_points(xm, f"{p}.in_proj_a.weight")),
     }
     return declare({
         **projections,
         "mixed_qkv": Node("split / concat", "channels [q | k | v], head-major", (qkv,), shape="[B, T, conv_dim]"),
         "conv1d": Node("causal_conv1d", "y[c, t] = sum_j w[c, j] x[c, t - Kc + 1 + j] over [state | x]",
-                       (f"{p}.mixed_qkv", *conv_in), shape="[B, T, conv_dim]", module=1),
-        "conv1d_silu": Node("silu", "y = x * sigmoid(x)", (f"{p}.conv1d",), shape="[B, T, conv_dim]"),
-        "q": Node("l2_normalize", "q / sqrt(sum q^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]"),
-        "k": Node("l2_normalize", "k / sqrt(sum k^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]"),
+                       (f"{p}.mixed_qkv", *conv_in), shape="[B, T, conv_dim]", module=1,
+                       points=(Point("x", ("Concat",), ("input:conv_state", qkv)),
+                               Point("", ("Conv",), ("/x", f"weight:{p}.conv1d.weight")))),
+        "conv1d_silu": Node("silu", "y = x * sigmoid(x)", (f"{p}.conv1d",), shape="[B, T, conv_dim]",
+                            points=(Point("sigmoid", ("Sigmoid",), (f"{p}.conv1d",)),
+                                    Point("", ("Mul",), (f"{p}.conv1d", "/sigmoid")),
+                                    Point("split_q", ("Split",), (silu_out,), more=("split_k", "split_v")))),
+        "q": Node("l2_normalize", "q / sqrt(sum q^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]",
+                  points=l2_points(f"{silu_out}/split_q")),
+        "k": Node("l2_normalize", "k / sqrt(sum k^2 + eps)", (f"{p}.conv1d_silu",), shape="[B, T, Hk, Dk]",
+                  points=l2_points(f"{silu_out}/split_k")),
         "v": Node("split", "v channels of conv1d_silu", (f"{p}.conv1d_silu",), shape="[B, T, Hv, Dv]"),
         "z": Node("split", "z = output gate", (qkv if fused else f"{p}.in_proj_z",), shape="[B, T, Hv, Dv]"),
-        "beta": Node("sigmoid", "beta = sigmoid(b)", (f"{p}.in_proj_ba" if fused else f"{p}.in_proj_b",),
-                     shape="[B, T, Hv]"),
-        "g": Node("gate", "g = -exp(A_log) * softplus(a + dt_bias)",
-                  (f"{p}.in_proj_ba" if fused else f"{p}.in_proj_a",), shape="[B, T, Hv]"),
+        "beta": Node("sigmoid", "beta = sigmoid(b)", (b_in,), shape="[B, T, Hv]",
+                     points=(Point("", ("Sigmoid",), (b_in,)),)),
+        "g": Node("gate", "g = -exp(A_log) * softplus(a + dt_bias)", (a_in,), shape="[B, T, Hv]", points=(
+            Point("+dt_bias", ("Add",), (a_in, f"weight:{p}.dt_bias")),
+            Point("softplus_raw", ("Softplus",), ("/+dt_bias",)),
+            Point("softplus", ("Where",), ("const:threshold", "/+dt_bias", "/softplus_raw")),
+            Point("", ("Mul",), ("const:-exp(A_log)", "/softplus")))),
         "core": Node("gated delta rule", "S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)", core_in,
-                     shape="[B, T, Hv, Dv]"),
+                     shape="[B, T, Hv, Dv]",
+                     points=(Point("", ("*",), (f"{p}.q", f"{p}.k", f"{silu_out}/split_v", f"{p}.beta", f"{p}.g")),)),
         "norm": Node("rms_norm_gated", "y = w * x / sqrt(mean(x^2) + eps) * silu(z)", (f"{p}.core", f"{p}.z"),
-                     shape="[B, T, Hv, Dv]", module=2),
-        "out_proj": Node("linear", "y = x Wo^T", (f"{p}.norm",), shape="[B, T, H]", module=1),
+                     shape="[B, T, Hv, Dv]", module=2, points=(
+                         *qwen3.norm_points(cfg, f"{p}.core", None)[:-1],
+                         Point("w*x", ("Mul",), ("/x*1/sqrt", f"weight:{p}.norm.weight")),
+                         Point("sigmoid", ("Sigmoid",), (z_in,)),
+                         Point("silu(z)", ("Mul",), (z_in, "/sigmoid")),
+                         Point("", ("Mul",), ("/w*x", "/silu(z)")))),
+        "out_proj": Node("linear", "y = x Wo^T", (f"{p}.norm",), shape="[B, T, H]", module=1,
+                         points=qwen3.linear_points(f"{p}.norm", f"{p}.out_proj.weight")),
         "conv_state": Node("state update", "last Kc raw conv inputs of [state | mixed_qkv]",
                            (f"{p}.mixed_qkv", *conv_in), shape="[B, conv_dim, Kc]"),
         "recurrent_state": Node("state update", "S after the last real token", core_in, shape="[B, Hv, Dk, Dv]"),
     }, p, i)
+
+
+def l2_points(x: str) -> tuple:
+    """kernels.gated_delta.l2_normalize over value x (its node the normalised value)."""
+    return (Point("x^2", ("Mul", "Pow"), (x, x)), Point("sum", ("ReduceSum",), ("/x^2",)),
+            Point("+eps", ("Add",), ("/sum", "const:eps")), Point("sqrt", ("Sqrt",), ("/+eps",)),
+            Point("1/sqrt", ("Reciprocal",), ("/sqrt",)), Point("", ("Mul",), (x, "/1/sqrt")))
 
 
 def layer_nodes(cfg, i: int) -> dict:

@@ -1,12 +1,13 @@
 """The model: a config, its weights, and the forward pass over a per-layer cache."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 
 from ..encodings import read_activation_encodings
 from ..errors import InputError
-from ..graph import Node, declare, merge, module_taps, modules
+from ..graph import Node, Point, declare, merge, module_taps, modules
 from ..kernels import products
 from ..kernels.attention import causal_mask
 from ..kernels.rope import inv_freq_and_scaling, mrope_tables, rope_tables
@@ -16,8 +17,9 @@ from ..trace import tap
 from . import hybrid, qwen3
 from .cache import Cache
 from .config import ModelConfig
+from .onnx_placement import Placement, place_onnx
 from .quantisers import NONE as NO_QUANTISERS
-from .quantisers import Quantisers, place
+from .quantisers import EncodingsWarning, Quantisers, place
 from .weights import Weights
 
 
@@ -57,15 +59,20 @@ def graph(cfg: ModelConfig) -> dict[str, Node]:
     head = "logits = x E^T (tied)" if cfg.tie_word_embeddings else "logits = x W_lm^T"
     return merge(
         declare({"model.embed_tokens": Node("embedding", "x[b, t] = E[input_ids[b, t]]", ("input_ids",),
-                                            shape="[B, T, H]", module=0)}),
+                                            shape="[B, T, H]", module=0, points=(
+                                                Point("", ("Gather",), ("weight:model.embed_tokens.weight",
+                                                                        "input:input_ids")),))}),
         *(architecture(cfg).layer_nodes(cfg, i) for i in range(cfg.num_hidden_layers)),
         declare({"model.norm": Node("rms_norm", qwen3.norm_formula(cfg), (f"model.layers.{last}",), shape="[B, T, H]",
-                                    module=1),
-                 "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1)}))
+                                    module=1, points=qwen3.norm_points(cfg, f"model.layers.{last}",
+                                                                       "model.norm.weight")),
+                 "lm_head": Node("linear", head, ("model.norm",), shape="[B, T, V]", module=1,
+                                 points=qwen3.linear_points("model.norm", "lm_head.weight"))}))
 
 
 class Model:
-    def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None):
+    def __init__(self, config: ModelConfig, weights: Weights, precision: Policy | None = None,
+                 placement: Placement | None = None):
         self.config = config
         self.weights = weights
         self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
@@ -80,7 +87,18 @@ class Model:
         nodes = graph(config)
         self.modules = modules(nodes)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
-        if self.precision.encodings is not None:
+        if placement is not None:                # a device graph's quantisers (onnx_placement), placed
+            if placement.unplaced:
+                warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
+            taps = module_taps(nodes)                # a module computes its output as the module (the router: mlp.gate)
+            module_of = {tap: module for module, tap in taps.items()}
+            self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
+                                         points=placement.points(), rnd=rounder(self.precision.activations),
+                                         taps=taps, placement=placement)
+        elif self.precision.device_graph:
+            raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
+                             f"loaded (refimpl.load, Model.from_arrays(device=...))")
+        elif self.precision.encodings is not None:
             self.quantisers = place(read_activation_encodings(self.precision.encodings), self.modules,
                                     rounder(self.precision.activations), self.precision.strict_encodings,
                                     self.precision.encodings, taps=module_taps(nodes))
@@ -95,11 +113,20 @@ class Model:
 
     @classmethod
     def from_arrays(cls, config: ModelConfig, arrays: dict, source: str, p: Policy,
-                    max_resident_bytes: int | None = None, origins: dict | None = None) -> "Model":
+                    max_resident_bytes: int | None = None, origins: dict | None = None,
+                    device: tuple | None = None) -> "Model":
         """A model over checkpoint arrays at precision policy p (its weight emulation applied when a tensor is
-        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights)."""
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p),
-                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p)
+        converted), holding at most max_resident_bytes of converted weights (default: refimpl.models.weights).
+        device: (OnnxGraph, {tensor: Encoding}) of a quantised device graph (refimpl.formats.device_encodings),
+        its quantisers placed on this model's graph, weights included (refimpl/models/onnx_placement.py)."""
+        placement = None
+        if device is not None:
+            names = set(expected_tensors(config)) | {"lm_head.weight"}
+            placement = place_onnx(*device, graph(config), names, p.strict_encodings, str(p.encodings))
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source,
+                                   transform=weight_transform(p, placement and placement.weights),
+                                   max_resident_bytes=max_resident_bytes, origins=origins), precision=p,
+                   placement=placement)
 
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:

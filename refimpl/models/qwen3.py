@@ -10,14 +10,16 @@ the identity in float32 and float64.
 
 AIMET activation quantisers (refimpl/models/quantisers.py): `q = ctx.quant` quantises the input of a module as that
 module consumes it (`q.input(module, x)`) and the module's output (`q.output(module, y)`), where an encodings file
-places them; the identity otherwise. The `*_nodes` declarations below (the graph, refimpl/graph.py) say, per block,
+places them; the identity otherwise. A quantised device graph's quantisers (aimet-onnx, QDQ) also sit at the other
+nodes' outputs (`q.output(node, y)`) and at the sub-op points of their kernels' equations (`at=q.at(node)`).
+The `*_nodes` declarations below (the graph, refimpl/graph.py) say, per block,
 which taps are HF modules' outputs that can carry them and which taps are those modules' inputs.
 """
 
 import numpy as np
 
-from ..graph import Node, declare, merge
-from ..kernels.activation import ACTIVATIONS, sigmoid, sigmoid_rounded
+from ..graph import Node, Point, declare, merge
+from ..kernels.activation import ACTIVATIONS, activate, sigmoid, sigmoid_rounded, unhooked
 from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
@@ -31,7 +33,7 @@ def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """The model's RMSNorm module `name`: plain weight (Qwen3) or zero-centred (1 + w) (Qwen3-Next / 3.5)."""
     q = ctx.quant
     y = rms_norm(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
-                 rnd=ctx.round)
+                 rnd=ctx.round, at=q.at(name))
     return q.output(name, y)
 
 
@@ -51,7 +53,7 @@ def project(w, name: str, x: np.ndarray, ctx, bias: bool = False, weight: str | 
 def activation(p: str, gate: np.ndarray, cfg, ctx) -> np.ndarray:
     """The MLP's activation module `p.act_fn` on gate_proj's output."""
     q, name = ctx.quant, f"{p}.act_fn"
-    return q.output(name, ctx.round(ACTIVATIONS[cfg.hidden_act](q.input(name, gate))))
+    return q.output(name, ctx.round(activate(cfg.hidden_act, q.input(name, gate), at=q.at(name))))
 
 
 def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = False) -> np.ndarray:
@@ -63,7 +65,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     """
     B, T, _ = x.shape
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    r, bias = ctx.round, cfg.attention_bias
+    r, bias, quant = ctx.round, cfg.attention_bias, ctx.quant
     q = tap(p, "q_proj", project(w, f"{p}.q_proj", x, ctx, bias))
     k = tap(p, "k_proj", project(w, f"{p}.k_proj", x, ctx, bias))
     v = tap(p, "v_proj", project(w, f"{p}.v_proj", x, ctx, bias))
@@ -75,33 +77,46 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     k = norm(w, f"{p}.k_norm", k.reshape(B, T, Hkv, D), cfg, ctx)       # [B, T, Hkv, D]
     q, k = tap(p, "q_norm", q), tap(p, "k_norm", k)
     cos, sin = r(ctx.cos), r(ctx.sin)                                  # transformers casts the tables too
-    q, k = apply_rope(q, cos, sin, rnd=r), apply_rope(k, cos, sin, rnd=r)
-    q, k = tap(p, "q_rope", q), tap(p, "k_rope", k)
+    q = apply_rope(q, cos, sin, rnd=r, at=quant.at(f"{p}.q_rope"))
+    k = apply_rope(k, cos, sin, rnd=r, at=quant.at(f"{p}.k_rope"))
+    q, k = tap(p, "q_rope", quant.output(f"{p}.q_rope", q)), tap(p, "k_rope", quant.output(f"{p}.k_rope", k))
     q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)
     if ctx.precision.kv is not None:  # KV dtype emulation: attention reads what the cache holds
         k, v = ctx.precision.store_kv(k), ctx.precision.store_kv(v)
     if ctx.cache is not None:
         k, v = ctx.cache.append_kv(layer, k, v)                          # [B, Hkv, P+T, D]
+    k, v = cached(k, T, quant.at(f"{p}.attn_scores"), "keys"), cached(v, T, quant.at(f"{p}.attn_output"), "values")
     mask = ctx.precision.mask(ctx.masks[cfg.layer_types[layer]])
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
         k, scale = r(k * k.dtype.type(inverse_sqrt(D))), 1.0
-    scores = tap(p, "attn_scores", attention_scores(q, k, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r))
-    probs = tap(p, "attn_probs", attention_probs(scores, q.dtype, rnd=r))   # [B, Hq, T, P+T]
+    scores = attention_scores(q, k, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r,
+                              at=quant.at(f"{p}.attn_scores"))
+    scores = tap(p, "attn_scores", quant.output(f"{p}.attn_scores", scores))
+    probs = tap(p, "attn_probs", quant.output(f"{p}.attn_probs", attention_probs(scores, q.dtype, rnd=r)))
     o = attend(probs, v, rnd=r)                                              # [B, Hq, T, D]: sdpa, op by op
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
-    o = tap(p, "attn_output", o)
+    o = tap(p, "attn_output", quant.output(f"{p}.attn_output", o))
     if gated:
-        o = r(o * gate_sigmoid(gate, ctx))
-        o = tap(p, "gated_output", o)
+        o = r(o * quant.at(f"{p}.gated_output")("sigmoid", gate_sigmoid(gate, ctx)))
+        o = tap(p, "gated_output", quant.output(f"{p}.gated_output", o))
     return tap(p, "o_proj", project(w, f"{p}.o_proj", o, ctx, bias))
+
+
+def cached(x: np.ndarray, T: int, at, what: str) -> np.ndarray:
+    """The keys / values attention reads, [B, Hkv, P+T, D], through the points of a device graph that carries its
+    cache as graph inputs: past_<what> (the P cached entries as the input holds them) and <what> (all of them)."""
+    if f"past_{what}" in at.points and x.shape[2] > T:
+        x = np.concatenate([at(f"past_{what}", x[:, :, :-T]), x[:, :, -T:]], axis=2)   # [past | new]
+    return at(what, x)
 
 
 def mlp(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """SwiGLU:  down( act(gate(x)) * up(x) ).  x [..., H] -> [..., H]."""
     gate = tap(p, "gate_proj", project(w, f"{p}.gate_proj", x, ctx))
     up = tap(p, "up_proj", project(w, f"{p}.up_proj", x, ctx))
-    hidden = tap(p, "hidden", ctx.round(tap(p, "act_fn", activation(p, gate, cfg, ctx)) * up))
+    hidden = ctx.round(tap(p, "act_fn", activation(p, gate, cfg, ctx)) * up)
+    hidden = tap(p, "hidden", ctx.quant.output(f"{p}.hidden", hidden))
     return tap(p, "down_proj", project(w, f"{p}.down_proj", hidden, ctx))
 
 
@@ -113,7 +128,10 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     act, r = ACTIVATIONS[cfg.hidden_act], ctx.round
     xs = x.reshape(B * T, H)
     logits = tap(p, "router_logits", project(w, f"{p}.gate", x, ctx)).reshape(B * T, -1)          # router logits [N, E]
-    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r)
+    quant = ctx.quant
+    probs, weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob, rnd=r, at=quant.within(p))
+    weights = quant.output(f"{p}.routing_weights", weights)
+    at = quant.at(f"{p}.experts")
     w.prefetch_experts(f"{p}.experts", np.unique(experts))           # streamed: the routed experts' reads start
     tap(p, "router_probs", probs.reshape(B, T, -1))
     experts = tap(p, "selected_experts", experts.reshape(B, T, -1)).reshape(B * T, -1)
@@ -121,10 +139,18 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
 
     def expert(e: int, xe: np.ndarray) -> np.ndarray:
         gate, up, down = w.expert(f"{p}.experts", e)
-        return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
+        if at is unhooked:
+            return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
+        # a device graph's points: x W_gate_up^T split in [gate | up], silu as x * sigmoid(x), the product, down
+        g, u = r(linear(xe, gate)), r(linear(xe, up))                                  # [n_e, Ie] each
+        if "gate_up" in at.points:
+            g, u = np.split(at("gate_up", np.concatenate([g, u], axis=-1)), 2, axis=-1)
+        g, u = at("gate", g), at("up", u)
+        a = at("act", r(activate(cfg.hidden_act, g, at=at)))                          # act(gate)
+        return at("down", r(linear(at("hidden", r(a * u)), down)))                    # (act * up) W_down^T
 
-    out = mix_experts(xs, experts, weights, expert, rnd=r)
-    out = tap(p, "experts", out.reshape(B, T, H)).reshape(B * T, H)
+    out = mix_experts(xs, experts, weights, expert, rnd=r, at=at)
+    out = tap(p, "experts", quant.output(f"{p}.experts", out.reshape(B, T, H))).reshape(B * T, H)
     if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
         shared = mlp(w, f"{p}.shared_expert", x, cfg, ctx).reshape(B * T, H)
         gate = tap(p, "shared_expert_gate", project(w, f"{p}.shared_expert_gate", x, ctx)).reshape(B * T, 1)
@@ -139,14 +165,14 @@ def feed_forward(w, i: int, x: np.ndarray, cfg, ctx) -> np.ndarray:
 
 def decoder_layer(w, i: int, x: np.ndarray, cfg, ctx, mixer) -> np.ndarray:
     """Pre-norm residual layer around `mixer` (attention or, in hybrids, Gated DeltaNet) and the MLP."""
-    p = f"model.layers.{i}"
+    p, q = f"model.layers.{i}", ctx.quant
     h = norm(w, f"{p}.input_layernorm", x, cfg, ctx)
     h = tap(p, "input_layernorm", h)
     h = ctx.round(x + mixer(w, i, h, cfg, ctx))
-    h = tap(p, "attn_residual", h)
+    h = tap(p, "attn_residual", q.output(f"{p}.attn_residual", h))
     m = norm(w, f"{p}.post_attention_layernorm", h, cfg, ctx)
     m = tap(p, "post_attention_layernorm", m)
-    return tap(p, None, ctx.round(h + feed_forward(w, i, m, cfg, ctx)))
+    return tap(p, None, q.output(p, ctx.round(h + feed_forward(w, i, m, cfg, ctx))))
 
 
 def self_attention_mixer(w, i, x, cfg, ctx):
@@ -202,33 +228,79 @@ def norm_formula(cfg) -> str:
     return "y = x / sqrt(mean(x^2) + eps) * " + ("(1 + w)" if cfg.zero_centered_norms else "w")
 
 
+# Sub-op points (refimpl/graph.py's Point): the tensors of each kernel's equation a quantised device graph has, with
+# the ONNX op each exports as (torch.onnx.export of transformers' modules) and its inputs.
+
+def norm_points(cfg, x: str, weight: str) -> tuple:
+    """kernels.norm.rms_norm over tap x with checkpoint weight `weight`."""
+    return (Point("x^2", ("Pow",), (x, "const:2")), Point("mean", ("ReduceMean",), ("/x^2",)),
+            Point("+eps", ("Add",), ("/mean", "const:eps")), Point("sqrt", ("Sqrt",), ("/+eps",)),
+            Point("1/sqrt", ("Reciprocal",), ("/sqrt",)), Point("x*1/sqrt", ("Mul",), (x, "/1/sqrt")),
+            Point("", ("Mul",), ("/x*1/sqrt", "const:1+w" if cfg.zero_centered_norms else f"weight:{weight}")))
+
+
+def linear_points(x: str, weight: str) -> tuple:
+    return (Point("", ("MatMul", "Gemm"), (x, f"weight:{weight}")),)
+
+
+def rope_points(x: str, partial: bool) -> tuple:
+    """kernels.rope.apply_rope over tap x: x cos + rotate_half(x) sin, with partial rotary the rotated channels
+    sliced off first and the pass-through ones joined after."""
+    rot = "/rot" if partial else x
+    return ((Point("rot", ("Slice",), (x,)), Point("pass", ("Slice",), (x,))) if partial else ()) + (
+        Point("x*cos", ("Mul",), (rot, "input:cos")), Point("x1", ("Slice",), (rot,)), Point("x2", ("Slice",), (rot,)),
+        Point("-x2", ("Neg",), ("/x2",)), Point("rotate_half", ("Concat",), ("/-x2", "/x1")),
+        Point("rotate_half*sin", ("Mul",), ("/rotate_half", "input:sin")),
+        Point("sum" if partial else "", ("Add",), ("/x*cos", "/rotate_half*sin"))) + (
+        (Point("", ("Concat",), ("/sum", "/pass")),) if partial else ())
+
+
 def attention_nodes(cfg, i: int, gated: bool = False) -> dict:
     """`attention`'s taps. gated: q_proj holds [q_h | gate_h] per head, the output is gated before o_proj."""
     p, x, norm = f"model.layers.{i}.self_attn", f"model.layers.{i}.input_layernorm", norm_formula(cfg)
     positions = ("position_ids_cos", "position_ids_sin", "position_ids")
+    wq, wk, wv, wo = (f"weight:{p}.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    partial = cfg.rotary_dim < cfg.head_dim
+    qn, kn, qr, kr = f"{p}.q_norm", f"{p}.k_norm", f"{p}.q_rope", f"{p}.k_rope"
+    o_in = f"{p}.gated_output" if gated else f"{p}.attn_output"
     nodes = {
         "q_proj": Node("linear", "q = x Wq^T (+ b)" + ("; rows per head [q_h | gate_h]" if gated else ""), (x,),
-                       shape="[B, T, 2*Hq*D]" if gated else "[B, T, Hq*D]", module=1),
-        "k_proj": Node("linear", "k = x Wk^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1),
-        "v_proj": Node("linear", "v = x Wv^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1),
+                       shape="[B, T, 2*Hq*D]" if gated else "[B, T, Hq*D]", module=1,
+                       points=linear_points(x, wq[7:])),
+        "k_proj": Node("linear", "k = x Wk^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1,
+                       points=linear_points(x, wk[7:])),
+        "v_proj": Node("linear", "v = x Wv^T (+ b)", (x,), shape="[B, T, Hkv*D]", module=1,
+                       points=linear_points(x, wv[7:])),
         **({"gate": Node("split", "gate = second half of each head's q_proj rows", (f"{p}.q_proj",),
                          shape="[B, T, Hq*D]")} if gated else {}),
-        "q_norm": Node("rms_norm", norm + " per head over D", (f"{p}.q_proj",), shape="[B, T, Hq, D]", module=1),
-        "k_norm": Node("rms_norm", norm + " per head over D", (f"{p}.k_proj",), shape="[B, T, Hkv, D]", module=1),
-        "q_rope": Node("rope", ROPE, (f"{p}.q_norm", *positions), shape="[B, T, Hq, D]"),
-        "k_rope": Node("rope", ROPE, (f"{p}.k_norm", *positions), shape="[B, T, Hkv, D]"),
+        "q_norm": Node("rms_norm", norm + " per head over D", (f"{p}.q_proj",), shape="[B, T, Hq, D]", module=1,
+                       points=norm_points(cfg, f"{p}.q_proj", f"{qn}.weight")),
+        "k_norm": Node("rms_norm", norm + " per head over D", (f"{p}.k_proj",), shape="[B, T, Hkv, D]", module=1,
+                       points=norm_points(cfg, f"{p}.k_proj", f"{kn}.weight")),
+        "q_rope": Node("rope", ROPE, (qn, *positions), shape="[B, T, Hq, D]", points=rope_points(qn, partial)),
+        "k_rope": Node("rope", ROPE, (kn, *positions), shape="[B, T, Hkv, D]", points=rope_points(kn, partial)),
         "attn_scores": Node("matmul + mask",
                             "s = q k^T / sqrt(D) + max(M, floor); q head h reads kv head h // (Hq/Hkv)",
-                            (f"{p}.q_rope", f"{p}.k_rope", f"cache:past_key.{i}", "position_ids", "attention_mask"),
-                            shape="[B, Hq, T, P+T]"),
+                            (qr, kr, f"cache:past_key.{i}", "position_ids", "attention_mask"),
+                            shape="[B, Hq, T, P+T]", points=(
+                                Point("keys", ("Concat",), ("input:past_keys", kr)),
+                                Point("q*k^T", ("MatMul",), (qr, "/keys")),
+                                Point("scaled", ("Mul",), ("/q*k^T", "const:scale")),
+                                Point("", ("Add",), ("/scaled", "input:mask")))),
         "attn_probs": Node("softmax", "p = exp(s - max s) / sum exp(s - max s) over keys (float32)",
-                           (f"{p}.attn_scores",), shape="[B, Hq, T, P+T]"),
+                           (f"{p}.attn_scores",), shape="[B, Hq, T, P+T]",
+                           points=(Point("", ("Softmax",), (f"{p}.attn_scores",)),)),
         "attn_output": Node("matmul", "o = p v, heads flattened head-major",
-                            (f"{p}.attn_probs", f"{p}.v_proj", f"cache:past_value.{i}"), shape="[B, T, Hq*D]"),
+                            (f"{p}.attn_probs", f"{p}.v_proj", f"cache:past_value.{i}"), shape="[B, T, Hq*D]",
+                            points=(Point("values", ("Concat",), ("input:past_values", f"{p}.v_proj")),
+                                    Point("", ("MatMul",), (f"{p}.attn_probs", "/values")))),
         **({"gated_output": Node("gate", "o * sigmoid(gate)", (f"{p}.attn_output", f"{p}.gate"),
-                                 shape="[B, T, Hq*D]")} if gated else {}),
-        "o_proj": Node("linear", "y = o Wo^T (+ b)", (f"{p}.gated_output" if gated else f"{p}.attn_output",),
-                       shape="[B, T, H]", module=1),
+                                 shape="[B, T, Hq*D]",
+                                 points=(Point("sigmoid", ("Sigmoid",), (f"{p}.q_proj",)),   # gate: q_proj's half
+                                         Point("", ("Mul",), (f"{p}.attn_output", "/sigmoid"))))}
+           if gated else {}),
+        "o_proj": Node("linear", "y = o Wo^T (+ b)", (o_in,), shape="[B, T, H]", module=1,
+                       points=linear_points(o_in, wo[7:])),
     }
     return declare(nodes, p, i)
 
@@ -236,11 +308,17 @@ def attention_nodes(cfg, i: int, gated: bool = False) -> dict:
 def mlp_nodes(p: str, x: str, layer: int) -> dict:
     """`mlp`'s taps (a dense layer's MLP, or a MoE block's shared expert)."""
     return declare({
-        "gate_proj": Node("linear", "x Wg^T", (x,), shape="[B, T, I]", module=1),
-        "up_proj": Node("linear", "x Wu^T", (x,), shape="[B, T, I]", module=1),
-        "act_fn": Node("activation", "act(gate_proj)", (f"{p}.gate_proj",), shape="[B, T, I]", module=1),
-        "hidden": Node("mul", "act_fn * up_proj", (f"{p}.act_fn", f"{p}.up_proj"), shape="[B, T, I]"),
-        "down_proj": Node("linear", "y = hidden Wd^T", (f"{p}.hidden",), shape="[B, T, H]", module=1),
+        "gate_proj": Node("linear", "x Wg^T", (x,), shape="[B, T, I]", module=1,
+                          points=linear_points(x, f"{p}.gate_proj.weight")),
+        "up_proj": Node("linear", "x Wu^T", (x,), shape="[B, T, I]", module=1,
+                        points=linear_points(x, f"{p}.up_proj.weight")),
+        "act_fn": Node("activation", "act(gate_proj)", (f"{p}.gate_proj",), shape="[B, T, I]", module=1,
+                       points=(Point("sigmoid", ("Sigmoid",), (f"{p}.gate_proj",)),
+                               Point("", ("Mul",), (f"{p}.gate_proj", "/sigmoid")))),
+        "hidden": Node("mul", "act_fn * up_proj", (f"{p}.act_fn", f"{p}.up_proj"), shape="[B, T, I]",
+                       points=(Point("", ("Mul",), (f"{p}.act_fn", f"{p}.up_proj")),)),
+        "down_proj": Node("linear", "y = hidden Wd^T", (f"{p}.hidden",), shape="[B, T, H]", module=1,
+                          points=linear_points(f"{p}.hidden", f"{p}.down_proj.weight")),
     }, p, layer)
 
 
@@ -249,16 +327,28 @@ def moe_nodes(cfg, i: int) -> dict:
     checkpoint has one the shared expert and its gate."""
     p, x = f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm"
     shared = cfg.shared_expert_intermediate_size
+    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("#indices",)),)
+    weights = top + ((Point("sum", ("ReduceSum",), ("/top-k",)), Point("", ("Div",), ("/top-k", "/sum")))
+                     if cfg.norm_topk_prob else ())
     nodes = declare({
         "router_logits": Node("linear", "router logits = x Wr^T", (x,), shape="[B, T, E]", module=1,
-                              module_name="gate"),
-        "router_probs": Node("softmax", "softmax over experts (float32)", (f"{p}.router_logits",), shape="[B, T, E]"),
+                              module_name="gate", points=linear_points(x, f"{p}.gate.weight")),
+        "router_probs": Node("softmax", "softmax over experts (float32)", (f"{p}.router_logits",), shape="[B, T, E]",
+                             points=(Point("", ("Softmax",), (f"{p}.router_logits",)),)),
         "selected_experts": Node("top-k", "k experts of highest probability (ties: lower id)", (f"{p}.router_logits",),
                                  shape="[B, T, k] int"),
         "routing_weights": Node("top-k weights", "their probabilities, renormalised if norm_topk_prob",
-                                (f"{p}.router_logits",), shape="[B, T, k]"),
+                                (f"{p}.router_logits",), shape="[B, T, k]", points=weights),
         "experts": Node("expert mix", "sum_e w_e * down_e(act(gate_e x) * up_e x), ascending e",
-                        (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]"),
+                        (x, f"{p}.selected_experts", f"{p}.routing_weights"), shape="[B, T, H]", points=(
+                            Point("gate_up", ("MatMul",), (f"weight:{p}.experts.gate_up_proj", x)),
+                            Point("gate", ("Split", "SequenceAt"), ("/gate_up",), more=("up",)),
+                            Point("up", ("SequenceAt",), ("/gate_up",)),   # an export without optimizer
+                            Point("sigmoid", ("Sigmoid",), ("/gate",)), Point("act", ("Mul",), ("/gate", "/sigmoid")),
+                            Point("hidden", ("Mul",), ("/act", "/up")),
+                            Point("down", ("MatMul",), (f"weight:{p}.experts.down_proj", "/hidden")),
+                            Point("weighted", ("Mul",), ("/down", f"{p}.routing_weights")),
+                            Point("", ("ReduceSum",), ("/weighted",)))),
     }, p, i)
     if shared:
         nodes = merge(nodes, mlp_nodes(f"{p}.shared_expert", x, i), declare({"shared_expert_gate": Node(
@@ -284,16 +374,21 @@ def decoder_layer_nodes(cfg, i: int, mixer_nodes: dict, mixer_output: str) -> di
     """`decoder_layer`'s taps around its token mixer's (mixer_nodes, whose output tap is mixer_output)."""
     p, norm = f"model.layers.{i}", norm_formula(cfg)
     ff = f"{p}.mlp" if cfg.is_moe_layer(i) else f"{p}.mlp.down_proj"
+    # the value the residual add reads in an exported graph: a MoE block without shared expert is its expert mix
+    ff_value = f"{p}.mlp.experts" if cfg.is_moe_layer(i) and not cfg.shared_expert_intermediate_size else ff
+    x, h = layer_input(i), f"{p}.attn_residual"
     return merge(
-        declare({"input_layernorm": Node("rms_norm", norm, (layer_input(i),), shape="[B, T, H]", module=1)}, p, i),
+        declare({"input_layernorm": Node("rms_norm", norm, (x,), shape="[B, T, H]", module=1,
+                                         points=norm_points(cfg, x, f"{p}.input_layernorm.weight"))}, p, i),
         mixer_nodes,
-        declare({"attn_residual": Node("residual add", "h = x + mixer(input_layernorm(x))",
-                                       (layer_input(i), mixer_output), shape="[B, T, H]"),
-                 "post_attention_layernorm": Node("rms_norm", norm, (f"{p}.attn_residual",), shape="[B, T, H]",
-                                                  module=1)}, p, i),
+        declare({"attn_residual": Node("residual add", "h = x + mixer(input_layernorm(x))", (x, mixer_output),
+                                       shape="[B, T, H]", points=(Point("", ("Add",), (x, mixer_output)),)),
+                 "post_attention_layernorm": Node("rms_norm", norm, (h,), shape="[B, T, H]", module=1,
+                                                  points=norm_points(cfg, h, f"{p}.post_attention_layernorm.weight"))},
+                p, i),
         feed_forward_nodes(cfg, i),
-        declare({"": Node("residual add", "out = attn_residual + mlp", (f"{p}.attn_residual", ff), shape="[B, T, H]")},
-                p, i))
+        declare({"": Node("residual add", "out = attn_residual + mlp", (h, ff), shape="[B, T, H]",
+                          points=(Point("", ("Add",), (h, ff_value)),))}, p, i))
 
 
 def layer_nodes(cfg, i: int) -> dict:

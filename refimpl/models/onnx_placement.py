@@ -1,0 +1,306 @@
+"""A quantised device graph's quantisers placed on refimpl's graph, by the exported graph's structure (issue 27).
+
+aimet-onnx encodings and QDQ models key their quantisers by ONNX tensor names. Each is placed where refimpl computes
+the same tensor: a node's output, a sub-op point of its kernel's equation, a constant or graph input as the kernel
+reads it, or a weight. The names themselves are not read (an export may call a tensor `mul_13` or
+`/model/layers.0/mlp/Mul_output_0`): the ONNX graph is walked in file (topological) order, and each node is matched to
+the declared point (refimpl/graph.py's Point: the ONNX op types it exports as, its inputs) whose op type it has and
+whose inputs are the values already found, in declaration order among equals (q_proj before k_proj before v_proj,
+as transformers computes them; a weight's initializer name, where the export kept the checkpoint's, decides).
+
+    data movement   Reshape, Transpose, (Un)Squeeze, Expand, Identity, Cast, Flatten, Split, a Slice / Concat no point
+                    declares, a Gather of an activation (`select`): the output holds the input's values, so its
+                    quantiser acts on the same value: `shared` where its encoding is the one already applied there,
+                    else a further quantiser of that value (a chain, applied in order)
+    constants       an initializer or Constant (through data movement): a weight ("weight:w"), or a constant the kernel
+                    reads (eps, the attention scale, the exponent of x^2, a folded 1 + w: "const:p")
+    graph inputs    bound by where they are read: the mask, the cos / sin tables, the past keys / values ("input:p")
+
+Every encoding is placed or listed with the reason it is not (`unplaced`); strict refuses any.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import InputError
+from ..graph import point_name
+from ..graph import points as declared_points
+
+ROLES = ("const:", "weight:", "input:")
+ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
+CONDITIONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "IsNaN", "IsInf",
+              "Shape", "Size", "NonZero", "Range", "ConstantOfShape", "EyeLike"}   # shapes, masks, conditions
+DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze",
+                         "Expand", "SequenceAt",
+                         "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
+MOVES = {"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Expand", "Identity", "Cast", "Flatten", "Split", "Slice",
+         "Concat", "Gather", "GatherND", "GatherElements", "QuantizeLinear", "DequantizeLinear", "Tile",
+         "SplitToSequence", "SequenceAt"}
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a device graph's quantisers act. activations: {node or "node/point": (Encoding, ...)} in the order
+    applied; weights: {checkpoint weight name: (Encoding, ...)}; tensors: {ONNX tensor name: [where, ...]}
+    (a quantiser of a graph input or constant read at several points is placed at each); shared: {ONNX tensor:
+    where} for quantisers identical to one already applied there; unplaced: [(ONNX tensor name, reason)]."""
+    activations: dict
+    weights: dict
+    tensors: dict
+    shared: dict
+    unplaced: list
+    source: str = "encodings"
+
+    @property
+    def total(self) -> int:
+        return len(self.tensors) + len(self.shared) + len(self.unplaced)
+
+    @property
+    def placed(self) -> int:
+        return len(self.tensors) + len(self.shared)
+
+    def points(self) -> dict:
+        """{node: {point: encodings}} of the sub-op points, for models/quantisers.Quantisers."""
+        out = {}
+        for name, encs in self.activations.items():
+            if "/" in name:
+                node, point = name.split("/", 1)
+                out.setdefault(node, {})[point] = encs
+        return out
+
+    def outputs(self) -> dict:
+        return {name: encs for name, encs in self.activations.items() if "/" not in name}
+
+    def describe(self) -> dict:
+        """The manifest record: per node output (io "output", its tap), point (io "point") and weight (io
+        "weight"), the ONNX tensors whose quantisers act there in order and the last one's encoding (the values the
+        tensor holds); the shared quantisers; the unplaced ones with their reasons."""
+        by_place = {}
+        for tensor, wheres in self.tensors.items():
+            for w in wheres:
+                by_place.setdefault(w, []).append(tensor)
+        placed = []
+        for table, io in ((self.activations, None), (self.weights, "weight")):
+            for where, chain in table.items():
+                kind = io or ("point" if "/" in where else "output")
+                placed.append({"at": where, "io": kind, **({"tap": where} if kind == "output" else {}),
+                               "onnx": by_place.get(where, []), **chain[-1].describe()})
+        return {"source": self.source, "placed": self.placed, "total": self.total, "quantisers": placed,
+                "shared": dict(self.shared), "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
+
+    def summary(self) -> str:
+        return f"{self.source}: {self.placed} of {self.total} quantisers placed" + (
+            f"; unplaced: {', '.join(f'{t} ({r})' for t, r in self.unplaced[:5])}"
+            + (" ..." if len(self.unplaced) > 5 else "") if self.unplaced else "")
+
+
+def _same(a, b) -> bool:
+    """Two encodings that quantise identically."""
+    return (a.bitwidth == b.bitwidth and a.signed == b.signed and a.float_dtype == b.float_dtype
+            and a.block_size == b.block_size and np.array_equal(a.scale, b.scale)
+            and np.array_equal(a.offset, b.offset))
+
+
+def _checkpoint(initializer: str, weights: set) -> str | None:
+    """An initializer named after a checkpoint tensor (an export's wrapper prefix, e.g. "model.", dropped) -> it."""
+    parts = initializer.split(".")
+    for k in range(len(parts)):
+        name = ".".join(parts[k:])
+        if name in weights:
+            return name
+    return None
+
+
+def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: bool = False,
+               source: str = "encodings") -> Placement:
+    """Place {ONNX tensor name: Encoding} of `graph` (refimpl.formats.onnx_graph.OnnxGraph, QDQ pairs removed) on the
+    declared graph `nodes` (refimpl.models.model.graph(cfg)); weight_names: the checkpoint's tensor names (an
+    initializer named after one is that weight)."""
+    weight_names = set(weight_names)
+    pts = declared_points(nodes)
+    index = {}                            # (op type, value inputs) -> [point names], declaration order
+    for full, (node, pt) in pts.items():
+        values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
+        for op in pt.onnx:
+            index.setdefault((op, values), []).append(full)
+    consts = set(graph.initializers)
+    value, const, ginput = {}, {}, {}     # tensor -> point name / (root initializer, path) / (graph input, path)
+    path = {}                             # tensor -> tensors from its root (a point's output, a constant, an input)
+    uses = {}                             # constant / graph-input tensor -> [(where, kind)] it was read as
+    assigned, derived = set(), {}        # derived: a tensor computed from graph inputs only -> its op
+    for g in graph.inputs:
+        ginput[g], path[g] = g, (g,)
+    for t in consts:
+        const[t], path[t] = t, (t,)
+    unmatched = {}                        # tensor -> why its node matched nothing
+    ancestry = {}                         # an unmatched tensor -> the found values it is computed from
+    opaque = {node: frozenset(_full(node, i) for i in pt.inputs) for _, (node, pt) in pts.items() if "*" in pt.onnx}
+
+    def candidates_of(n, kinds):
+        values = tuple(sorted(v for k, v in kinds if k == "v"))
+        n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
+        return [c for c in index.get((n.op_type, values), ()) if c not in assigned
+                and _counts(pts[c][1]) == (n_const, n_input)
+                and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+
+    for n in graph.nodes:
+        outs = [o for o in n.outputs if o]
+        ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
+        if n.op_type == "Constant" or n.op_type in CONDITIONS or (ins and all(i in const for i in ins)):
+            moved = n.op_type in MOVES and ins and n.op_type not in CONDITIONS
+            for o in outs:                # a constant moved (a weight transposed, an expert's rows gathered) keeps its
+                const[o], path[o] = (const[ins[0]], path[ins[0]] + (o,)) if moved else (o, (o,))   # root; else its own
+            continue
+        kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
+                 else ("?", i) for i in ins]
+        candidates = []
+        if any(k == "?" for k, _ in kinds):
+            # an opaque node's output (a kernel refimpl computes in another factorisation: the chunked delta rule)
+            # is the first unmatched tensor, computed from its inputs, that a declared point reads
+            for node, needs in opaque.items():
+                if node in assigned:
+                    continue
+                tried = [("v", node) if k == "?" and needs & ancestry.get(i, frozenset()) else (k, i)
+                         for k, i in kinds]   # (a Loop body reads outer values without naming them: some suffice)
+                if not any(k == "?" for k, _ in tried) and candidates_of(n, tried):
+                    for (k, i), (k2, _) in zip(kinds, tried):
+                        if k == "?" and k2 == "v":
+                            value[i], path[i] = node, (i,)
+                    assigned.add(node)
+                    kinds = tried
+                    break
+            else:
+                why = next(unmatched.get(i, "its input is unknown") for k, i in kinds if k == "?")
+                if why.startswith("inside "):   # the opaque kernel's own ops: name each
+                    why = why.split(" (")[0] + f" ({n.op_type} {n.name})" + why[why.index("):") + 1:]
+                anc = frozenset().union(*(ancestry.get(i, frozenset()) if k == "?" else {i} if k == "v" else ()
+                                          for k, i in kinds))
+                for o in outs:
+                    unmatched[o], ancestry[o] = why, anc | {v for k, v in kinds if k == "v"}
+                continue
+        candidates = candidates_of(n, kinds)
+        if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
+            named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
+                                                  for k, i in kinds if k == "c" for w in pts[c][1].inputs
+                                                  if w.startswith("weight:"))]
+            point = (named or candidates)[0]
+            assigned.add(point)
+            node, pt = pts[point]
+            value[outs[0]], path[outs[0]] = point, (outs[0],)
+            for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
+                if o and more.startswith("#"):                 # integers (indices): no values, like a shape
+                    const[o], path[o] = o, (o,)
+                elif o:
+                    value[o], path[o] = point_name(node, more), (o,)
+            roles = [i for i in pt.inputs if i.startswith(("const:", "weight:", "input:"))]
+            for (k, i), role in zip([ki for ki in kinds if ki[0] in "ci"], _ordered(roles, kinds)):
+                where = role[7:] if role.startswith("weight:") else _full(node, "/" + role.split(":", 1)[1])
+                uses.setdefault(i, []).append((where, "weight" if role.startswith("weight:") else "point"))
+            continue
+        if n.op_type in MOVES:   # the moved data: a Concat's value (else its graph input), any other op's first operand
+            order = [next((j for j, (k, _) in enumerate(kinds) if k == want), None) for want in "vic"]
+            first = next(j for j in order if j is not None) if n.op_type == "Concat" else 0
+            data, src = kinds[first], ins[first]
+            for o in outs:
+                path[o] = path[src] + (o,)
+                if data[0] == "v":
+                    value[o] = data[1]
+                elif data[0] == "i":
+                    ginput[o] = ginput[src]
+                else:
+                    const[o] = const[src]
+            continue
+        if all(k in "ci" for k, _ in kinds):      # computed from graph inputs only: the host's mask plumbing
+            for o in outs:
+                ginput[o], path[o] = o, (o,)
+                derived[o] = f"{n.op_type} {n.name}"
+            continue
+        anc = frozenset(v for k, v in kinds if k == "v")
+        inside = [node for node, needs in opaque.items() if node not in assigned and needs & anc]
+        for o in outs:
+            unmatched[o] = (f"inside {inside[0]} ({n.op_type} {n.name}): refimpl computes that kernel in another "
+                            f"factorisation and declares no points inside it" if inside else
+                            f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})")
+            ancestry[o] = anc
+    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+                   weight_names)
+
+
+def _full(node: str, name: str) -> str:
+    """A point's input as a full name: "/p" -> "node/p", "/" -> the node; others as they are."""
+    if name.startswith("/"):
+        return f"{node}{name}" if name != "/" else node
+    return name
+
+
+def _operands(node, pt, kinds=None) -> tuple:
+    """A point's declared operands, or a node's found ones: values by name, constants "c", graph inputs "i"."""
+    if kinds is not None:
+        return tuple(v if k == "v" else k for k, v in kinds)
+    return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
+                 for i in pt.inputs)
+
+
+def _counts(pt) -> tuple:
+    return (sum(i.startswith(("const:", "weight:")) for i in pt.inputs), sum(i.startswith("input:") for i in pt.inputs))
+
+
+def _ordered(roles, kinds):
+    """The declared constant / input roles in the order of the node's constant / input operands (constants first
+    matched to const:/weight: roles, graph inputs to input: roles)."""
+    c = iter([r for r in roles if not r.startswith("input:")])
+    i = iter([r for r in roles if r.startswith("input:")])
+    return [next(c) if k == "c" else next(i) for k, _ in kinds if k in "ci"]
+
+
+def _moves_only(op: str, kinds) -> bool:
+    """A Concat of one value with itself (cat(t, t)) moves data; any other declared op computes."""
+    return op == "Concat" and len({v for _, v in kinds}) == 1
+
+
+def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+            weight_names) -> Placement:
+    activations, weights, tensors, shared, unplaced = {}, {}, {}, {}, []
+
+    def put(table, where, tensor, enc):
+        chain = table.get(where, ())
+        if chain and _same(chain[-1], enc):
+            shared[tensor] = where
+            return
+        table[where] = chain + (enc,)
+        tensors.setdefault(tensor, []).append(where)
+
+    known = set(path)
+    for tensor in _in_graph_order(graph, encodings):
+        enc = encodings[tensor]
+        if tensor in value:
+            put(activations, value[tensor], tensor, enc)
+        elif tensor in const or tensor in ginput:
+            root = path[tensor][0]
+            readers = [(w, kind) for t, ws in uses.items() if path.get(t, (None,))[0] == root
+                       and tensor in path[t] for w, kind in ws]
+            weight = tensor in const and _checkpoint(tensor, weight_names)
+            if not readers and weight:            # a checkpoint weight read through a constant op (1 + w, exp(A_log))
+                readers = [(weight, "weight")]
+            if not readers:
+                what = (f"computed from graph inputs only ({derived[root]}: the host's plumbing)" if root in derived
+                        else "a constant" if tensor in const else "a graph input")
+                unplaced.append((tensor, f"{what}, read by no matched point"))
+            for where, kind in dict.fromkeys(readers):
+                put(weights if kind == "weight" else activations, where, tensor, enc)
+        elif tensor in unmatched:
+            unplaced.append((tensor, unmatched[tensor]))
+        else:
+            unplaced.append((tensor, "not a tensor of the graph" if tensor not in known else "not reached"))
+    p = Placement(activations, weights, tensors, shared, unplaced, source)
+    if unplaced and strict:
+        raise InputError(f"{p.summary()} (--strict-encodings)")
+    return p
+
+
+def _in_graph_order(graph, encodings) -> list:
+    """The encoded tensors in the graph's order (inputs, initializers, then each node's outputs), then the rest."""
+    order = [*graph.inputs, *graph.initializers, *(o for n in graph.nodes for o in n.outputs)]
+    seen = dict.fromkeys(t for t in order if t in encodings)
+    return [*seen, *(t for t in encodings if t not in seen)]

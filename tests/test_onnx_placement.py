@@ -1,0 +1,208 @@
+"""A quantised device graph's quantisers placed on refimpl's graph by structure (refimpl/models/onnx_placement.py),
+and refimpl computing through exactly the declared points.
+
+Fixtures (tests/quantised/make_structure_fixtures.py): tiny presets (vocab 256) exported as a Genie graph by
+torch.onnx.export and quantised W8A16 by onnxruntime's QNN QDQ config: tests/fixtures/quantised/tiny-qwen3-qdq.onnx
+whole, *-qdq-structure.onnx with the weights zero-filled (placement reads the graph and the scales)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refimpl
+from refimpl.encodings import Encoding
+from refimpl.errors import InputError
+from refimpl.graph import points
+from refimpl.models import qwen3
+from refimpl.models.config import config_from_dict
+from refimpl.models.model import expected_tensors, graph
+from refimpl.models.onnx_placement import place_onnx
+from refimpl.models.quantisers import Quantisers
+from refimpl.presets import PRESETS
+
+HERE = Path(__file__).parent
+sys.path[:0] = [str(HERE / "quantised"), str(HERE / "e2e")]
+from qdq_minimal import read_qdq_minimal  # noqa: E402  (until refimpl.formats.qdq, branch i27read, lands)
+
+FIXTURES = HERE / "fixtures" / "quantised"
+MODELS = ["tiny-qwen3", "tiny-qwen3-moe"]
+
+
+def config(preset):
+    return config_from_dict({**PRESETS[preset], "vocab_size": 256})
+
+
+def fixture(preset):
+    return FIXTURES / (f"{preset}-qdq.onnx" if preset == "tiny-qwen3" else f"{preset}-qdq-structure.onnx")
+
+
+def placed(preset, strict=False):
+    g, encs = read_qdq_minimal(fixture(preset))
+    cfg = config(preset)
+    return g, encs, place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"}, strict)
+
+
+@pytest.mark.parametrize("preset", MODELS)
+def test_every_quantiser_of_a_w8a16_qdq_model_is_placed_at_a_point_of_its_op(preset):
+    g, encs, p = placed(preset)
+    assert (p.placed, p.total, p.unplaced) == (len(encs), len(encs), [])
+    declared, producers = points(graph(config(preset))), g.producers()
+    acting = [(t, w) for t, ws in p.tensors.items() for w in ws if t in producers and w in declared]
+    assert len(acting) > 0.5 * len(encs)
+    for tensor, where in acting:   # a point's own quantiser sits on an output of an op it declares, or data movement
+        op = producers[tensor].op_type
+        assert op in declared[where][1].onnx or op in ("Transpose", "Reshape", "Unsqueeze", "Slice", "Squeeze",
+                                                       "Expand", "Gather", "Concat", "Split"), (tensor, op, where)
+    weights = set(p.weights)
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.input_layernorm.weight"} <= weights
+    norm = "model.layers.0.input_layernorm"
+    for sub in ("x^2", "mean", "+eps", "sqrt", "1/sqrt", "x*1/sqrt", "eps", "2"):
+        assert f"{norm}/{sub}" in p.activations
+    for sub in ("cos", "sin", "x*cos", "-x2", "rotate_half", "rotate_half*sin"):
+        assert f"model.layers.0.self_attn.q_rope/{sub}" in p.activations
+    for sub in ("mask", "scale", "q*k^T", "scaled", "keys", "past_keys"):
+        assert f"model.layers.0.self_attn.attn_scores/{sub}" in p.activations
+
+
+def test_qwen35_everything_outside_the_chunked_delta_rule_is_placed():
+    """Qwen3.5's float Genie graph with an encoding on every float tensor (a superset of any quantisation config's):
+    the Gated DeltaNet and gated attention outside the delta rule are placed; the chunked delta rule's insides (refimpl
+    declares no points there) and the host's mask arithmetic are listed with those reasons, nothing else."""
+    from refimpl.formats.onnx_graph import read_onnx
+    g = read_onnx(FIXTURES / "tiny-qwen3.5-structure.onnx")
+    cfg = config("tiny-qwen3.5")
+    enc = Encoding(16, np.float32(1e-3), np.int32(-30000))
+    skip = {"Shape", "Greater", "Less", "Equal", "Not", "And", "Cast", "Range", "ConstantOfShape", "NonZero",
+            "Constant", "EyeLike"}
+    encs = {o: enc for n in g.nodes if n.op_type not in skip for o in n.outputs if o}
+    encs.update({i: enc for i in g.inputs if i != "input_ids"})
+    p = place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"})
+    inside = [t for t, r in p.unplaced if r.startswith("inside model.layers.") and ".linear_attn.core (" in r]
+    other = [(t, r) for t, r in p.unplaced if t not in inside]
+    assert len(inside) > 2000 and p.placed > 350
+    assert len(other) <= 10 and all("graph input" in r or "host's plumbing" in r or "a constant" in r
+                                    for _, r in other), other
+    for sub in ("in_proj_qkv/masked", "conv1d/x", "conv1d", "conv1d_silu/sigmoid", "conv1d_silu/split_q", "q/x^2",
+                "k/1/sqrt", "beta", "g/+dt_bias", "g/softplus", "g", "core", "norm/x^2", "norm/silu(z)", "norm",
+                "out_proj"):
+        assert f"model.layers.0.linear_attn.{sub}" in p.activations, sub
+    for sub in ("q_rope/rot", "q_rope/sum", "q_rope", "gated_output/sigmoid", "gated_output", "attn_probs"):
+        assert f"model.layers.3.self_attn.{sub}" in p.activations, sub
+
+
+def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(monkeypatch):
+    original = qwen3.norm_points
+    monkeypatch.setattr(qwen3, "norm_points", lambda cfg, x, w: tuple(pt for pt in original(cfg, x, w)
+                                                                      if pt.name != "sqrt"))
+    g, encs, p = placed("tiny-qwen3")
+    assert p.unplaced and p.placed < len(encs)
+    assert any("Sqrt" in reason and "matches no declared point" in reason for _, reason in p.unplaced)
+    with pytest.raises(InputError, match="quantisers placed.*--strict-encodings"):
+        placed("tiny-qwen3", strict=True)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_code_computes_through_exactly_the_declared_points(preset):
+    """A quantiser (float16) at every declared point and node output: the forward passes a value through each,
+    a prompt and a cached step (the past keys / values points act from the second call)."""
+    m = refimpl.load(preset)
+    nodes = graph(m.config)
+    f16 = Encoding(16, np.float32(1), np.int32(0), float_dtype=np.float16)
+    outputs, pts = {}, {}
+    for name, (node, pt) in points(nodes).items():
+        if pt.name:
+            pts.setdefault(node, {})[pt.name] = f16
+        else:
+            outputs[nodes[node].module_name or node] = f16
+    m.quantisers = Quantisers(outputs=outputs, points=pts, taps={nodes[n].module_name: n for n in nodes
+                                                                  if nodes[n].module_name})
+    m.quantisers.record = {}
+    cache = m.new_cache()
+    m.forward(np.array([[1, 2, 3, 4]]), cache=cache)
+    m.forward(np.array([[5]]), cache=cache)
+    assert set(m.quantisers.record) == set(points(nodes))
+
+
+def test_float_path_hooks_are_the_identity():
+    """No quantiser: every kernel's hook is the shared identity (the float path computes as before; golden anchors,
+    tests/test_golden.py, are bit-identical)."""
+    from refimpl.kernels.activation import unhooked
+    m = refimpl.load("tiny-qwen3")
+    assert m.quantisers.at("model.layers.0.input_layernorm") is unhooked
+    assert m.quantisers.within("model.layers.0.mlp") is unhooked
+
+
+def test_a_golden_with_a_device_graph_records_every_quantiser_in_its_manifest(tmp_path):
+    from refimpl.bundle import read_bundle
+    from refimpl.golden import write_golden
+    from refimpl.models.model import Model
+    from refimpl.precision import Policy
+    from refimpl.presets import random_weights
+    f = fixture("tiny-qwen3")
+    cfg = config("tiny-qwen3")
+    m = Model.from_arrays(cfg, random_weights(cfg), "preset", Policy(weights="encodings", encodings=str(f)),
+                          device=read_qdq_minimal(f))
+    out = write_golden(tmp_path / "q", m, np.array([[1, 2, 3, 4]]), source="preset", codes=True)
+    q = read_bundle(out).manifest["quantisation"]
+    assert (q["placed"], q["total"], q["unplaced"]) == (408, 408, [])
+    assert q["encodings"]["file"] == f.name
+    rows = {r["at"]: r for r in q["quantisers"]}
+    assert rows["model.layers.0.input_layernorm/x^2"]["io"] == "point"
+    assert rows["model.layers.0.self_attn.attn_probs"]["io"] == "output"
+    assert rows["model.layers.0.self_attn.q_proj.weight"]["io"] == "weight"
+    assert len({t for r in q["quantisers"] for t in r["onnx"]}) + len(q["shared"]) == 408
+
+
+@pytest.mark.oracle
+def test_refimpl_with_a_qdq_models_quantisers_computes_what_onnxruntime_computes():
+    """refimpl with the fixture's quantisers placed vs onnxruntime running that QDQ model (CPU EP, graph
+    optimizations off: its QDQ fusions compute in integer kernels, another arithmetic), on the fixture's own
+    calibration input: max |refimpl - ORT| <= 1 % of max |float - ORT| on logits."""
+    import onnxruntime as ort
+
+    from refimpl.models.model import Model
+    from refimpl.precision import Policy, policy
+    from refimpl.presets import random_weights
+    f = fixture("tiny-qwen3")
+    config_ = {**PRESETS["tiny-qwen3"], "vocab_size": 256, "eos_token_id": 256 - 48, "bos_token_id": 256 - 49}
+    cfg = config_from_dict(config_)
+    arrays = random_weights(cfg, seed=11)                     # tests/e2e/devices.small_preset's weights
+    arrays["model.embed_tokens.weight"] = arrays["model.embed_tokens.weight"] * np.float32(0.05)
+    inputs = dict(np.load(FIXTURES / "tiny-qwen3-qdq-inputs.npz"))   # the export's example and calibration input
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.graph_optimization_level = 1, ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(str(f), options, providers=["CPUExecutionProvider"])
+    device = s.run(["logits"], {i.name: inputs[i.name] for i in s.get_inputs()})[0]
+    ids = inputs["input_ids"].astype(np.int64)
+    m = Model.from_arrays(cfg, arrays, "e2e", Policy(weights="encodings", encodings=str(f)), device=read_qdq_minimal(f))
+    assert m.quantisers.placement.unplaced == []
+    ours, floating = m.forward(ids), Model.from_arrays(cfg, arrays, "e2e", policy("float32")).forward(ids)
+    assert np.abs(ours - device).max() <= 0.01 * np.abs(floating - device).max()
+
+
+def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatch):
+    """`refimpl golden --encodings model_qdq.onnx`: every quantiser placed and recorded; --onnx without --encodings
+    and --strict-encodings with an unplaced quantiser are one-line errors, exit 2, nothing written."""
+    import importlib.util
+    import json
+    import types
+
+    from refimpl.cli import main
+    if importlib.util.find_spec("refimpl.formats.qdq") is None:   # the reader is branch i27read's
+        monkeypatch.setitem(sys.modules, "refimpl.formats.qdq", types.SimpleNamespace(read_qdq=read_qdq_minimal))
+    f = fixture("tiny-qwen3")
+    args = ["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "-q"]
+    assert main([*args, "--out", str(tmp_path / "q"), "--encodings", str(f)]) == 0
+    q = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantisation"]
+    assert (q["placed"], q["total"]) == (408, 408)
+    assert main([*args, "--out", str(tmp_path / "a"), "--onnx", str(f)]) == 2
+    assert "--onnx needs --encodings" in capsys.readouterr().err
+    original = qwen3.rope_points
+    monkeypatch.setattr(qwen3, "rope_points", lambda x, partial: original(x, partial)[1:])   # x*cos undeclared
+    assert main([*args, "--out", str(tmp_path / "b"), "--encodings", str(f), "--strict-encodings"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "of 408 quantisers placed" in err and "--strict-encodings" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
