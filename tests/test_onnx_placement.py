@@ -14,6 +14,7 @@ import pytest
 import refimpl
 from refimpl.encodings import Encoding
 from refimpl.errors import InputError
+from refimpl.formats.qdq import read_qdq
 from refimpl.graph import points
 from refimpl.models import qwen3
 from refimpl.models.config import config_from_dict
@@ -24,7 +25,6 @@ from refimpl.presets import PRESETS
 
 HERE = Path(__file__).parent
 sys.path[:0] = [str(HERE / "quantised"), str(HERE / "e2e")]
-from qdq_minimal import read_qdq_minimal  # noqa: E402  (until refimpl.formats.qdq, branch i27read, lands)
 
 FIXTURES = HERE / "fixtures" / "quantised"
 MODELS = ["tiny-qwen3", "tiny-qwen3-moe"]
@@ -39,7 +39,7 @@ def fixture(preset):
 
 
 def placed(preset, strict=False):
-    g, encs = read_qdq_minimal(fixture(preset))
+    g, encs = read_qdq(fixture(preset))
     cfg = config(preset)
     return g, encs, place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"}, strict)
 
@@ -144,7 +144,7 @@ def test_a_golden_with_a_device_graph_records_every_quantiser_in_its_manifest(tm
     f = fixture("tiny-qwen3")
     cfg = config("tiny-qwen3")
     m = Model.from_arrays(cfg, random_weights(cfg), "preset", Policy(weights="encodings", encodings=str(f)),
-                          device=read_qdq_minimal(f))
+                          device=read_qdq(f))
     out = write_golden(tmp_path / "q", m, np.array([[1, 2, 3, 4]]), source="preset", codes=True)
     q = read_bundle(out).manifest["quantisation"]
     assert (q["placed"], q["total"], q["unplaced"]) == (408, 408, [])
@@ -177,7 +177,7 @@ def test_refimpl_with_a_qdq_models_quantisers_computes_what_onnxruntime_computes
     s = ort.InferenceSession(str(f), options, providers=["CPUExecutionProvider"])
     device = s.run(["logits"], {i.name: inputs[i.name] for i in s.get_inputs()})[0]
     ids = inputs["input_ids"].astype(np.int64)
-    m = Model.from_arrays(cfg, arrays, "e2e", Policy(weights="encodings", encodings=str(f)), device=read_qdq_minimal(f))
+    m = Model.from_arrays(cfg, arrays, "e2e", Policy(weights="encodings", encodings=str(f)), device=read_qdq(f))
     assert m.quantisers.placement.unplaced == []
     ours, floating = m.forward(ids), Model.from_arrays(cfg, arrays, "e2e", policy("float32")).forward(ids)
     assert np.abs(ours - device).max() <= 0.01 * np.abs(floating - device).max()
@@ -186,13 +186,9 @@ def test_refimpl_with_a_qdq_models_quantisers_computes_what_onnxruntime_computes
 def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatch):
     """`refimpl golden --encodings model_qdq.onnx`: every quantiser placed and recorded; --onnx without --encodings
     and --strict-encodings with an unplaced quantiser are one-line errors, exit 2, nothing written."""
-    import importlib.util
     import json
-    import types
 
     from refimpl.cli import main
-    if importlib.util.find_spec("refimpl.formats.qdq") is None:   # the reader is branch i27read's
-        monkeypatch.setitem(sys.modules, "refimpl.formats.qdq", types.SimpleNamespace(read_qdq=read_qdq_minimal))
     f = fixture("tiny-qwen3")
     args = ["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "-q"]
     assert main([*args, "--out", str(tmp_path / "q"), "--encodings", str(f)]) == 0

@@ -14,4 +14,4 @@ def read_device_encodings(p):
         from .qdq import read_qdq  # QDQ pairs removed, their scales / zero points as encodings
         return read_qdq(p.encodings)
     from ..encodings import read_onnx_encodings
-    return read_onnx(p.onnx), read_onnx_encodings(p.encodings)
+    return read_onnx(p.onnx), read_onnx_encodings(p.encodings, model=p.onnx)
