@@ -441,7 +441,9 @@ def weight_dequantizers(m) -> dict:
 def wrong_channel_scale(m, weight: str, channel: int, factor: float = 1.02, axis: int | None = None):
     """The weight's DequantizeLinear with one output channel's scale x factor: a device that converted one channel's
     scale wrong. A per-tensor scale becomes per-axis along `axis` (default: MatMul B's output axis 1, or the
-    DequantizeLinear's own axis) with the other channels unchanged."""
+    DequantizeLinear's own axis) with the other channels unchanged. The HTP takes per-channel weights symmetric
+    only (W4A16's int4): an asymmetric uint8 weight made per-axis (W8A16) fails to compile ("Unsupported nodes")
+    and runs on the CPU EP only."""
     m = _copy(m)
     dq = weight_dequantizers(m)[weight]
     codes = onnx.numpy_helper.to_array(_init(m, weight))
@@ -468,14 +470,21 @@ def activation_quantizer(m, tensor: str):
 
 
 def offset_off_by_one(m, tensor: str, delta: int = 1):
-    """The activation's QuantizeLinear writes its codes with zero point + delta while its consumers' Dequantize-
-    Linear read them with the encoding's: every value of the tensor one step (scale) off, saturating at the top."""
+    """The activation's quantiser runs with zero point + delta on the device (its QuantizeLinear and the
+    DequantizeLinears reading its codes, consistently: the device's own arithmetic is unchanged but for the grid's
+    ends), while the encodings (the honest model's) say zero point: the device's codes at that tap are one step
+    off, read with the encodings every value is one step (scale) off. The HTP compiles it (a QuantizeLinear whose
+    consumers read another zero point it does not: that graph fails, "Unsupported nodes")."""
     m = _copy(m)
     q = activation_quantizer(m, tensor)
     zp = onnx.numpy_helper.to_array(_init(m, q.input[2]))
     info = np.iinfo(zp.dtype)
     moved = np.clip(zp.astype(np.int64) + delta, info.min, info.max).astype(zp.dtype)
-    _replace_input(q, 2, m, f"{tensor}_fault_zero_point", moved)
+    name = f"{tensor}_fault_zero_point"
+    _replace_input(q, 2, m, name, moved)
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]:
+            n.input[2] = name
     return m
 
 
@@ -496,8 +505,9 @@ def saturating_residual(m, tensor: str, shrink: float = 0.5):
 
 
 def residual_adds(m) -> list[str]:
-    """Outputs of the residual Adds of a QDQ model, in graph order: Adds of two activations (DequantizeLinear
-    outputs, no constant) whose sum feeds another such Add or the final norm (x, then x + f(norm(x)))."""
+    """Outputs of the residual Adds of a QDQ model, in graph order: the residual stream starts at the embedding's
+    Gather (the first Gather of a weight); an Add of two activations one of which (through its QDQ pair) is the
+    stream continues it."""
     inits = {i.name for i in m.graph.initializer}
     producer = {o: n for n in m.graph.node for o in n.output}
 
@@ -507,8 +517,13 @@ def residual_adds(m) -> list[str]:
             t = n.input[0]
             n = producer.get(t)
         return t
-    adds = [n for n in m.graph.node if n.op_type == "Add" and len(n.input) == 2
-            and not any(source(i) in inits for i in n.input)]
-    sums = {n.output[0] for n in adds}
-    return [n.output[0] for n in adds if any(source(i) in sums or source(i) in sums for i in n.input)
-            or any(source(i) == n2.output[0] for n2 in adds for i in n2.input)]
+    embedding = next(n for n in m.graph.node if n.op_type == "Gather" and source(n.input[0]) in inits)
+    stream = {embedding.output[0]}
+    adds = []
+    for n in m.graph.node:
+        srcs = [source(i) for i in n.input]
+        if n.op_type == "Add" and len(srcs) == 2 and not any(x in inits for x in srcs) and any(x in stream
+                                                                                                for x in srcs):
+            stream.add(n.output[0])
+            adds.append(n.output[0])
+    return adds
