@@ -148,18 +148,22 @@ def folded(path: Path) -> None:
     folded (ConstantOfShape / EyeLike the HTP does not take), so the quantised graph is what every session runs
     (the sessions below then run it with ONNX Runtime's optimizations off: the QNN EP groups the QDQ nodes
     itself, and the quantisers' taps as graph outputs leave its grouping alone)."""
+    before = onnx.load(path)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(path)
     options.log_severity_level = 3
     ort.InferenceSession(path.read_bytes(), options, providers=["CPUExecutionProvider"])
-    onnx.save(onnx.shape_inference.infer_shapes(onnx.load(path)), path)
+    onnx.save(onnx.shape_inference.infer_shapes(keep_scopes(before, onnx.load(path))), path)
 
 
 # ------------------------------------------------------------------------------------------------ sessions
 
 def cpu_session(model_bytes: bytes):
+    """ONNX Runtime's CPU EP with its graph optimizations off: the QDQ model's own semantics (with them on, ORT fuses
+    QDQ groups into integer kernels that depart from it; i27core measured that)."""
     options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.intra_op_num_threads = 1
     options.log_severity_level = 3
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
@@ -231,7 +235,19 @@ def quantise_qdq(case: FloatCase, mix: str, out: Path | None = None) -> onnx.Mod
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         quantize(m, out, config)
-    return onnx.load(out)
+    return keep_scopes(onnx.load(case.path), onnx.load(out), out)
+
+
+def keep_scopes(source, m, out: Path | None = None):
+    """The exporter's node metadata (module scopes, which refimpl's placement reads) copied by node name from
+    `source` onto `m` (ONNX Runtime's quantize and saved optimized models drop it); saved to `out` if given."""
+    meta = {n.name: n.metadata_props for n in source.graph.node if n.name}
+    for n in m.graph.node:
+        if n.name in meta and not n.metadata_props:
+            n.metadata_props.extend(meta[n.name])
+    if out is not None:
+        onnx.save(m, out)
+    return m
 
 
 MOVES = ("Unsqueeze", "Squeeze", "Transpose", "Reshape", "Slice")
