@@ -543,3 +543,32 @@ def residual_adds(m) -> list[str]:
             stream.add(n.output[0])
             adds.append(n.output[0])
     return adds
+
+
+def main(argv=None) -> None:
+    """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §8 (QNN QDQ
+    and aimet-onnx per model x mix: HTP and CPU EP logits, codes, the first quantiser where they part)."""
+    import sys
+    import tempfile
+    args = (argv if argv is not None else sys.argv[1:]) + [None] * 3
+    archs = (args[0] or ",".join(ARCHITECTURES)).split(",")
+    mixes = (args[1] or ",".join(MIXES)).split(",")
+    root = Path(args[2] or tempfile.mkdtemp(prefix="quantised-htp-"))
+    for arch in archs:
+        case = float_case(arch, root / arch)
+        for mix in mixes:
+            for tool in ("qdq", "aimet"):
+                qm = quantise_qdq(case, mix) if tool == "qdq" else quantise_aimet(case, mix).qdq
+                try:
+                    m = measure(case, qm)[0]
+                except Exception as e:   # a graph the HTP does not compile
+                    print(f"{arch} {mix} {tool}: {str(e).splitlines()[0][:200]}", flush=True)
+                    continue
+                print(f"{arch} {mix} {tool}: quantisers {m.quantisers}; CPU EP vs float {m.cpu_vs_float[0]:.1f} dB "
+                      f"top-1 {m.cpu_vs_float[1]:.2f}; HTP vs CPU EP {m.htp_vs_cpu[0]:.1f} dB top-1 "
+                      f"{m.htp_vs_cpu[1]:.2f}; codes identical at {m.codes_all_identical}; first departure "
+                      f"{m.first_any}; first collapse {m.first_collapse}", flush=True)
+
+
+if __name__ == "__main__":   # the script's directory is on sys.path (devices, htp); PYTHONPATH the worktree
+    main()
