@@ -572,3 +572,33 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":   # the script's directory is on sys.path (devices, htp); PYTHONPATH the worktree
     main()
+
+
+def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
+    """refimpl's values at the device's quantisers, as codes, against a peer's codes. record: {refimpl node or
+    node/point: the float value its first quantiser received} (refimpl's `model.quantisers.record` after a forward);
+    tensors: {ONNX tensor name: [refimpl node / point names]} (the placement's `tensors`); peer: {QuantizeLinear
+    output: codes} (this module's runs). Returns {ONNX tensor: (identical share, max step)} where refimpl's value
+    has the peer's elements in the peer's order (the same shape up to leading 1s, or a transpose of the last two
+    axes); {ONNX tensor: reason} where not (another layout, refimpl's real slots only, ...)."""
+    params = quant_params(qm)
+    quantizer = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    out = {}
+    for tensor, wheres in tensors.items():
+        q = quantizer.get(tensor)
+        if q is None or q not in peer or not wheres or wheres[0] not in record:
+            out[tensor] = "not tapped" if q is not None and q not in peer else "no recorded value"
+            continue
+        have, mine = np.asarray(peer[q]), np.asarray(record[wheres[0]], np.float32)
+        scale, zp = params[q]
+        candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else [])
+        match = next((c.reshape(have.shape) for c in candidates if c.size == have.size and
+                      [d for d in c.shape if d != 1] == [d for d in have.shape if d != 1]), None)
+        if match is None:
+            out[tensor] = f"layout: refimpl {list(mine.shape)}, device {list(have.shape)}"
+            continue
+        if np.ndim(scale) != 0:
+            out[tensor] = "per-axis activation encoding"
+            continue
+        out[tensor] = codes_agreement(codes_of(match, scale, zp, have.dtype), have)
+    return out

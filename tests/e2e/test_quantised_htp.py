@@ -90,7 +90,7 @@ def test_htp_quantised_log_returns_code_zero():
 
 def test_qdq_w8a16_on_the_htp_against_the_cpu_ep(dense):
     """Every quantiser tapped; the HTP's logits within 20 dB of the CPU EP's run of the same QDQ model (measured
-    30.3 dB; quantisation itself moves them 28.2 dB from float); the graph inputs' and the embedding gather's codes
+    35.1 dB; quantisation itself moves them 29.2 dB from float); the graph inputs' and the embedding gather's codes
     are identical, and where the codes first part the HTP's are within one step."""
     case, qm = dense
     m, cpu, dev = Q.measure(case, qm)
@@ -160,7 +160,7 @@ def test_planted_quantiser_fault_first_shows_at_its_tap(fault, dense, dense_w4):
 def test_aimet_quantsim_w8a16_exports_encodings_by_onnx_tensor_names_and_runs_on_the_htp(dense):
     """aimet-onnx 2.42's QuantSim (default config, W8A16) on the same float graph: its encodings (1.0.0 schema) are
     keyed by tensor names of the exported graph, its QDQ export runs on the HTP within 20 dB of the CPU EP's run of
-    it (measured 31.3 dB), and the CPU EP's run is as close to QuantSim's own session as quantisation is to float."""
+    it (measured 34.2 dB), and the CPU EP's run is as close to QuantSim's own session as quantisation is to float."""
     why = Q.aimet_unavailable()
     if why:
         pytest.skip(why)
