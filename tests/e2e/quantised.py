@@ -1,0 +1,604 @@
+"""The quantised HTP as a device of the tests (issue 27, item 4): transformers' tiny presets behind the genie I/O,
+exported in float32, quantised W8A16 / W4A16 on the exported graph as a real deployment does, and run on Qualcomm's
+HTP simulator (onnxruntime-qnn, CPU fallback disabled: QDQ node groups run as the HTP's integer ops) and on ONNX
+Runtime's CPU EP (the QDQ model's reference semantics: QuantizeLinear rounds half to even and saturates).
+
+    case = float_case("dense", root)                         # export, optimize, HTP rewrites (tests/e2e/htp.py)
+    q = quantise_qdq(case, "w8a16")                         # onnxruntime.quantization's QNN QDQ config
+    a = quantise_aimet(case, "w8a16")                       # aimet-onnx QuantSim: its encodings + its model
+    taps = quantiser_taps(q.model)                          # every QuantizeLinear of an activation: its codes
+    cpu, htp = run_cpu(with_outputs(q.model, taps), feed), run_htp(...)
+    codes_agreement(cpu[t], htp[t])                         # identical share, largest step
+
+Calibration: a few short prompts, each the genie prompt call (AR 8, CL 32, empty cache) of the float model.
+
+Planted faults, as edits of the QDQ device graph (each returns a new model): `wrong_channel_scale` (one channel of
+a weight's per-channel DequantizeLinear scale x1.02), `offset_off_by_one` (an activation's zero point + 1: every
+value one step off), `saturating_residual` (a residual add's output scale shrunk so the add clips).
+"""
+
+import dataclasses
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+import devices as D  # noqa: E402  (after the skips: it imports torch)
+import htp as H  # noqa: E402
+
+ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "hybrid": "tiny-qwen3.5"}
+GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}
+PROMPT = [97, 11, 1879, 13, 42, 7, 99, 5]              # the measured prompt: one full AR = 8 chunk (no pad slot)
+# calibration: the measured prompt and three others, full chunks (a pad slot's zeroed GDN input would be 0 / 0 in
+# the quantised l2norm); the ranges then cover the measured call (no clipping of it)
+CALIBRATION = (PROMPT, [5, 300, 1200, 64, 8, 777, 31, 1500], [2000, 17, 450, 900, 33, 1024, 3, 4],
+               [640, 641, 12, 99, 1300, 8, 250, 1777])
+MIXES = ("w8a16", "w4a16")
+# QNN's QDQ, its own weight type per mix; W4A16's int4 weights per output channel (MatMul's B: axis 1 of [K, N])
+QDQ_MIXES = {"w8a16": dict(activation="QUInt16", weight="QUInt8", per_channel=False),
+             "w4a16": dict(activation="QUInt16", weight="QInt4", per_channel=True)}
+QNN_INT_OPTIONS = {"backend_type": "htp", "soc_model": "60", "htp_arch": "75"}
+
+
+# ------------------------------------------------------------------------------------------------ float export
+
+@dataclasses.dataclass
+class FloatCase:
+    arch: str
+    config: dict
+    arrays: dict
+    model: object              # transformers, float32
+    path: Path                 # the float32 graph: optimized, HTP rewrites applied, shape-inferred
+    ins: list
+    outs: list
+    feeds: list                # calibration feeds (the genie prompt calls of CALIBRATION)
+    feed: dict                 # the measured prompt call (PROMPT)
+    real: slice                # its real token slots
+
+    def float_session(self):
+        return cpu_session(self.path.read_bytes())
+
+
+def genie_feed(cfg, tokens: list) -> tuple[dict, slice]:
+    """The genie prompt call of `tokens` (empty cache), as run_genie's host builds it; and its real slots."""
+    captured = {}
+
+    def graph(inputs, step):
+        captured.update(inputs)
+        raise StopIteration
+    try:
+        D.run_genie(graph, cfg, [("prompt", tokens)], GENIE)
+    except StopIteration:
+        pass
+    ar = GENIE["ar"]
+    return captured, slice(ar - len(tokens), ar)
+
+
+def float_case(arch: str, root: Path, skip=()) -> FloatCase:
+    """The preset (2048-token vocabulary) in transformers float32 behind GenieGraph, exported for the prompt call,
+    optimized as torch.onnx.export(optimize=True) does and rewritten for the HTP (HTP_REWRITES: unfused RMSNorm,
+    GatherND as Gather; the gated delta rule as its recurrent form; not FLOAT_ONLY_REWRITES), and for the
+    quantised HTP QUANTISED_REWRITES (but those named in `skip`)."""
+    root.mkdir(parents=True, exist_ok=True)
+    config, arrays = D.small_preset(ARCHITECTURES[arch])
+    model = D.load_hf(D.hf_checkpoint(config, arrays, root / "checkpoint"), "float32", "eager", "batched_mm")
+    cfg = model.config
+    ins, outs = D.genie_names(cfg)
+    feed, real = genie_feed(cfg, PROMPT)
+    raw = root / "float_raw.onnx"
+    with torch.no_grad(), H.htp_functions(model):
+        wrapped = D.GenieGraph(model, True).eval()
+        args = tuple(D.torch_arg(feed[n], torch.float32) for n in ins)
+        H._export(wrapped, args, ins, outs, raw)
+    feeds = [genie_feed(cfg, t)[0] for t in CALIBRATION]
+    return FloatCase(arch, config, arrays, model, rewritten(raw, skip), ins, outs, feeds, feed, real)
+
+
+def variant(case: FloatCase, skip=()) -> FloatCase:
+    """The same case with the rewrites named in `skip` left out (from the same raw export)."""
+    return dataclasses.replace(case, path=rewritten(case.path.parent / "float_raw.onnx", skip))
+
+
+def rewritten(raw: Path, skip=()) -> Path:
+    """The raw export optimized, rewritten for the quantised HTP (but `skip`), constants folded: the float graph."""
+    _, m = H.optimized(raw)
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(m)
+    for name, fn in H.HTP_REWRITES.items():
+        if name not in FLOAT_ONLY_REWRITES:
+            fn(m2)
+    for name, fn in QUANTISED_REWRITES.items():
+        if name not in skip:
+            fn(m2)
+    path = raw.parent / ("float.onnx" if not skip else f"float-skip-{'-'.join(skip)}.onnx")
+    onnx.save(onnx.shape_inference.infer_shapes(m2), path)
+    folded(path)
+    return path
+
+
+def reciprocal_as_div(m) -> int:
+    """Reciprocal(x) -> Div(1, x): the same function. The HTP's quantised (uint16) Reciprocal is wrong when its
+    input's encoding range ends below 1: measured, its result is max(range) / x instead of 1 / x (RMSNorm's
+    1 / sqrt(mean(x^2) + eps) of small activations: every code off); Div(1, x) is within ~50 codes of 65535."""
+    n = 0
+    for node in m.graph.node:
+        if node.op_type == "Reciprocal":
+            one = f"{node.name or node.output[0]}_one"
+            m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.float32), one))   # float32 graphs
+            node.op_type = "Div"
+            node.input[:] = [one, node.input[0]]
+            n += 1
+    return n
+
+
+QUANTISED_REWRITES = {"reciprocal": reciprocal_as_div}
+# htp.HTP_REWRITES not applied to a graph that will be quantised: "gates" composes Softplus as Log(1 + Exp(x)), and
+# the HTP's quantised (uint16) Log returns code 0 for every input (measured: 0 % of codes right, the GDN's g then
+# collapses the hybrid to -2.5 dB against the CPU EP); its quantised Softplus is within 201 codes of 65535
+FLOAT_ONLY_REWRITES = ("gates",)
+
+
+def folded(path: Path) -> None:
+    """ONNX Runtime's basic (provider-independent) graph optimizations applied to the file in place: constants
+    folded (ConstantOfShape / EyeLike the HTP does not take), so the quantised graph is what every session runs
+    (the sessions below then run it with ONNX Runtime's optimizations off: the QNN EP groups the QDQ nodes
+    itself, and the quantisers' taps as graph outputs leave its grouping alone)."""
+    before = onnx.load(path)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(path)
+    options.log_severity_level = 3
+    ort.InferenceSession(path.read_bytes(), options, providers=["CPUExecutionProvider"])
+    onnx.save(onnx.shape_inference.infer_shapes(keep_scopes(before, onnx.load(path))), path)
+
+
+# ------------------------------------------------------------------------------------------------ sessions
+
+def cpu_session(model_bytes: bytes):
+    """ONNX Runtime's CPU EP with its graph optimizations off: the QDQ model's own semantics (with them on, ORT fuses
+    QDQ groups into integer kernels that depart from it; i27core measured that)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+def htp_session(model_bytes: bytes, fp16: bool = True, optimize: bool = True):
+    """The HTP simulator, CPU fallback disabled. QDQ node groups run as integer ops; float ops (if any are left)
+    in fp16 when `fp16`. optimize=False: ONNX Runtime's own graph optimizations off (the QNN EP groups the QDQ
+    nodes itself)."""
+    why = H.unavailable()
+    assert why is None, why
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    opts = dict(QNN_INT_OPTIONS, **({"enable_htp_fp16_precision": "1"} if fp16 else {}))
+    options.add_provider_for_devices(devices, opts)
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return ort.InferenceSession(model_bytes, options)
+
+
+def run(session, feed: dict, names: list | None = None) -> dict:
+    want = {i.name for i in session.get_inputs()}
+    names = names or [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, {k: v for k, v in feed.items() if k in want})))
+
+
+# ------------------------------------------------------------------------------------------------ QDQ
+
+class Reader:
+    """onnxruntime.quantization's CalibrationDataReader over a list of feeds."""
+
+    def __init__(self, feeds, names):
+        self.feeds, self.names, self.i = feeds, set(names), 0
+
+    def get_next(self):
+        if self.i >= len(self.feeds):
+            return None
+        self.i += 1
+        return {k: v for k, v in self.feeds[self.i - 1].items() if k in self.names}
+
+    def rewind(self):
+        self.i = 0
+
+
+def matmul_weights(m) -> dict:
+    """{initializer name: axis of its output channel} for the constant B of every MatMul ([K, N]: axis 1) and
+    Gather-ed expert stacks feeding MatMul are left per-tensor."""
+    inits = {i.name for i in m.graph.initializer}
+    return {n.input[1]: 1 for n in m.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+
+
+def quantise_qdq(case: FloatCase, mix: str, out: Path | None = None) -> onnx.ModelProto:
+    """The float graph quantised by onnxruntime.quantization with get_qnn_qdq_config (MinMax on CALIBRATION):
+    W8A16 = uint16 activations, uint8 weights per tensor; W4A16 = uint16 activations, int4 symmetric weights per
+    output channel (MatMul B)."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    spec = QDQ_MIXES[mix]
+    m = onnx.load(case.path)
+    overrides = None
+    if spec["per_channel"]:
+        overrides = {w: [{"axis": axis, "quant_type": getattr(QuantType, spec["weight"]), "symmetric": True}]
+                     for w, axis in matmul_weights(m).items()}
+    config = get_qnn_qdq_config(m, Reader(case.feeds, case.ins), activation_type=getattr(QuantType, spec["activation"]),
+                                weight_type=getattr(QuantType, spec["weight"]), init_overrides=overrides)
+    out = out or case.path.with_name(f"qdq_{mix}_{case.path.stem}.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize(m, out, config)
+    return keep_scopes(onnx.load(case.path), onnx.load(out), out)
+
+
+def keep_scopes(source, m, out: Path | None = None):
+    """The exporter's node metadata (module scopes, which refimpl's placement reads) copied by node name from
+    `source` onto `m` (ONNX Runtime's quantize and saved optimized models drop it); saved to `out` if given."""
+    meta = {n.name: n.metadata_props for n in source.graph.node if n.name}
+    for n in m.graph.node:
+        if n.name in meta and not n.metadata_props:
+            n.metadata_props.extend(meta[n.name])
+    if out is not None:
+        onnx.save(m, out)
+    return m
+
+
+MOVES = ("Unsqueeze", "Squeeze", "Transpose", "Reshape", "Slice")
+
+
+# aimet-onnx QuantSim: its default config (W4A16: its default per-channel config, the weights per output channel)
+AIMET_MIXES = {"w8a16": dict(param="int8", activation="int16", config="default_config.json"),
+               "w4a16": dict(param="int4", activation="int16", config="default_config_per_channel.json")}
+
+
+def aimet_unavailable() -> str | None:
+    try:
+        import aimet_onnx  # noqa: F401
+    except Exception as e:   # absent, or its native library failing to load here
+        return f"aimet-onnx cannot load here ({e}); `make test` installs aimet-onnx==2.42.0"
+    return None
+
+
+@dataclasses.dataclass
+class AimetQuantised:
+    sim: object                # aimet_onnx QuantizationSimModel, calibrated
+    encodings: Path            # its exported encodings (1.0.0 schema, keyed by ONNX tensor names)
+    model: Path                # its exported model (the float graph it keys the encodings to)
+    qdq: onnx.ModelProto       # the same quantisers as a QDQ model (sim.to_onnx_qdq): the device graph
+
+    def session_run(self, feed: dict, outs: list) -> dict:
+        """QuantSim's own session (its QcQuantizeOps) on a feed: its outputs in graph order, named `outs` (QuantSim
+        renames the graph outputs it quantises)."""
+        sess = self.sim.session
+        want = {i.name for i in sess.get_inputs()}
+        return dict(zip(outs, sess.run(None, {k: v for k, v in feed.items() if k in want})))
+
+
+def quantise_aimet(case: FloatCase, mix: str, out: Path | None = None) -> AimetQuantised:
+    """The float graph under aimet-onnx's QuantizationSimModel (min-max, its default config file for the mix),
+    calibrated on CALIBRATION, exported (encodings + model) and as a QDQ model."""
+    import aimet_onnx
+    from aimet_onnx.quantsim import QuantizationSimModel
+    spec = AIMET_MIXES[mix]
+    config = Path(aimet_onnx.__file__).parent / "common" / "quantsim_config" / spec["config"]
+    out = out or case.path.parent / f"aimet_{mix}"
+    out.mkdir(parents=True, exist_ok=True)
+    m = onnx.load(case.path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sim = QuantizationSimModel(m, param_type=spec["param"], activation_type=spec["activation"],
+                                   config_file=str(config), providers=["CPUExecutionProvider"])
+        names = {i.name for i in sim.session.get_inputs()}
+        sim.compute_encodings([{k: v for k, v in f.items() if k in names} for f in case.feeds])
+        sim.export(str(out), "model")
+        qdq = sim.to_onnx_qdq(prequantize_constants=True)
+    onnx.save(qdq, out / "model_qdq.onnx")
+    return AimetQuantised(sim, out / "model.encodings", out / "model.onnx", qdq)
+
+
+def quantiser_taps(m) -> list[str]:
+    """The output (codes) of every QuantizeLinear in graph order: each quantiser of an activation (weights are
+    stored quantised, initializer -> DequantizeLinear, and compared by their initializers); but those on the
+    data-movement chain that ends in a graph output (Q -> DQ -> Unsqueeze / Transpose ... -> Q -> DQ -> output):
+    made graph outputs too, the QNN EP's layout pass leaves a Transpose / Unsqueeze there it cannot take (the
+    session fails). Their codes are the graph output's own (data movement keeps codes), read from it."""
+    producer = {o: n for n in m.graph.node for o in n.output}
+    skip = set()
+    for out in m.graph.output:
+        n = producer.get(out.name)
+        while n is not None and n.op_type in ("QuantizeLinear", "DequantizeLinear", *MOVES):
+            if n.op_type == "QuantizeLinear":
+                skip.add(n.output[0])
+            n = producer.get(n.input[0])
+    return [n.output[0] for n in m.graph.node if n.op_type == "QuantizeLinear" and n.output[0] not in skip]
+
+
+def with_outputs(m, names) -> bytes:
+    """The model with `names` added as graph outputs (types from shape inference), serialized."""
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(m)
+    m2 = onnx.shape_inference.infer_shapes(m2)
+    have = {o.name for o in m2.graph.output}
+    typed = {v.name: v for v in m2.graph.value_info}
+    for n in names:
+        if n not in have:
+            m2.graph.output.append(typed[n] if n in typed else onnx.helper.make_empty_tensor_value_info(n))
+    return m2.SerializeToString()
+
+
+def quant_params(m) -> dict:
+    """{QuantizeLinear output: (scale, zero point)} of the model's activation quantisers."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+    return {n.output[0]: (inits[n.input[1]], inits[n.input[2]] if len(n.input) > 2 else None)
+            for n in m.graph.node if n.op_type == "QuantizeLinear"}
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def sqnr_db(ref, x) -> float:
+    ref, x = np.asarray(ref, np.float64), np.asarray(x, np.float64)
+    err = np.sum((x - ref) ** 2)
+    return math.inf if err == 0 else 10 * math.log10(np.sum(ref ** 2) / err)
+
+
+def top1(ref, x) -> float:
+    """Share of positions where the argmax over the last axis agrees."""
+    return float((np.argmax(ref, -1) == np.argmax(x, -1)).mean())
+
+
+def codes_agreement(a, b) -> tuple[float, int]:
+    """(share of identical codes, largest code distance) of two integer code arrays of the same quantiser."""
+    a, b = np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64)
+    if a.shape != b.shape:
+        raise ValueError(f"code shapes differ: {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 1.0, 0
+    d = np.abs(a - b)
+    return float((d == 0).mean()), int(d.max())
+
+
+def codes_of(values, scale, zero_point, dtype) -> np.ndarray:
+    """ONNX QuantizeLinear of float values (round half to even, saturate): what a node's quantiser makes of
+    refimpl's (or any peer's) float value at that node. scale / zero_point per tensor or along the last axis."""
+    info = np.iinfo(dtype) if np.dtype(dtype).kind in "iu" else None
+    lo, hi = (info.min, info.max) if info else (None, None)
+    q = np.rint(np.asarray(values, np.float32) / np.float32(scale)) + np.asarray(zero_point, np.int64)
+    return np.clip(q, lo, hi).astype(dtype)
+
+
+def departures(m, a: dict, b: dict, taps: list) -> list[tuple]:
+    """Per quantiser in graph order: (tap, op of the node it quantises, node name, identical share, max step, SQNR
+    dB of b's dequantised values against a's) of two runs' codes."""
+    producer = {o: n for n in m.graph.node for o in n.output}
+    params = quant_params(m)
+    rows = []
+    for t in taps:
+        src = producer.get(producer[t].input[0])
+        share, step = codes_agreement(a[t], b[t])
+        zp = params[t][1]
+        zp = 0 if zp is None else zp.astype(np.int64)
+        snr = sqnr_db(a[t].astype(np.int64) - zp, b[t].astype(np.int64) - zp)
+        rows.append((t, src.op_type if src else "input", src.name if src else producer[t].input[0], share, step, snr))
+    return rows
+
+
+def first_collapse(rows, db: float = 10.0):
+    """The first row whose values part by more than noise: SQNR under `db`."""
+    return next((r for r in rows if r[5] < db), None)
+
+
+def first_departure(rows, share: float = 0.999, step: int = 0):
+    """The first row whose codes part: identical share under `share` and largest step over `step`."""
+    return next((r for r in rows if r[3] < share and r[4] > step), None)
+
+
+@dataclasses.dataclass
+class Measured:
+    quantisers: int                 # QuantizeLinear nodes (activations) of the model
+    tapped: int                     # those made graph outputs
+    cpu_vs_float: tuple             # logits over the real slots: (SQNR dB, top-1 agreement)
+    htp_vs_cpu: tuple
+    htp_vs_float: tuple
+    codes_all_identical: int        # quantisers whose codes are identical on the HTP and the CPU EP
+    codes_999: int                  # quantisers with >= 99.9 % of codes identical
+    first_any: tuple | None         # first quantiser where the HTP's codes differ at all
+    first_big: tuple | None         # first where they differ by more than 1 % of the 16-bit grid (655 codes)
+    first_collapse: tuple | None    # first where the HTP's values sit under 10 dB SQNR against the CPU EP's
+
+
+def measure(case: FloatCase, qm, cpu_fn=None, htp_fn=None) -> tuple[Measured, dict, dict]:
+    """The quantised model on the CPU EP and the HTP, every quantiser tapped: logits against each other and
+    against the float graph, and the codes of every quantiser compared."""
+    taps = quantiser_taps(qm)
+    b = with_outputs(qm, taps)
+    fl = run(case.float_session(), case.feed)["logits"][0, case.real]
+    cpu = run(cpu_session(b), case.feed)
+    dev = run(htp_session(b, optimize=False), case.feed)
+    lc, lh = cpu["logits"][0, case.real], dev["logits"][0, case.real]
+    rows = departures(qm, cpu, dev, taps)
+    big = first_departure(rows, 1.0, 655)
+    return Measured(sum(n.op_type == "QuantizeLinear" for n in qm.graph.node), len(taps),
+                    (sqnr_db(fl, lc), top1(fl, lc)), (sqnr_db(lc, lh), top1(lc, lh)), (sqnr_db(fl, lh), top1(fl, lh)),
+                    sum(r[3] == 1.0 for r in rows), sum(r[3] >= 0.999 for r in rows), first_departure(rows, 1.0),
+                    big, first_collapse(rows)), cpu, dev
+
+
+# ------------------------------------------------------------------------------------------------ planted faults
+
+def _copy(m):
+    m2 = onnx.ModelProto()
+    m2.CopyFrom(m)
+    return m2
+
+
+def _init(m, name):
+    return next(i for i in m.graph.initializer if i.name == name)
+
+
+def _replace_input(node, index: int, m, name: str, value: np.ndarray) -> None:
+    """node.input[index] becomes a new initializer `name` holding `value` (the old one may be shared)."""
+    m.graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    node.input[index] = name
+
+
+def weight_dequantizers(m) -> dict:
+    """{weight initializer: its DequantizeLinear node} of the model's stored-quantised weights."""
+    inits = {i.name for i in m.graph.initializer}
+    return {n.input[0]: n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+
+
+def wrong_channel_scale(m, weight: str, channel: int, factor: float = 1.02, axis: int | None = None):
+    """The weight's DequantizeLinear with one output channel's scale x factor: a device that converted one channel's
+    scale wrong. A per-tensor scale becomes per-axis along `axis` (default: MatMul B's output axis 1, or the
+    DequantizeLinear's own axis) with the other channels unchanged. The HTP takes per-channel weights symmetric
+    only (W4A16's int4): an asymmetric uint8 weight made per-axis (W8A16) fails to compile ("Unsupported nodes")
+    and runs on the CPU EP only."""
+    m = _copy(m)
+    dq = weight_dequantizers(m)[weight]
+    codes = onnx.numpy_helper.to_array(_init(m, weight))
+    scale = onnx.numpy_helper.to_array(_init(m, dq.input[1]))
+    zp = onnx.numpy_helper.to_array(_init(m, dq.input[2])) if len(dq.input) > 2 else None
+    own = next((a.i for a in dq.attribute if a.name == "axis"), 1)
+    axis = own if axis is None else axis
+    if scale.ndim == 0:
+        n = codes.shape[axis]
+        scale = np.full(n, scale, scale.dtype)
+        if zp is not None:
+            _replace_input(dq, 2, m, f"{weight}_fault_zero_point", np.full(n, zp, zp.dtype))
+        del dq.attribute[:]
+        dq.attribute.append(onnx.helper.make_attribute("axis", axis))
+    scale = scale.copy()
+    scale[channel] *= scale.dtype.type(factor)
+    _replace_input(dq, 1, m, f"{weight}_fault_scale", scale)
+    return m
+
+
+def activation_quantizer(m, tensor: str):
+    """The QuantizeLinear of activation `tensor` (its input)."""
+    return next(n for n in m.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == tensor)
+
+
+def offset_off_by_one(m, tensor: str, delta: int = 1):
+    """The activation's quantiser runs with zero point + delta on the device (its QuantizeLinear and the
+    DequantizeLinears reading its codes, consistently: the device's own arithmetic is unchanged but for the grid's
+    ends), while the encodings (the honest model's) say zero point: the device's codes at that tap are one step
+    off, read with the encodings every value is one step (scale) off. The HTP compiles it (a QuantizeLinear whose
+    consumers read another zero point it does not: that graph fails, "Unsupported nodes")."""
+    m = _copy(m)
+    q = activation_quantizer(m, tensor)
+    zp = onnx.numpy_helper.to_array(_init(m, q.input[2]))
+    info = np.iinfo(zp.dtype)
+    moved = np.clip(zp.astype(np.int64) + delta, info.min, info.max).astype(zp.dtype)
+    name = f"{tensor}_fault_zero_point"
+    _replace_input(q, 2, m, name, moved)
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]:
+            n.input[2] = name
+    return m
+
+
+def saturating_residual(m, tensor: str, shrink: float = 0.5):
+    """The residual add's output quantiser (its QuantizeLinear and the DequantizeLinears of its codes) with the
+    scale x shrink: a range too small for the sum, whose large values clip at the grid's ends."""
+    m = _copy(m)
+    q = activation_quantizer(m, tensor)
+    scale = onnx.numpy_helper.to_array(_init(m, q.input[1]))
+    name = f"{tensor}_fault_scale"
+    m.graph.initializer.append(onnx.numpy_helper.from_array((scale * scale.dtype.type(shrink)).astype(scale.dtype),
+                                                            name))
+    q.input[1] = name
+    for n in m.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]:
+            n.input[1] = name
+    return m
+
+
+def residual_adds(m) -> list[str]:
+    """Outputs of the residual Adds of a QDQ model, in graph order: the residual stream starts at the embedding's
+    Gather (the first Gather of a weight); an Add of two activations one of which (through its QDQ pair) is the
+    stream continues it."""
+    inits = {i.name for i in m.graph.initializer}
+    producer = {o: n for n in m.graph.node for o in n.output}
+
+    def source(t):   # through the QDQ pair to the tensor quantised
+        n = producer.get(t)
+        while n is not None and n.op_type in ("DequantizeLinear", "QuantizeLinear"):
+            t = n.input[0]
+            n = producer.get(t)
+        return t
+    embedding = next(n for n in m.graph.node if n.op_type == "Gather" and source(n.input[0]) in inits)
+    stream = {embedding.output[0]}
+    adds = []
+    for n in m.graph.node:
+        srcs = [source(i) for i in n.input]
+        if n.op_type == "Add" and len(srcs) == 2 and not any(x in inits for x in srcs) and any(x in stream
+                                                                                                for x in srcs):
+            stream.add(n.output[0])
+            adds.append(n.output[0])
+    return adds
+
+
+def main(argv=None) -> None:
+    """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §8 (QNN QDQ
+    and aimet-onnx per model x mix: HTP and CPU EP logits, codes, the first quantiser where they part)."""
+    import sys
+    import tempfile
+    args = (argv if argv is not None else sys.argv[1:]) + [None] * 3
+    archs = (args[0] or ",".join(ARCHITECTURES)).split(",")
+    mixes = (args[1] or ",".join(MIXES)).split(",")
+    root = Path(args[2] or tempfile.mkdtemp(prefix="quantised-htp-"))
+    for arch in archs:
+        case = float_case(arch, root / arch)
+        for mix in mixes:
+            for tool in ("qdq", "aimet"):
+                qm = quantise_qdq(case, mix) if tool == "qdq" else quantise_aimet(case, mix).qdq
+                try:
+                    m = measure(case, qm)[0]
+                except Exception as e:   # a graph the HTP does not compile
+                    print(f"{arch} {mix} {tool}: {str(e).splitlines()[0][:200]}", flush=True)
+                    continue
+                print(f"{arch} {mix} {tool}: quantisers {m.quantisers}; CPU EP vs float {m.cpu_vs_float[0]:.1f} dB "
+                      f"top-1 {m.cpu_vs_float[1]:.2f}; HTP vs CPU EP {m.htp_vs_cpu[0]:.1f} dB top-1 "
+                      f"{m.htp_vs_cpu[1]:.2f}; codes identical at {m.codes_all_identical}; first departure "
+                      f"{m.first_any}; first collapse {m.first_collapse}", flush=True)
+
+
+if __name__ == "__main__":   # the script's directory is on sys.path (devices, htp); PYTHONPATH the worktree
+    main()
+
+
+def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
+    """refimpl's values at the device's quantisers, as codes, against a peer's codes. record: {refimpl node or
+    node/point: the float value its first quantiser received} (refimpl's `model.quantisers.record` after a forward);
+    tensors: {ONNX tensor name: [refimpl node / point names]} (the placement's `tensors`); peer: {QuantizeLinear
+    output: codes} (this module's runs). Returns {ONNX tensor: (identical share, max step)} where refimpl's value
+    has the peer's elements in the peer's order (the same shape up to leading 1s, or a transpose of the last two
+    axes); {ONNX tensor: reason} where not (another layout, refimpl's real slots only, ...)."""
+    params = quant_params(qm)
+    quantizer = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    out = {}
+    for tensor, wheres in tensors.items():
+        q = quantizer.get(tensor)
+        if q is None or q not in peer or not wheres or wheres[0] not in record:
+            out[tensor] = "not tapped" if q is not None and q not in peer else "no recorded value"
+            continue
+        have, mine = np.asarray(peer[q]), np.asarray(record[wheres[0]], np.float32)
+        scale, zp = params[q]
+        candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else [])
+        match = next((c.reshape(have.shape) for c in candidates if c.size == have.size and
+                      [d for d in c.shape if d != 1] == [d for d in have.shape if d != 1]), None)
+        if match is None:
+            out[tensor] = f"layout: refimpl {list(mine.shape)}, device {list(have.shape)}"
+            continue
+        if np.ndim(scale) != 0:
+            out[tensor] = "per-axis activation encoding"
+            continue
+        out[tensor] = codes_agreement(codes_of(match, scale, zp, have.dtype), have)
+    return out
