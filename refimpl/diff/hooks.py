@@ -56,6 +56,16 @@ RENAMES = (
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.(g|beta)", r"linear_attn.\2", None),
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule(\.0)?", "linear_attn.core", None),
     (r"linear_attn\.torch_(chunk|recurrent)_gated_delta_rule\.1", "linear_attn.recurrent_state", None),
+    # AI Hub's Qwen3.5 graph code (qai-hub-models: templates/qwen3_5/model_adaptations.py) hooked at its functions:
+    # gated_delta_rule(query, key, value, g, beta, state, valid) -> (core, state), _conv_with_state -> (silu(conv),
+    # the new conv state), both channels as transformers' (query / key there are repeated to the value heads)
+    (r"linear_attn\.gated_delta_rule\.value", "linear_attn.v", None),
+    (r"linear_attn\.gated_delta_rule\.(g|beta)", r"linear_attn.\1", None),
+    (r"linear_attn\.gated_delta_rule(\.0)?", "linear_attn.core", None),
+    (r"linear_attn\.gated_delta_rule\.1", "linear_attn.recurrent_state", None),
+    (r"linear_attn\._conv_with_state\.mixed_qkv", "linear_attn.mixed_qkv", "channels_first"),
+    (r"linear_attn\._conv_with_state(\.0)?", "linear_attn.conv1d_silu", "channels_first"),
+    (r"linear_attn\._conv_with_state\.1", "linear_attn.conv_state", None),
     (r"linear_attn\.norm\.input\.0", "linear_attn.core", "reshape"),
     (r"linear_attn\.norm\.input\.1", "linear_attn.z", "reshape"),
     # block outputs that are a tap: a dense MLP's (and a shared expert's) is its down projection, attention's its

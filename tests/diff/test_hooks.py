@@ -118,3 +118,18 @@ def test_rename_table():
         [["model.layers.1.mlp.shared_expert.gate_proj", "model.layers.1.mlp.shared_expert.up_proj"]], "split")
     assert rename("model.layers.1.self_attn.q_proj") == ([], None)   # a tap name already: matched as is
     assert rename("lm_head.input") == ([], None)
+
+
+def test_rename_table_reads_ai_hubs_function_hooks():
+    """AI Hub's Qwen3.5 graph code (qai-hub-models templates/qwen3_5) hooked at its functions gated_delta_rule and
+    _conv_with_state (tests/e2e/htp_aihub.py dumps them): the same taps as transformers' function hooks."""
+    layer = "model.layers.2.linear_attn."
+    assert rename(layer + "gated_delta_rule.g") == ([[layer + "g"]], None)
+    assert rename(layer + "gated_delta_rule.beta") == ([[layer + "beta"]], None)
+    assert rename(layer + "gated_delta_rule.value") == ([[layer + "v"]], None)
+    assert rename(layer + "gated_delta_rule") == ([[layer + "core"]], None)
+    assert rename(layer + "gated_delta_rule.1") == ([[layer + "recurrent_state"]], None)
+    assert rename(layer + "gated_delta_rule.query") == ([], None)    # repeated to the value heads: not a tap
+    assert rename(layer + "_conv_with_state") == ([[layer + "conv1d_silu"]], "channels_first")
+    assert rename(layer + "_conv_with_state.mixed_qkv") == ([[layer + "mixed_qkv"]], "channels_first")
+    assert rename(layer + "_conv_with_state.1") == ([[layer + "conv_state"]], None)

@@ -546,7 +546,7 @@ def residual_adds(m) -> list[str]:
 
 
 def main(argv=None) -> None:
-    """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §8 (QNN QDQ
+    """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §9 (QNN QDQ
     and aimet-onnx per model x mix: HTP and CPU EP logits, codes, the first quantiser where they part)."""
     import sys
     import tempfile
