@@ -37,6 +37,8 @@ from ..conventions.common import tap_token_axis
 
 ALPHA = 1e-3   # the chance an honest tensor fails on its worst channel by chance (policy.small_sample's level)
 CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from the rest by k in RMS beyond chance
+GAIN_CONTRAST = 4   # the gain test's allowance beyond chance (k = 2 in RMS; calibrated: docs/diff.md, "Per channel")
+GAIN_MIN_N = 2      # one element per channel (a decode call) tells a gain from any error no better than nmse_c
 
 
 @functools.lru_cache(maxsize=4096)
@@ -124,7 +126,7 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         score = np.where(scored, np.nan_to_num(judged / expected, nan=0.0, posinf=np.inf), -np.inf)
     c = int(np.argmax(score))
     k = int(n[c])
-    return {
+    out = {
         "count": count,
         "worst": [int(i) for i in np.unravel_index(c, feature_shape)],
         "n": k,
@@ -137,6 +139,52 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         "emulated_nmse": float(emulated[c]) if emulation is not None else None,
         "contrast": float(score[c]),
     }
+    return out | gain_test(gs, es, ee if emulation is not None else None, n, power, P, count, feature_shape, s)
+
+
+def gain_test(gs, es, ee, n, power, P, count: int, feature_shape, s: float) -> dict:
+    """The channel test of a gain (module docstring, "gain test"): each channel's signed error along its own values,
+    off the emulation's, in units of the noise of the other channels. gs, es, ee: golden, device - golden,
+    emulation - golden (None: no emulation), [S, C], scaled by s, 0 where not ok; n, power: [C]; P: the tensor's
+    mean g^2. Keys gain_*: of the channel with the largest z^2 / q1 among those of >= GAIN_MIN_N elements."""
+    dl = es if ee is None else es - ee                                                 # delta = device - emulation
+    m = np.maximum(n, 1)
+    w = np.maximum(power / m, P)                                                       # w_c = max(mean g^2 of c, P)
+    d2 = np.sum(dl * dl, axis=0)                                                       # sum delta^2 per channel
+    e2 = np.zeros_like(d2) if ee is None else np.sum(ee * ee, axis=0)                  # sum (E - g)^2 per channel
+    weight = m * w                                                                     # n_c w_c
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rest_w = weight.sum() - weight
+        sigma2 = np.maximum((d2.sum() - d2) / rest_w, (e2.sum() - e2) / rest_w)      # s^2: the rest's noise per w
+        cross = np.sum(dl * gs, axis=0)                                                # sum delta g
+        z2 = cross * cross / (power * w * sigma2)                                      # z_c^2 ~ chi2_1 (honest)
+        z2 = np.where((n >= GAIN_MIN_N) & (power > 0), np.nan_to_num(z2, nan=0.0, posinf=np.inf), -np.inf)
+    c = int(np.argmax(z2))
+    if not z2[c] > -np.inf:
+        return {}
+    k = int(n[c])
+    return {
+        "gain_worst": [int(i) for i in np.unravel_index(c, feature_shape)],
+        "gain_n": k,
+        "gain_mse": float(np.sum(es[:, c] ** 2) / k) * s * s,
+        "gain_power": float(power[c] / k) * s * s,
+        "gain_offset": float(cross[c] / power[c]),
+        "gain_z2": float(z2[c]),
+        "gain_q": chi2_quantile(1, ALPHA / count),
+    }
+
+
+def gain_failure(ch: dict, max_nmse: float, reference_power: float | None = None) -> str | None:
+    """The gain test's verdict on a tensor's channels (None: passes): its channel fails when z^2 > GAIN_CONTRAST q1
+    and its nmse (judged as judged_channel_nmse) fails the tensor's bar max_nmse."""
+    if "gain_z2" not in ch or not ch["gain_z2"] > GAIN_CONTRAST * ch["gain_q"]:
+        return None
+    nmse = judged_channel_nmse({"mse": ch["gain_mse"], "power": ch["gain_power"],
+                                "tensor_power": ch["tensor_power"]}, reference_power)
+    if not nmse > max_nmse:
+        return None
+    return (f"channel {ch['gain_worst']} of {ch['count']}: gain {100 * ch['gain_offset']:+.2f} % off the emulation's, "
+            f"z^2 {ch['gain_z2']:.3g} > {GAIN_CONTRAST * ch['gain_q']:.3g}, nmse {nmse:.3g} > {max_nmse:.3g}")
 
 
 def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:
