@@ -37,8 +37,9 @@ from ..conventions.common import tap_token_axis
 
 ALPHA = 1e-3   # the chance an honest tensor fails on its worst channel by chance (policy.small_sample's level)
 CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from the rest by k in RMS beyond chance
-GAIN_CONTRAST = 4   # the gain test's allowance beyond chance (k = 2 in RMS; calibrated: docs/diff.md, "Per channel")
+GAIN_CONTRAST = 8   # the gain test's allowance beyond chance (k = 2 in RMS; calibrated: docs/diff.md, "Per channel")
 GAIN_MIN_N = 2      # one element per channel (a decode call) tells a gain from any error no better than nmse_c
+GAIN_MIN_CHANNELS = 8   # a sample's noise is estimated from the tensor's other channels: at least 7 of them
 
 
 @functools.lru_cache(maxsize=4096)
@@ -139,26 +140,31 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         "emulated_nmse": float(emulated[c]) if emulation is not None else None,
         "contrast": float(score[c]),
     }
-    return out | gain_test(gs, es, ee if emulation is not None else None, n, power, P, count, feature_shape, s)
+    return out | gain_test(gs, es, ee if emulation is not None else None, ok, n, power, P, count, feature_shape, s)
 
 
-def gain_test(gs, es, ee, n, power, P, count: int, feature_shape, s: float) -> dict:
-    """The channel test of a gain (module docstring, "gain test"): each channel's signed error along its own values,
-    off the emulation's, in units of the noise of the other channels. gs, es, ee: golden, device - golden,
-    emulation - golden (None: no emulation), [S, C], scaled by s, 0 where not ok; n, power: [C]; P: the tensor's
-    mean g^2. Keys gain_*: of the channel with the largest z^2 / q1 among those of >= GAIN_MIN_N elements."""
+def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) -> dict:
+    """The gain test (module docstring): each channel's signed error along its own values, off the emulation's, in
+    units of the noise the other channels show at the same samples. gs, es, ee: golden, device - golden,
+    emulation - golden (None: no emulation), [S, C], scaled by s, 0 where not valid (ok, bool [S, C]); n, power:
+    [C]; P: the tensor's mean g^2. Keys gain_*: of the channel with the largest z^2 among those of >= GAIN_MIN_N elements; none
+    when fewer than GAIN_MIN_CHANNELS channels are scored."""
+    if count < GAIN_MIN_CHANNELS:
+        return {}
     dl = es if ee is None else es - ee                                                 # delta = device - emulation
     m = np.maximum(n, 1)
     w = np.maximum(power / m, P)                                                       # w_c = max(mean g^2 of c, P)
-    d2 = np.sum(dl * dl, axis=0)                                                       # sum delta^2 per channel
-    e2 = np.zeros_like(d2) if ee is None else np.sum(ee * ee, axis=0)                  # sum (E - g)^2 per channel
-    weight = m * w                                                                     # n_c w_c
+    R = dl * dl / w                                                                    # delta^2 / w_c      [S, C]
+    Rm = np.zeros_like(R) if ee is None else ee * ee / w                               # (E - g)^2 / w_c    [S, C]
+    others = np.maximum(ok.sum(axis=1, keepdims=True) - 1, 1)                          # other channels of sample t
+    a = np.maximum(R.sum(axis=1, keepdims=True) - R, Rm.sum(axis=1, keepdims=True) - Rm) / others   # a_tc: noise
+    v = np.maximum(a, 2.0 ** -80) * w                                                  # var delta_tc = a_tc w_c
+    num = np.sum(dl * gs / v, axis=0)                                                  # sum delta g / v
+    den = np.sum(gs * gs / v, axis=0)                                                  # sum g^2 / v
     with np.errstate(divide="ignore", invalid="ignore"):
-        rest_w = weight.sum() - weight
-        sigma2 = np.maximum((d2.sum() - d2) / rest_w, (e2.sum() - e2) / rest_w)      # s^2: the rest's noise per w
-        cross = np.sum(dl * gs, axis=0)                                                # sum delta g
-        z2 = cross * cross / (power * w * sigma2)                                      # z_c^2 ~ chi2_1 (honest)
-        z2 = np.where((n >= GAIN_MIN_N) & (power > 0), np.nan_to_num(z2, nan=0.0, posinf=np.inf), -np.inf)
+        z2 = num * num / den                                                           # z_c^2 ~ chi2_1 (honest)
+        offset = num / den                                                             # the channel's gain, weighted
+    z2 = np.where((n >= GAIN_MIN_N) & (den > 0), np.nan_to_num(z2, nan=0.0, posinf=np.inf), -np.inf)
     c = int(np.argmax(z2))
     if not z2[c] > -np.inf:
         return {}
@@ -168,7 +174,7 @@ def gain_test(gs, es, ee, n, power, P, count: int, feature_shape, s: float) -> d
         "gain_n": k,
         "gain_mse": float(np.sum(es[:, c] ** 2) / k) * s * s,
         "gain_power": float(power[c] / k) * s * s,
-        "gain_offset": float(cross[c] / power[c]),
+        "gain_offset": float(offset[c]),
         "gain_z2": float(z2[c]),
         "gain_q": chi2_quantile(1, ALPHA / count),
     }
