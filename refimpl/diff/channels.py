@@ -3,6 +3,8 @@
     ch = channel_scores(golden, device, mask, sample_axes=(0, 1))    # [B, T, C]: channels = C; None if < 2
     ch["worst"], ch["nmse"], ch["gain"], ch["rest_nmse"]              # its worst channel
     channel_bar(ch, max_nmse)                                         # that channel's bar (policy.judge applies it)
+    ch["gain_worst"], ch["gain_z2"], ch["gain_q"], ch["gain_offset"]  # the gain test's worst channel
+    gain_failure(ch, max_nmse)                                        # its verdict (policy.judge applies it)
 
 A wrong per-channel scale (one output channel of a projection 2 % off: the most common quantisation bug) moves the
 tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise needs, while that channel's own NMSE is 4e-4.
@@ -25,6 +27,26 @@ of its error in a few elements, the emulation in the same ones). The worst chann
 nmse_c / max(q rest_c, nmse_c(E)). q is 4.9 for n = 7, C = 64; 3.65 for n = 16, C = 1024; 18.7 for one token
 and 64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
 GDN states, taken whole) and tensors of one channel are not judged per channel.
+
+The gain test. nmse_c spends its evidence on every direction an error can take; a wrong per-channel scale takes one,
+the channel's own values (e = (c - 1) g). So each channel is also tested along g, off the emulation, each sample t
+(a batch x token index) weighed by the noise the other channels show at that same sample:
+
+    delta = device - E (E = golden without an emulation)                        the device off its emulation
+    w_c   = max(mean g^2 of c, P)                                               the channel's scale, as nmse_c's
+    a_tc  = max(sum_{c' != c} delta^2 / w, sum_{c' != c} (E - g)^2 / w) / (C_t - 1)   sample t's noise level
+    z_c   = sum_t delta g / (a w)  /  sqrt(sum_t g^2 / (a w))                  weighted least squares: ~ N(0, 1)
+    gain off the emulation = sum_t delta g / (a w) / sum_t g^2 / (a w)
+    fails when  z_c^2 > GAIN_CONTRAST chi2_1^-1(1 - ALPHA / C)  and  nmse_c > max_nmse
+
+(the worst channel by z_c^2 among those with >= GAIN_MIN_N elements; tensors of fewer than GAIN_MIN_CHANNELS
+channels are not gain-tested). An honest error is independent of the channel's own values once the emulation's
+share is taken off, so z_c is normal with the noise model's variance, and the worst of C channels stays under the
+chi2_1 quantile at ALPHA / C; the per-sample noise a_tc keeps a token that is ill-conditioned for the whole tensor
+(a near-cancellation every channel of a head carries) from reading as a gain of one channel. A x1.02 channel over
+n tokens has z^2 ~ 0.02^2 n / (the rest's NMSE off the emulation), about n / 7 times what nmse_c's contrast sees.
+GAIN_CONTRAST (8) is calibrated (docs/diff.md, "Per channel"): above every honest run's worst channel, below every
+planted x1.02 one on the HTP.
 """
 
 import functools
@@ -147,8 +169,8 @@ def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) 
     """The gain test (module docstring): each channel's signed error along its own values, off the emulation's, in
     units of the noise the other channels show at the same samples. gs, es, ee: golden, device - golden,
     emulation - golden (None: no emulation), [S, C], scaled by s, 0 where not valid (ok, bool [S, C]); n, power:
-    [C]; P: the tensor's mean g^2. Keys gain_*: of the channel with the largest z^2 among those of >= GAIN_MIN_N elements; none
-    when fewer than GAIN_MIN_CHANNELS channels are scored."""
+    [C]; P: the tensor's mean g^2. Keys gain_*: of the channel with the largest z^2 among those of >= GAIN_MIN_N
+    elements; none when fewer than GAIN_MIN_CHANNELS channels are scored."""
     if count < GAIN_MIN_CHANNELS:
         return {}
     dl = es if ee is None else es - ee                                                 # delta = device - emulation
