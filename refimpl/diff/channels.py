@@ -175,6 +175,8 @@ def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) 
         return {}
     dl = es if ee is None else es - ee                                                 # delta = device - emulation
     m = np.maximum(n, 1)
+    if not P > 0:
+        return {}
     w = np.maximum(power / m, P)                                                       # w_c = max(mean g^2 of c, P)
     R = dl * dl / w                                                                    # delta^2 / w_c      [S, C]
     Rm = np.zeros_like(R) if ee is None else ee * ee / w                               # (E - g)^2 / w_c    [S, C]
