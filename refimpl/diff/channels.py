@@ -32,7 +32,8 @@ The gain test. nmse_c spends its evidence on every direction an error can take; 
 the channel's own values (e = (c - 1) g). So each channel is also tested along g, off the emulation, each sample t
 (a batch x token index) weighed by the noise the other channels show at that same sample:
 
-    delta = device - E (E = golden without an emulation)                        the device off its emulation
+    delta = device - E (E = golden without an emulation), less each sample's own gain along g (leave one out over
+            the sample's other channels: a token's common gain, a norm's or a softmax's denominator, is no channel's)
     w_c   = max(mean g^2 of c, P)                                               the channel's scale, as nmse_c's
     a_tc  = max(sum_{c' != c} delta^2 / w, sum_{c' != c} (E - g)^2 / w) / (C_t - 1)   sample t's noise level
     z_c   = sum_t delta g / (a w)  /  sqrt(sum_t g^2 / (a w))                  weighted least squares: ~ N(0, 1)
@@ -40,7 +41,7 @@ the channel's own values (e = (c - 1) g). So each channel is also tested along g
     fails when  z_c^2 > GAIN_CONTRAST chi2_1^-1(1 - ALPHA / C)  and  nmse_c > max_nmse
 
 (the worst channel by z_c^2 among those with >= GAIN_MIN_N elements; tensors of fewer than GAIN_MIN_CHANNELS
-channels are not gain-tested). An honest error is independent of the channel's own values once the emulation's
+channels and softmax probabilities, `gain_tested`, are not gain-tested). An honest error is independent of the channel's own values once the emulation's
 share is taken off, so z_c is normal with the noise model's variance, and the worst of C channels stays under the
 chi2_1 quantile at ALPHA / C; the per-sample noise a_tc keeps a token that is ill-conditioned for the whole tensor
 (a near-cancellation every channel of a head carries) from reading as a gain of one channel. A x1.02 channel over
@@ -62,6 +63,14 @@ CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from 
 GAIN_CONTRAST = 8   # the gain test's allowance beyond chance (k = 2 in RMS; calibrated: docs/diff.md, "Per channel")
 GAIN_MIN_N = 2      # one element per channel (a decode call) tells a gain from any error no better than nmse_c
 GAIN_MIN_CHANNELS = 8   # a sample's noise is estimated from the tensor's other channels: at least 7 of them
+PROBABILITIES = ("attn_probs", "router_probs")   # softmax outputs: channels are key slots / experts, not gain-tested
+
+
+def gain_tested(name: str) -> bool:
+    """Whether a tensor's channels take the gain test: not a softmax's probabilities, whose channels (key slots,
+    experts) are no projection's output channels and whose errors follow the device's Softmax kernel (the HTP's is
+    up to 20 ulp off, value by value: honest runs scored up to 11 there)."""
+    return not name.endswith(PROBABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -110,7 +119,7 @@ def sample_axes(rec: dict) -> tuple | None:
     return tuple(sorted({axes.index(a) for a in ("b", "t") if a in axes}))
 
 
-def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> dict | None:
+def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None, gain: bool = True) -> dict | None:
     """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
     valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
     batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
@@ -162,6 +171,8 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         "emulated_nmse": float(emulated[c]) if emulation is not None else None,
         "contrast": float(score[c]),
     }
+    if not gain:
+        return out
     return out | gain_test(gs, es, ee if emulation is not None else None, ok, n, power, P, count, feature_shape, s)
 
 
@@ -173,7 +184,8 @@ def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) 
     elements; none when fewer than GAIN_MIN_CHANNELS channels are scored."""
     if count < GAIN_MIN_CHANNELS:
         return {}
-    dl = es if ee is None else es - ee                                                 # delta = device - emulation
+    dl = _less_sample_gain(es if ee is None else es - ee, gs)                          # delta = device - emulation
+    ee = None if ee is None else _less_sample_gain(ee, gs)
     m = np.maximum(n, 1)
     if not P > 0:
         return {}
@@ -202,6 +214,16 @@ def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) 
         "gain_z2": float(z2[c]),
         "gain_q": chi2_quantile(1, ALPHA / count),
     }
+
+
+def _less_sample_gain(x, gs):
+    """x less each sample's own gain along g, estimated from the sample's other channels (leave one out): an error
+    common to a whole token in proportion to its values (a norm's or a softmax's denominator off) is no gain of
+    any one channel.  x, gs [S, C] -> [S, C]"""
+    xg, gg = x * gs, gs * gs
+    with np.errstate(divide="ignore", invalid="ignore"):
+        beta = (xg.sum(axis=1, keepdims=True) - xg) / (gg.sum(axis=1, keepdims=True) - gg)   # beta_tc
+    return x - np.nan_to_num(beta, nan=0.0, posinf=0.0, neginf=0.0) * gs              # x - beta_tc g
 
 
 def gain_failure(ch: dict, max_nmse: float, reference_power: float | None = None) -> str | None:
