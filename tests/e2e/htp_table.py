@@ -93,8 +93,9 @@ def main(argv=None):
         planted = []
         for op in ([] if args.no_faults else PROJECTIONS.get(arch, [])):
             rep = case.judge(case.dump(T.D.Fault(scale_channel=(f"{op}.weight", 5, 1.02)), steps=0), steps=0)
-            hit = next(r for r in rep.results if r.step == 0 and r.name == op)
-            planted.append((-gain_margin(hit), op, T.first(rep) == (0, op)))
+            hit = next((r for r in rep.results if r.step == 0 and r.name == op), None)
+            if hit is not None and gain_margin(hit) is not None:
+                planted.append((-gain_margin(hit), op, T.first(rep) == (0, op)))
         verdict = "PASS" if report.exit_code == 0 else f"FAIL at {T.first(report)}"
         caught = (f"{min(planted)[0]:+.1f} .. {max(planted)[0]:+.1f} dB over ({min(planted)[1]} .. "
                   f"{max(planted)[1]}); {sum(p[2] for p in planted)} / {len(planted)}") if planted else "-"
