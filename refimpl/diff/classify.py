@@ -115,7 +115,7 @@ def precision_floor(dtype="float32", reference=None, scale=None) -> float:
 
 def classify(reference, device, valid=None, dtype="float32", *, previous=None, floor: float | None = None,
              scale: float | None = None, alternatives: dict | None = None, separation: float | None = None,
-             state: bool = False) -> Fault:
+             state: bool = False, ties: float = math.inf) -> Fault:
     """The fault model that explains `device` against `reference` (arrays of one shape; module docstring).
 
     valid: None, the bundle's boxes or a bool mask of the compared elements; dtype: the device dtype (fp32, fp16,
@@ -124,7 +124,9 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
     state: the tensor is a carried state or cache (then all zeros is the initial state: stale, also without previous);
     alternatives: {"kind: what": the reference computed under a known wrong convention}; separation: how far above
     the floor the error must be for a fault to be named (default SEPARATION for a reduced-precision dtype, 1 for
-    float32; the diff gives 1 under three-way judging, whose floor is the emulation's own error)."""
+    float32; the diff gives 1 under three-way judging, whose floor is the emulation's own error); ties: a model of as
+    many parameters as the best is its rival (ambiguous) when its residual is within this factor of the best's
+    (default: any that fits)."""
     r = np.asarray(reference)
     d = np.asarray(device)
     if r.ndim == 0 and d.ndim == 0:                                     # a scalar: a tensor of one element
@@ -182,7 +184,7 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
                      + hint, {"closest": closest.kind if closest else None}, before,
                      closest.after if closest else before, F, criterion)
     best = good[0]
-    rivals = [f for f in good[1:] if f.nparams == best.nparams and f.kind != best.kind]
+    rivals = [f for f in good[1:] if f.nparams == best.nparams and f.kind != best.kind and f.after <= ties * best.after]
     if rivals:
         return Fault("unexplained", f"ambiguous: {best.kind} ({best.summary}) or {rivals[0].kind} "
                      f"({rivals[0].summary}) explain it equally", {"ambiguous": [best.kind, rivals[0].kind]},
@@ -594,7 +596,7 @@ def classify_channel(golden, device, mask, axes: tuple, channel: list, dtype, fl
     power_c = float(np.mean(gc[ok] ** 2)) if ok.any() else 0.0
     P = float(np.mean(g[m & np.isfinite(g)].astype(np.float64) ** 2)) if m.any() else 0.0
     F = None if floor is None or not power_c > 0 else floor * max(P, power_c) / power_c
-    f = classify(gc, dc, mc, dtype, floor=F, separation=separation)
+    f = classify(gc, dc, mc, dtype, floor=F, separation=separation, ties=IMPROVEMENT)   # a channel's few samples
     where = f"channel {list(channel)}"
     if f.kind == "gain" and "axis" not in f.params:
         return Fault("gain", f"{where} scaled x{f.params['factor']:.4g}",
