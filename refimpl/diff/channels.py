@@ -45,8 +45,7 @@ channels and softmax probabilities, `gain_tested`, are not gain-tested). An hone
 channel's own values once the emulation's share is taken off, so z_c is normal with the noise model's variance,
 and the worst of C channels stays under the chi2_1 quantile at ALPHA / C; the per-sample noise a_tc keeps a token
 that is ill-conditioned for the whole tensor (a near-cancellation every channel of a head carries) from reading as
-a gain of one channel. A x1.02 channel over
-n tokens has z^2 ~ 0.02^2 n / (the rest's NMSE off the emulation), about n / 7 times what nmse_c's contrast sees.
+a gain of one channel. A x1.02 channel over n tokens has z^2 ~ 0.02^2 n / (the rest's NMSE off the emulation).
 GAIN_CONTRAST (8) is calibrated (docs/diff.md, "Per channel"): above every honest run's worst channel, below every
 planted x1.02 one on the HTP.
 """
