@@ -3,6 +3,8 @@
     ch = channel_scores(golden, device, mask, sample_axes=(0, 1))    # [B, T, C]: channels = C; None if < 2
     ch["worst"], ch["nmse"], ch["gain"], ch["rest_nmse"]              # its worst channel
     channel_bar(ch, max_nmse)                                         # that channel's bar (policy.judge applies it)
+    ch["gain_worst"], ch["gain_z2"], ch["gain_q"], ch["gain_offset"]  # the gain test's worst channel
+    gain_failure(ch, max_nmse)                                        # its verdict (policy.judge applies it)
 
 A wrong per-channel scale (one output channel of a projection 2 % off: the most common quantisation bug) moves the
 tensor's NMSE by 4e-4 / C for C channels, under any bar fp16 noise needs, while that channel's own NMSE is 4e-4.
@@ -25,6 +27,27 @@ of its error in a few elements, the emulation in the same ones). The worst chann
 nmse_c / max(q rest_c, nmse_c(E)). q is 4.9 for n = 7, C = 64; 3.65 for n = 16, C = 1024; 18.7 for one token
 and 64 channels: a decode step's channels carry little evidence, a prompt's much. Tensors without a token axis (the
 GDN states, taken whole) and tensors of one channel are not judged per channel.
+
+The gain test. nmse_c spends its evidence on every direction an error can take; a wrong per-channel scale takes one,
+the channel's own values (e = (c - 1) g). So each channel is also tested along g, off the emulation, each sample t
+(a batch x token index) weighed by the noise the other channels show at that same sample:
+
+    delta = device - E (E = golden without an emulation), less each sample's own gain along g (leave one out over
+            the sample's other channels: a token's common gain, a norm's or a softmax's denominator, is no channel's)
+    w_c   = max(mean g^2 of c, P)                                               the channel's scale, as nmse_c's
+    a_tc  = max(sum_{c' != c} delta^2 / w, sum_{c' != c} (E - g)^2 / w) / (C_t - 1)   sample t's noise level
+    z_c   = sum_t delta g / (a w)  /  sqrt(sum_t g^2 / (a w))                  weighted least squares: ~ N(0, 1)
+    gain off the emulation = sum_t delta g / (a w) / sum_t g^2 / (a w)
+    fails when  z_c^2 > GAIN_CONTRAST chi2_1^-1(1 - ALPHA / C)  and  nmse_c > max_nmse
+
+(the worst channel by z_c^2 among those with >= GAIN_MIN_N elements; tensors of fewer than GAIN_MIN_CHANNELS
+channels and softmax probabilities, `gain_tested`, are not gain-tested). An honest error is independent of the
+channel's own values once the emulation's share is taken off, so z_c is normal with the noise model's variance,
+and the worst of C channels stays under the chi2_1 quantile at ALPHA / C; the per-sample noise a_tc keeps a token
+that is ill-conditioned for the whole tensor (a near-cancellation every channel of a head carries) from reading as
+a gain of one channel. A x1.02 channel over n tokens has z^2 ~ 0.02^2 n / (the rest's NMSE off the emulation).
+GAIN_CONTRAST (8) is calibrated (docs/diff.md, "Per channel"): above every honest run's worst channel, below every
+planted x1.02 one on the HTP.
 """
 
 import functools
@@ -37,6 +60,17 @@ from ..conventions.common import tap_token_axis
 
 ALPHA = 1e-3   # the chance an honest tensor fails on its worst channel by chance (policy.small_sample's level)
 CONTRAST = 16  # k^2, k = 4 (three-way's default): a channel may stand out from the rest by k in RMS beyond chance
+GAIN_CONTRAST = 8   # the gain test's allowance beyond chance (k = 2 in RMS; calibrated: docs/diff.md, "Per channel")
+GAIN_MIN_N = 2      # one element per channel (a decode call) tells a gain from any error no better than nmse_c
+GAIN_MIN_CHANNELS = 8   # a sample's noise is estimated from the tensor's other channels: at least 7 of them
+PROBABILITIES = ("attn_probs", "router_probs")   # softmax outputs: channels are key slots / experts, not gain-tested
+
+
+def gain_tested(name: str) -> bool:
+    """Whether a tensor's channels take the gain test: not a softmax's probabilities, whose channels (key slots,
+    experts) are no projection's output channels and whose errors follow the device's Softmax kernel (the HTP's is
+    up to 20 ulp off, value by value: honest runs scored up to 11 there)."""
+    return not name.endswith(PROBABILITIES)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -85,7 +119,7 @@ def sample_axes(rec: dict) -> tuple | None:
     return tuple(sorted({axes.index(a) for a in ("b", "t") if a in axes}))
 
 
-def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> dict | None:
+def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None, gain: bool = True) -> dict | None:
     """The worst channel of a tensor, scored (module docstring), or None when it has fewer than 2 channels with a
     valid, finite element. golden, device: arrays of one shape; mask: bool, the valid region; sample_axes: the
     batch and token axes (the rest are channels). Keys: count (channels scored), worst (its index over the channel
@@ -124,7 +158,7 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         score = np.where(scored, np.nan_to_num(judged / expected, nan=0.0, posinf=np.inf), -np.inf)
     c = int(np.argmax(score))
     k = int(n[c])
-    return {
+    out = {
         "count": count,
         "worst": [int(i) for i in np.unravel_index(c, feature_shape)],
         "n": k,
@@ -137,6 +171,72 @@ def channel_scores(golden, device, mask, sample_axes: tuple, emulation=None) -> 
         "emulated_nmse": float(emulated[c]) if emulation is not None else None,
         "contrast": float(score[c]),
     }
+    if not gain:
+        return out
+    return out | gain_test(gs, es, ee if emulation is not None else None, ok, n, power, P, count, feature_shape, s)
+
+
+def gain_test(gs, es, ee, ok, n, power, P, count: int, feature_shape, s: float) -> dict:
+    """The gain test (module docstring): each channel's signed error along its own values, off the emulation's, in
+    units of the noise the other channels show at the same samples. gs, es, ee: golden, device - golden,
+    emulation - golden (None: no emulation), [S, C], scaled by s, 0 where not valid (ok, bool [S, C]); n, power:
+    [C]; P: the tensor's mean g^2. Keys gain_*: of the channel with the largest z^2 among those of >= GAIN_MIN_N
+    elements; none when fewer than GAIN_MIN_CHANNELS channels are scored."""
+    if count < GAIN_MIN_CHANNELS:
+        return {}
+    dl = _less_sample_gain(es if ee is None else es - ee, gs)                          # delta = device - emulation
+    ee = None if ee is None else _less_sample_gain(ee, gs)
+    m = np.maximum(n, 1)
+    if not P > 0:
+        return {}
+    w = np.maximum(power / m, P)                                                       # w_c = max(mean g^2 of c, P)
+    R = dl * dl / w                                                                    # delta^2 / w_c      [S, C]
+    Rm = np.zeros_like(R) if ee is None else ee * ee / w                               # (E - g)^2 / w_c    [S, C]
+    others = np.maximum(ok.sum(axis=1, keepdims=True) - 1, 1)                          # other channels of sample t
+    a = np.maximum(R.sum(axis=1, keepdims=True) - R, Rm.sum(axis=1, keepdims=True) - Rm) / others   # a_tc: noise
+    v = np.maximum(a, 2.0 ** -80) * w                                                  # var delta_tc = a_tc w_c
+    num = np.sum(dl * gs / v, axis=0)                                                  # sum delta g / v
+    den = np.sum(gs * gs / v, axis=0)                                                  # sum g^2 / v
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z2 = num * num / den                                                           # z_c^2 ~ chi2_1 (honest)
+        offset = num / den                                                             # the channel's gain, weighted
+    z2 = np.where((n >= GAIN_MIN_N) & (den > 0), np.nan_to_num(z2, nan=0.0, posinf=np.inf), -np.inf)
+    c = int(np.argmax(z2))
+    if not z2[c] > -np.inf:
+        return {}
+    k = int(n[c])
+    return {
+        "gain_worst": [int(i) for i in np.unravel_index(c, feature_shape)],
+        "gain_n": k,
+        "gain_mse": float(np.sum(es[:, c] ** 2) / k) * s * s,
+        "gain_power": float(power[c] / k) * s * s,
+        "gain_offset": float(offset[c]),
+        "gain_z2": float(z2[c]),
+        "gain_q": chi2_quantile(1, ALPHA / count),
+    }
+
+
+def _less_sample_gain(x, gs):
+    """x less each sample's own gain along g, estimated from the sample's other channels (leave one out): an error
+    common to a whole token in proportion to its values (a norm's or a softmax's denominator off) is no gain of
+    any one channel.  x, gs [S, C] -> [S, C]"""
+    xg, gg = x * gs, gs * gs
+    with np.errstate(divide="ignore", invalid="ignore"):
+        beta = (xg.sum(axis=1, keepdims=True) - xg) / (gg.sum(axis=1, keepdims=True) - gg)   # beta_tc
+    return x - np.nan_to_num(beta, nan=0.0, posinf=0.0, neginf=0.0) * gs              # x - beta_tc g
+
+
+def gain_failure(ch: dict, max_nmse: float, reference_power: float | None = None) -> str | None:
+    """The gain test's verdict on a tensor's channels (None: passes): its channel fails when z^2 > GAIN_CONTRAST q1
+    and its nmse (judged as judged_channel_nmse) fails the tensor's bar max_nmse."""
+    if "gain_z2" not in ch or not ch["gain_z2"] > GAIN_CONTRAST * ch["gain_q"]:
+        return None
+    nmse = judged_channel_nmse({"mse": ch["gain_mse"], "power": ch["gain_power"],
+                                "tensor_power": ch["tensor_power"]}, reference_power)
+    if not nmse > max_nmse:
+        return None
+    return (f"channel {ch['gain_worst']} of {ch['count']}: gain {100 * ch['gain_offset']:+.2f} % off the emulation's, "
+            f"z^2 {ch['gain_z2']:.3g} > {GAIN_CONTRAST * ch['gain_q']:.3g}, nmse {nmse:.3g} > {max_nmse:.3g}")
 
 
 def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:

@@ -44,6 +44,7 @@ import numpy as np
 from ..bundle import valid_mask
 from ..errors import InputError
 from ..metrics import DTYPE_ALIASES
+from .channels import sample_axes
 from .divergence import model_config
 from .layouts import candidates, conv_kernel
 from .policy import DEFAULTS
@@ -114,7 +115,7 @@ def precision_floor(dtype="float32", reference=None, scale=None) -> float:
 
 def classify(reference, device, valid=None, dtype="float32", *, previous=None, floor: float | None = None,
              scale: float | None = None, alternatives: dict | None = None, separation: float | None = None,
-             state: bool = False) -> Fault:
+             state: bool = False, ties: float = math.inf) -> Fault:
     """The fault model that explains `device` against `reference` (arrays of one shape; module docstring).
 
     valid: None, the bundle's boxes or a bool mask of the compared elements; dtype: the device dtype (fp32, fp16,
@@ -123,7 +124,9 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
     state: the tensor is a carried state or cache (then all zeros is the initial state: stale, also without previous);
     alternatives: {"kind: what": the reference computed under a known wrong convention}; separation: how far above
     the floor the error must be for a fault to be named (default SEPARATION for a reduced-precision dtype, 1 for
-    float32; the diff gives 1 under three-way judging, whose floor is the emulation's own error)."""
+    float32; the diff gives 1 under three-way judging, whose floor is the emulation's own error); ties: a model of as
+    many parameters as the best is its rival (ambiguous) when its residual is within this factor of the best's
+    (default: any that fits)."""
     r = np.asarray(reference)
     d = np.asarray(device)
     if r.ndim == 0 and d.ndim == 0:                                     # a scalar: a tensor of one element
@@ -181,7 +184,7 @@ def classify(reference, device, valid=None, dtype="float32", *, previous=None, f
                      + hint, {"closest": closest.kind if closest else None}, before,
                      closest.after if closest else before, F, criterion)
     best = good[0]
-    rivals = [f for f in good[1:] if f.nparams == best.nparams and f.kind != best.kind]
+    rivals = [f for f in good[1:] if f.nparams == best.nparams and f.kind != best.kind and f.after <= ties * best.after]
     if rivals:
         return Fault("unexplained", f"ambiguous: {best.kind} ({best.summary}) or {rivals[0].kind} "
                      f"({rivals[0].summary}) explain it equally", {"ambiguous": [best.kind, rivals[0].kind]},
@@ -558,7 +561,47 @@ def classify_divergences(report, bundle, dump, policy) -> None:
             continue
         golden, device, previous = arrays
         criteria = policy.criteria(r.name, False, r.reference)
-        r.fault = classify(golden, device, bundle.manifest["tensors"][key]["valid"], policy.dtype, previous=previous,
+        rec = bundle.manifest["tensors"][key]
+        channel = _failed_channel(r)
+        if channel is not None:   # only one channel fails (the tensor passes its bar): that channel's fault
+            r.fault = classify_channel(golden, device, valid_mask(golden.shape, rec["valid"]), sample_axes(rec),
+                                       channel, policy.dtype, judged_floor(r.metrics, criteria),
+                                       1.0 if r.reference else None).to_dict()
+            continue
+        r.fault = classify(golden, device, rec["valid"], policy.dtype, previous=previous,
                            floor=judged_floor(r.metrics, criteria), separation=1.0 if r.reference else None,
                            state=r.role != "tap" and r.name != "logits" and bool(STATE_NAME.search(r.name)),
                            alternatives=_alternatives(bundle, r, golden, cfg)).to_dict()
+
+
+def _failed_channel(r) -> list | None:
+    """The channel index of a tensor whose only failure is one channel's (refimpl.diff.channels: the nmse test's
+    worst channel, or the gain test's), else None."""
+    ch = (r.metrics or {}).get("channels") or {}
+    if len(r.failures) != 1 or not r.failures[0].startswith("channel "):
+        return None
+    return ch.get("gain_worst") if "off the emulation" in r.failures[0] else ch.get("worst")
+
+
+def classify_channel(golden, device, mask, axes: tuple, channel: list, dtype, floor: float | None,
+                     separation: float | None) -> Fault:
+    """The fault of one channel of a tensor (an index over its feature axes; axes: the batch and token axes), the
+    channel classified alone against the tensor's floor on the channel's scale (floor x max(P, its power) / its
+    power, P the tensor's mean g^2, as the channel test judges it); a gain found there is that channel's gain."""
+    g, d, m = (np.asarray(x) for x in (golden, device, mask))
+    feature = [a for a in range(g.ndim) if a not in axes]
+    index = tuple(slice(None) if a not in feature else channel[feature.index(a)] for a in range(g.ndim))
+    gc, dc, mc = (x[index].astype(np.float64) if x.dtype != bool else x[index] for x in (g, d, m))
+    ok = mc & np.isfinite(gc)
+    power_c = float(np.mean(gc[ok] ** 2)) if ok.any() else 0.0
+    P = float(np.mean(g[m & np.isfinite(g)].astype(np.float64) ** 2)) if m.any() else 0.0
+    F = None if floor is None or not power_c > 0 else floor * max(P, power_c) / power_c
+    f = classify(gc, dc, mc, dtype, floor=F, separation=separation, ties=IMPROVEMENT)   # a channel's few samples
+    where = f"channel {list(channel)}"
+    if f.kind == "gain" and "axis" not in f.params:
+        return Fault("gain", f"{where} scaled x{f.params['factor']:.4g}",
+                     {"axis": feature[-1] if len(feature) == 1 else feature, "slices": list(channel),
+                      "factors": [f.params["factor"]]}, f.residual_before, f.residual_after, f.floor, f.criterion,
+                     f.candidates)
+    return Fault(f.kind, f"{where}: {f.summary}", {**f.params, "channel": list(channel)}, f.residual_before,
+                 f.residual_after, f.floor, f.criterion, f.candidates)

@@ -18,7 +18,7 @@ from ..bundle import valid_mask
 from ..conventions.common import tap_token_axis
 from ..errors import InputError
 from ..metrics import sqnr_db
-from .channels import channel_scores, sample_axes
+from .channels import channel_scores, gain_tested, sample_axes
 from .classify import classify_divergences
 from .curves import report_notes
 from .dataflow import producer
@@ -191,7 +191,8 @@ def _metrics(golden, device, rec, dtype, emulation=None):
     m = tensor_metrics(golden, device, rec["valid"], dtype)
     axes = sample_axes(rec) if not is_integer(golden.dtype) else None
     if axes is not None:   # the worst channel (refimpl.diff.channels), judged beside the whole tensor
-        m["channels"] = channel_scores(golden, device, valid_mask(golden.shape, rec["valid"]), axes, emulation)
+        m["channels"] = channel_scores(golden, device, valid_mask(golden.shape, rec["valid"]), axes, emulation,
+                                       gain_tested(rec["name"]))
     lm = None
     if rec["name"] == "logits" and golden.ndim >= 2 and golden.shape[-1] >= 2:
         rows = valid_mask(golden.shape, rec["valid"]).any(axis=-1)

@@ -30,7 +30,7 @@ from ..errors import InputError, brief
 from ..files import expect
 from ..metrics import DTYPE_ALIASES
 from . import hooks
-from .channels import channel_bar, judged_channel_nmse
+from .channels import GAIN_CONTRAST, channel_bar, gain_failure, judged_channel_nmse
 from .dump import read_json
 from .layouts import ADAPTERS
 
@@ -182,6 +182,8 @@ def bar(criteria: dict, metrics: dict | None) -> dict:
     ch = (metrics or {}).get("channels")
     if criteria.get("channels") and ch and criteria.get("max_nmse") is not None:
         out["channel_max_nmse"] = channel_bar(ch, criteria["max_nmse"])
+        if "gain_q" in ch:   # the gain test's bar on z^2 (channels.py)
+            out["channel_max_gain_z2"] = GAIN_CONTRAST * ch["gain_q"]
     return out
 
 
@@ -217,9 +219,12 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
             failed.append(f"{metric} {value:.3g} {'>' if kind == 'max' else '<'} {limit:g}")
     ch = metrics.get("channels")
     if criteria.get("channels") and ch and criteria.get("max_nmse") is not None and not within_floor:
-        value, limit = judged_channel_nmse(ch, metrics.get("run_power") if criteria.get("run_power") else None), \
-            channel_bar(ch, criteria["max_nmse"])
+        reference_power = metrics.get("run_power") if criteria.get("run_power") else None
+        value, limit = judged_channel_nmse(ch, reference_power), channel_bar(ch, criteria["max_nmse"])
+        gain = gain_failure(ch, criteria["max_nmse"], reference_power)
         if not value <= limit:   # the worst channel stands out of the rest and fails the tensor's bar (channels.py)
             failed.append(f"channel {ch['worst']} of {ch['count']}: nmse {value:.3g} > {limit:.3g} "
                           f"(gain {100 * ch['gain']:+.2f} %)")
+        elif gain is not None:   # the gain test (channels.py): one channel scaled, beyond the other channels' noise
+            failed.append(gain)
     return failed

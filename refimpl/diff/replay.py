@@ -31,7 +31,7 @@ from ..bundle import DTYPES, valid_mask
 from ..errors import InputError
 from ..golden import manifest_config, run_graph
 from ..trace import trace
-from .channels import channel_scores, sample_axes
+from .channels import channel_scores, gain_tested, sample_axes
 from .classify import classify, judged_floor
 from .compare import is_integer
 from .dataflow import producer
@@ -142,7 +142,7 @@ def replay(bundle, dump, model, *, layer: int | None = None, tensor: str | None 
             added = tensor_metrics(r, d, scored, policy.dtype)
             axes = sample_axes(rec) if not is_integer(g.dtype) else None
             if axes is not None:   # the op's worst channel too (refimpl.diff.channels): a wrong per-channel scale
-                added["channels"] = channel_scores(r, d, scored, axes)
+                added["channels"] = channel_scores(r, d, scored, axes, gain=gain_tested(n))
             failures = judge(added, None, policy.criteria(n, is_integer(g.dtype)))
             through, outside = span(cfg, conv, n, given, ref)
             rows.append(ReplayRow(k, n, total, inherited, added, bool(failures) and not outside, failures, lacking,

@@ -81,6 +81,11 @@ def _result(r, where: str) -> "Result":
             number(channels.get(k), f"{where}.metrics.channels.{k}", InputError, finite=False)
         for k in ("n", "count"):
             integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1, hi=2 ** 48)
+        for k in ("gain_mse", "gain_power", "gain_offset", "gain_z2", "gain_q"):   # the gain test's, where scored
+            if k in channels:
+                number(channels[k], f"{where}.metrics.channels.{k}", InputError, finite=False)
+        if "gain_n" in channels:
+            integer(channels["gain_n"], f"{where}.metrics.channels.gain_n", InputError, lo=1, hi=2 ** 48)
         if channels.get("emulated_nmse") is not None:
             number(channels["emulated_nmse"], f"{where}.metrics.channels.emulated_nmse", InputError, finite=False)
     for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):

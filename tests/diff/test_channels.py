@@ -9,6 +9,7 @@ import pytest
 
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
+from refimpl.diff import channels as C
 from refimpl.diff.channels import channel_bar, channel_scores, chi2_quantile, q_factor
 from refimpl.diff.dump import read_dump
 from refimpl.diff.hooks import rename
@@ -68,6 +69,33 @@ def test_the_emulation_of_a_channel_explains_its_own_error():
     assert judge({**m, "channels": channel_scores(g, device, mask, (0, 1))}, None, criteria)
     assert judge({**m, "channels": channel_scores(g, device, mask, (0, 1), emulation)}, None, criteria) == []
 
+
+
+def test_the_gain_test_finds_a_scaled_channel_the_nmse_test_misses():
+    """Three-way, 7 tokens x 64 channels: the device's error half shared with the emulation (the arithmetic it
+    predicts), half its own. One channel x1.02 stands out of the rest by nmse_c less than CONTRAST q (missed), but
+    along its own values (z^2 ~ 0.02^2 n / 4e-6 = 700 against GAIN_CONTRAST q1 = 150) it is the gain test's; a
+    token with 30 x the error on every channel (ill-conditioned for the whole tensor) is no gain of any channel."""
+    g = RNG.standard_normal((1, 7, 64))
+    shared, own = (0.002 * RNG.standard_normal(g.shape) for _ in range(2))
+    emulation, honest = g + shared, g + shared + own
+    mask, criteria = np.ones(g.shape, bool), {"max_nmse": 5e-5, "channels": True}
+    faulty = honest.copy()
+    faulty[..., 5] = honest[..., 5] + 0.02 * g[..., 5]                     # channel 5 x1.02
+    for device, fails in ((honest, False), (faulty, True)):
+        ch = channel_scores(g, device, mask, (0, 1), emulation)
+        assert ch["contrast"] < C.CONTRAST                                   # the nmse test alone misses it
+        failures = judge({"n": g.size, "nmse": 1e-5, "max_abs": 0.1, "n_nan": 0, "n_inf": 0, "channels": ch}, None,
+                         criteria)
+        assert bool(failures) == fails, failures
+        if fails:
+            assert failures == [f for f in failures if f.startswith("channel [5] of 64: gain +")], failures
+            assert ch["gain_z2"] > C.GAIN_CONTRAST * ch["gain_q"] and ch["gain_offset"] == pytest.approx(0.02, abs=3e-3)
+    ill = honest.copy()
+    ill[:, 2], emulation_ill = g[:, 2] + 30 * (shared + own)[:, 2], emulation.copy()
+    emulation_ill[:, 2] = g[:, 2] + 30 * (shared + 2 * RNG.standard_normal(g.shape) * 0.002)[:, 2]
+    ch = channel_scores(g, ill, mask, (0, 1), emulation_ill)
+    assert C.gain_failure(ch, 5e-5) is None, ch
 
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):

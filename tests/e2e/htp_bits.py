@@ -2,11 +2,12 @@
 
     python tests/e2e/htp_bits.py [--presets tiny-qwen3,...] [--steps 2]
 
-For every preset: the honest HTP genie run of tests/e2e/test_htp.py (float16 export, every node on the HTP) and
-refimpl's htp-fp16 bundle on the same tokens; per tap, the share of elements where the two are the same float16
-value, grouped by the op of the tap (refimpl's graph), and each architecture's three-way margin. Two shares: of the
-free run (a tap's inputs already differ by the upstream error), and teacher-forced (refimpl's htp-fp16 op on the
-HTP's own inputs of that op, as `refimpl replay` runs it): the second is how well the op's arithmetic is stated.
+For every preset: the honest HTP genie run of tests/e2e/test_htp.py (tests/e2e/htp_runs.py: float16 export, every
+node on the HTP) and refimpl's htp-fp16 bundle on the same tokens; per tap, the share of elements where the two are
+the same float16 value, grouped by the op of the tap (refimpl's graph), and each architecture's three-way margin.
+Two shares: of the free run (a tap's inputs already differ by the upstream error), and teacher-forced (refimpl's
+htp-fp16 op on the HTP's own inputs of that op, as `refimpl replay` runs it): the second is how well the op's
+arithmetic is stated. tests/e2e/htp_table.py prints them with the rest of the closing table.
 Not a test: it takes minutes (the exports).
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-import test_htp as T  # noqa: E402
+import htp_runs as T  # noqa: E402
 
 from refimpl.diff.dump import read_dump  # noqa: E402
 from refimpl.diff.policy import make_policy  # noqa: E402
@@ -48,7 +49,7 @@ def shares(case) -> tuple[dict, float, str]:
             n, free, teacher = kinds.get(node.op, (0, 0, 0))
             kinds[node.op] = (n + d16.size, free + int((d16 == e.astype(np.float16)).sum()),
                               teacher + int((d16 == np.asarray(r).astype(np.float16)).sum()))
-    worst, where = T.margin(T.judge(case, dump_path))
+    worst, where = T.margin(case.judge(dump_path))
     return kinds, worst, where
 
 
@@ -58,10 +59,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="refimpl-htp-bits-"))
     for arch in args.presets.split(","):
-        config, arrays = T.D.small_preset(T.ARCHITECTURES[arch])
-        model = T.D.load_hf(T.D.hf_checkpoint(config, arrays, root / arch / "checkpoint"), "float16", "eager",
-                            "batched_mm")
-        kinds, worst, where = shares(T.Case(config, arrays, model, root / arch))
+        kinds, worst, where = shares(T.case(arch, root / arch))
         print(f"{arch}: margin {worst:.1f} dB under the three-way bar (worst: {where})")
         print(f"    {'op':24} {'elements':>9} {'free run':>9} {'teacher-forced':>15}  (share bit-identical)")
         for kind, (n, free, teacher) in sorted(kinds.items()):

@@ -258,10 +258,11 @@ def test_onnx_runtime_device_fault_class(cases, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the HTP
 
-# The HTP device (DEVICES["htp"]) on the dense preset's prompt call (genie AR 8): one float16 export (test_htp's
-# session exports live in that module's fixture, not visible here); weight faults are planted in the exported
-# graph's initializers and host faults in the host loop, so no fault re-exports. Dense only as written: the
-# hybrids' norms scale by 1 + w, where a weight x1.05 or x-1 is a per-channel gain (1 + c w) / (1 + w).
+# The HTP device (DEVICES["htp"]) on the dense preset's prompt call (genie AR 8): the session's HTP case of
+# tests/e2e/htp_runs.py (`htp_cases`, shared with test_htp: one float16 export, each graph compiled once, a run
+# both modules judge run once); weight faults are planted in the exported graph's initializers and host faults in
+# the host loop. Dense only as written: the hybrids' norms scale by 1 + w, where a weight x1.05 or x-1 is a
+# per-channel gain (1 + c w) / (1 + w).
 HTP_FAULTS = {
     # name: (Fault, expected class, parameter check)
     "norm gain x1.05": (D.Fault(scale_weight=("model.layers.1.input_layernorm.weight", 1.05)), "gain",
@@ -272,27 +273,26 @@ HTP_FAULTS = {
                           "sign/swap", lambda p, seen: abs(p.get("factor", 0) + 1) < 0.01 and "axis" not in p),
     "mask floor -50": (D.Fault(mask_floor=-50.0), "masked region", lambda p, seen: p.get("lo") == -50.0),
 }
+HTP_STEPS = {"norm gain x1.05": 2}   # test_htp runs this one with its decode calls: the same run, judged here too
 
 
-@pytest.fixture
-def htp_device(cases, tmp_path):
-    htp = pytest.importorskip("htp")
-    if htp.unavailable():
-        pytest.skip(htp.unavailable())
-    return lambda fault: run_case(cases, tmp_path, "dense", "genie", "htp", fault, steps=0)
-
-
-def test_htp_honest_run_is_precision_only(htp_device):
-    report, golden, dump = htp_device(None)
+@pytest.mark.xdist_group("htp")
+def test_htp_honest_run_is_precision_only(htp_cases):
+    """test_htp's honest dense run (prompt and decode calls), every tensor classified."""
+    case = htp_cases("dense")
+    dump = case.dump()
+    report = case.judge(dump)
     assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:3]
-    counts = honest_classes(report, golden, dump, "fp16")
-    assert set(counts) == {"precision"} and counts["precision"] > 80, counts     # 91 tensors judged
+    counts = honest_classes(report, case.golden(), dump, "fp16")
+    assert set(counts) == {"precision"} and counts["precision"] > 250, counts     # 91 tensors x 3 calls judged
 
 
+@pytest.mark.xdist_group("htp")
 @pytest.mark.parametrize("name", list(HTP_FAULTS))
-def test_htp_planted_fault_class(name, htp_device):
+def test_htp_planted_fault_class(name, htp_cases):
     fault, expected, check = HTP_FAULTS[name]
-    report, _, _ = htp_device(fault)
+    case, steps = htp_cases("dense"), HTP_STEPS.get(name, 0)
+    report = case.judge(case.dump(fault, steps=steps), steps=steps)
     v, f = verdict(report, expected, check, [])
     assert v == "right", (v, f)
 
