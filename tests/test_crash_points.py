@@ -152,6 +152,25 @@ def _enumerate(name: str, setup, write, check, exchange: bool = True) -> int:
     return total + 1
 
 
+def _calls(write, exchange: bool = True) -> int:
+    """The file-system calls of one whole write (counted in a child that is never killed)."""
+    killed, total = _child(write, 1 << 30, exchange)
+    assert not killed
+    return total
+
+
+@pytest.fixture
+def small_vocab(monkeypatch):
+    """tiny-qwen3 with a 320-token vocabulary instead of 151936 (every tensor's name and rank kept): its writers make
+    the same file-system calls (one write per tensor, whatever its size; each test asserts the count against the
+    real preset once), so every crash point is still enumerated, at a fraction of the bytes and arithmetic. Returns
+    the real preset's config (to count its calls)."""
+    real = presets.PRESETS["tiny-qwen3"]
+    monkeypatch.setitem(presets.PRESETS, "tiny-qwen3", {**real, "vocab_size": 320, "bos_token_id": 300,
+                                                       "eos_token_id": 302})
+    return real
+
+
 def _state(path: Path):
     """A file's bytes, a directory's {relative path: bytes}, or None if absent."""
     if not os.path.lexists(path):
@@ -228,8 +247,9 @@ def test_golden_bundle_every_crash_point(tmp_path, mode):
 
 # ------------------------------------------------------------------------------------------------ single files
 
-def test_safetensors_gguf_and_preset_every_crash_point(tmp_path, monkeypatch):
-    """write_safetensors and write_gguf over an old file; save_preset over an old preset checkpoint."""
+def test_safetensors_gguf_and_preset_every_crash_point(tmp_path, monkeypatch, small_vocab):
+    """write_safetensors and write_gguf over an old file; save_preset over an old preset checkpoint (tiny-qwen3 with
+    a small vocabulary: the real preset's calls, counted once)."""
     from refimpl.formats.gguf.reader import GGUFFile
     from refimpl.formats.gguf.writer import write_gguf
     from refimpl.formats.safetensors import read_safetensors, write_safetensors
@@ -250,9 +270,20 @@ def test_safetensors_gguf_and_preset_every_crash_point(tmp_path, monkeypatch):
     new_st = _state(st)
     _enumerate("safetensors", lambda: _reset(st, old_st), lambda: write_safetensors(st, arrays), check_st)
 
-    model = build("tiny-qwen3")
+    pre = tmp_path / "pre" / "ckpt"
     gg = tmp_path / "gg" / "m.gguf"
     gg.parent.mkdir()
+    with monkeypatch.context() as real:              # the released vocabulary: the calls every crash point stands for
+        real.setitem(presets.PRESETS, "tiny-qwen3", small_vocab)
+        big = build("tiny-qwen3")
+        gg.write_bytes(b"GGUF old, not a model")
+        save_preset("tiny-qwen3", pre, seed=1)           # the states the crash points start from: an old file / preset
+        real_calls = {"gguf": _calls(lambda: write_gguf(gg, big)),
+                      "save_preset": _calls(lambda: save_preset("tiny-qwen3", pre))}
+    big = None                                        # (40 MB)
+    shutil.rmtree(pre)
+
+    model = build("tiny-qwen3")
     gg.write_bytes(b"GGUF old, not a model")
     old_gg = _state(gg)
     write_gguf(gg, model)
@@ -266,15 +297,15 @@ def test_safetensors_gguf_and_preset_every_crash_point(tmp_path, monkeypatch):
         write_gguf(gg, model)
         assert _state(gg) == new_gg and _leftovers(gg.parent, {gg.name}) == [], f"crash point {n}"
 
-    _enumerate("gguf", lambda: _reset(gg, old_gg), lambda: write_gguf(gg, model), check_gg)
+    assert _enumerate("gguf", lambda: _reset(gg, old_gg), lambda: write_gguf(gg, model), check_gg) == \
+        real_calls["gguf"] + 1
 
-    pre = tmp_path / "pre" / "ckpt"
-    weights, real = {}, presets.random_weights       # the seeded weights made once: a crash point costs the write
+    weights, rw = {}, presets.random_weights         # the seeded weights made once: a crash point costs the write
 
     def random_weights(config, seed=0, *args):
         key = (config.model_type, seed, *args)
         if key not in weights:
-            weights[key] = real(config, seed, *args)
+            weights[key] = rw(config, seed, *args)
         return weights[key]
     monkeypatch.setattr(presets, "random_weights", random_weights)
     save_preset("tiny-qwen3", pre, seed=1)
@@ -288,7 +319,8 @@ def test_safetensors_gguf_and_preset_every_crash_point(tmp_path, monkeypatch):
         save_preset("tiny-qwen3", pre)
         assert _state(pre) == new_pre and _leftovers(pre.parent, {pre.name}) == [], f"crash point {n}"
 
-    _enumerate("save_preset", lambda: _reset(pre, old_pre), lambda: save_preset("tiny-qwen3", pre), check_pre)
+    assert _enumerate("save_preset", lambda: _reset(pre, old_pre), lambda: save_preset("tiny-qwen3", pre),
+                      check_pre) == real_calls["save_preset"] + 1
 
 
 def test_tokenizer_cache_every_crash_point(tmp_path, monkeypatch):
@@ -363,27 +395,39 @@ def test_diff_metrics_and_html_every_crash_point(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ dataset references
 
-def test_dataset_reference_every_crash_point(tmp_path):
+def test_dataset_reference_every_crash_point(tmp_path, monkeypatch, small_vocab):
     """write_reference (2 windows of 16 tokens) with --overwrite over a reference made with other settings (its
     calls: removing the old reference, then every call of a new one): killed at every point, then run again
     (resumed), it ends with the bytes of an uninterrupted run; every file present after a kill is complete (its
-    reader reads it), and the manifest present means the reference opens."""
+    reader reads it), and the manifest present means the reference opens. The model: tiny-qwen3 with a small
+    vocabulary (the window files' tensors have the same names: the real preset's calls, counted once)."""
     from refimpl.dataset import cut, open_reference
     from refimpl.dataset.reference import Job, window_path, write_reference
     from refimpl.formats.safetensors import read_safetensors
     from refimpl.presets import save_preset
-    src = save_preset("tiny-qwen3", tmp_path / "src")
-    model = refimpl.load(src)
     windows = cut([list(range(5, 5 + 32))], 16)
-    job = Job(str(src), model.precision, "hf", (), windows.first, windows.scored, top_k=4)
-    other = Job(str(src), model.precision, "hf", (), windows.first, windows.scored, top_k=3)
     ref = tmp_path / "ref" / "r"
 
-    def write(j=job):
-        write_reference(ref, j, windows, {"stride": None}, model=model, overwrite=True)
+    def writer(name):
+        src = save_preset("tiny-qwen3", tmp_path / name)
+        model = refimpl.load(src)
+        job = Job(str(src), model.precision, "hf", (), windows.first, windows.scored, top_k=4)
+        other = Job(str(src), model.precision, "hf", (), windows.first, windows.scored, top_k=3)
 
+        def write(j=job):
+            write_reference(ref, j, windows, {"stride": None}, model=model, overwrite=True)
+        return write, lambda: write(other)
+
+    with monkeypatch.context() as real:              # the released vocabulary: the calls every crash point stands for
+        real.setitem(presets.PRESETS, "tiny-qwen3", small_vocab)
+        write, write_other = writer("big")
+        _reset(ref, None)
+        write_other()
+        real_calls = _calls(write)
+
+    write, write_other = writer("src")
     _reset(ref, None)
-    write(other)
+    write_other()
     old = _state(ref)
     write()
     new = _state(ref)
@@ -401,5 +445,5 @@ def test_dataset_reference_every_crash_point(tmp_path):
         write()                                      # resumes
         assert _state(ref) == new and _leftovers(ref.parent, {"r"}) == [], f"crash point {n}"
 
-    _enumerate("dataset reference --overwrite", lambda: _reset(ref, old), write, check)
+    assert _enumerate("dataset reference --overwrite", lambda: _reset(ref, old), write, check) == real_calls + 1
     assert json.loads((ref / "summary.json").read_text())["windows"] == 2

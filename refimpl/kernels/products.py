@@ -132,7 +132,9 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
 
     One error-free extraction: with sigma a power of two >= 2 K max|p|, q = (sigma + p) - sigma is p on the grid
     ulp(sigma)/2 and r = p - q exactly; sum q is exact in any order, |r| <= 2^-53 sigma, and
-    c = fl(sum q + fl(sum r)) errs by at most gamma_K sum |r| + 2^-52 |c|."""
+    c = fl(sum q + fl(sum r)) errs by at most gamma_K sum |r| + 2^-52 |c|. Where every r is 0, c = sum q is the
+    exact sum and its cast to float32 is RNE32 (the exact float32 ties that sums of bfloat16-valued products often
+    are: no fsum for them)."""
     F, K = a.shape
     out = np.empty(F, np.float32)
     rows = max(1, chunk // K)
@@ -144,9 +146,12 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
         p -= q                                                                  # r, exactly
         c = q.sum(axis=-1) + p.sum(axis=-1)
         np.abs(p, out=p)
-        e = (K * _U / (1 - K * _U)) * p.sum(axis=-1) * (1 + 2.0 ** -20) + np.abs(c) * 2.0 ** -51
+        r = p.sum(axis=-1)                                                      # sum |r|
+        e = (K * _U / (1 - K * _U)) * r * (1 + 2.0 ** -20) + np.abs(c) * 2.0 ** -51
         out[f:f + rows], undecided = _round_verified(c, e)
-        for g in np.flatnonzero(undecided):
+        exact = undecided & (r == 0)                                           # c is the exact sum
+        out[f:f + rows][exact] = (c[exact] + 0.0).astype(np.float32)           # RNE32(c); an exact zero +0
+        for g in np.flatnonzero(undecided & ~exact):
             out[f + g] = _exact_sum_rounded((a[f + g] * b[f + g]).tolist())
     return out
 

@@ -17,7 +17,9 @@ from refimpl.diff.policy import make_policy
 from refimpl.diff.replay import replay
 from refimpl.golden import write_golden
 
-pytestmark = pytest.mark.oracle
+# one xdist worker runs the module: its architectures' checkpoints, goldens and loaded transformers models (the
+# `cases` fixture, module-scoped) are then built once, not once per worker (`make test` runs --dist loadgroup)
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("e2e-independent-devices")]
 
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]             # one genie chunk of AR = 8 with one pad slot
 GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}  # W = 24 window slots, most of them empty

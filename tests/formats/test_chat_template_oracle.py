@@ -110,8 +110,10 @@ def features(messages, kw) -> set:
 
 WORDS = ["Hello", "你好", "What is 2+2?", " spaced ", "\n", "<think>", "</think>", "<tool_call>", "</tool_call>",
          "<tool_response>", "é", "😀", "a\n\nb", "CONTINUE", "{\"k\": 1}", "  "]
+# every character UTF-8 encodes (all but the surrogates, Cs): no codec= (the same set, the same draws; with a codec
+# Hypothesis encodes all 1.1M code points once per process when its on-disk charmap cache is absent, as on CI)
 text = st.one_of(st.lists(st.sampled_from(WORDS), max_size=4).map("".join),
-                 st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12))
+                 st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=12))
 SPECIAL_VALUES = st.sampled_from([np.int64(3), np.float32(0.5), np.float64(-2.25), np.bool_(False), np.str_("np"),
                                   np.int8(-7), datetime.date(2024, 2, 29), datetime.datetime(2025, 1, 2, 3, 4),
                                   b"\x00bytes", None])

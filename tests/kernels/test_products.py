@@ -78,6 +78,25 @@ def test_ties_and_near_ties_round_as_ieee_says():
     assert np.all((got[ties, 0] == f) | (got[ties, 0] == np.nextafter(f, F32(np.inf))))
 
 
+def test_bfloat16_valued_operands_whose_sums_are_exact_ties():
+    """bfloat16-valued activations and weights (8-bit significands): the float64 sum of their products is often exact
+    and a float32 midpoint; such ties round to even, like every other element, bit for bit."""
+    import ml_dtypes
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((16, 64)).astype(ml_dtypes.bfloat16).astype(F32)
+    b = (rng.standard_normal((64, 16)) / 8).astype(ml_dtypes.bfloat16).astype(F32)
+    got, want = products.matmul(a, b), exact.matmul(a, b)
+    assert_bits(got, want)
+    ties = 0
+    for i in range(16):                     # the exact sums: how many are ties (the case this test is about)
+        for j in range(16):
+            s = sum(Fraction(float(x)) * Fraction(float(y)) for x, y in zip(a[i], b[:, j]))
+            f = np.float32(float(s))
+            g = np.nextafter(f, F32(np.inf) if s > Fraction(float(f)) else F32(-np.inf))
+            ties += s == (Fraction(float(f)) + Fraction(float(g))) / 2
+    assert ties >= 10, f"{ties} exact ties among 256 sums: the case is not exercised"
+
+
 def test_subnormal_zero_and_overflowing_results():
     tiny, big = F32(2.0 ** -75), F32(2.0 ** 64)
     a = np.array([[tiny, tiny], [tiny, -tiny], [big, big], [F32(0), F32(0)], [-tiny, F32(0)]], F32)

@@ -16,7 +16,9 @@ import refimpl
 from oracle import build_hf
 from refimpl.formats.tokenizer import qwen_tokenizer
 
-pytestmark = pytest.mark.oracle
+# one xdist worker runs the module: its saved tokenizers (transformers takes seconds to load a Qwen vocabulary) and
+# checkpoints, module-scoped, are then built once, not once per worker (`make test` runs --dist loadgroup)
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("models-checkpoint-dirs")]
 transformers = pytest.importorskip("transformers")
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
