@@ -48,7 +48,11 @@ ORDER = [*dict.fromkeys(STAGES.values()), "rest", *INCLUSIVE.values()]
 
 
 class Profile:
-    def __init__(self):
+    def __init__(self, cpu: bool = False):
+        # wall time, or (cpu) CPU time: each stage its thread's, a phase the whole process's (all threads); CPU
+        # time is what a loaded, shared machine still measures fairly (run BLAS on one thread then)
+        self.clock = time.thread_time if cpu else time.perf_counter
+        self.phase_clock = time.process_time if cpu else time.perf_counter
         self.own: dict[str, float] = {}        # stage -> own seconds
         self.inclusive: dict[str, float] = {}
         self.wall = 0.0
@@ -63,11 +67,11 @@ class Profile:
         def timed(*args, **kw):
             stack = self._local.__dict__.setdefault("stack", [])
             stack.append(0.0)                  # time spent in nested stages
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kw)
             finally:
-                total = time.perf_counter() - t0
+                total = self.clock() - t0
                 nested = stack.pop()
                 self._add(self.own, stage, total - nested)
                 if stack:
@@ -76,11 +80,11 @@ class Profile:
 
     def inclusive_timer(self, stage, fn):
         def timed(*args, **kw):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*args, **kw)
             finally:
-                self._add(self.inclusive, stage, time.perf_counter() - t0)
+                self._add(self.inclusive, stage, self.clock() - t0)
         return timed
 
     @classmethod
@@ -95,11 +99,11 @@ class Profile:
     @contextlib.contextmanager
     def phase(self):
         """Time a phase (its wall time is the denominator of the shares)."""
-        t0 = time.perf_counter()
+        t0 = self.phase_clock()
         try:
             yield self
         finally:
-            self.wall += time.perf_counter() - t0
+            self.wall += self.phase_clock() - t0
 
     def rows(self) -> dict[str, float]:
         """stage -> seconds, with `rest` = wall - the stages' own time (>= 0)."""
@@ -110,13 +114,14 @@ class Profile:
 
 
 @contextlib.contextmanager
-def kernel_profile():
-    """Within the block every stage is timed into the yielded Profile; the kernels are restored afterwards."""
+def kernel_profile(cpu: bool = False):
+    """Within the block every stage is timed into the yielded Profile (cpu: CPU time); the kernels are restored
+    afterwards."""
     from refimpl.kernels import elementary, products
     from refimpl.models import qwen3
     from refimpl.models.weights import Weights
     modules = {"products": products, "elementary": elementary, "qwen3": qwen3, "Weights": Weights}
-    prof = Profile()
+    prof = Profile(cpu)
     saved = []
     for table, wrap in ((STAGES, prof.exclusive), (INCLUSIVE, prof.inclusive_timer)):
         for (module, attr), stage in table.items():
@@ -135,7 +140,7 @@ def kernel_profile():
 
 def profile_table(profiles: dict, title: str) -> tuple[str, list[str], list[list[str]]]:
     """(title, columns, rows) of profiles {phase: Profile}: seconds and share of each phase's wall time."""
-    columns = ["stage", *(f"{phase} ({p.wall:.2f} s wall)" for phase, p in profiles.items())]
+    columns = ["stage", *(f"{phase} ({p.wall:.2f} s)" for phase, p in profiles.items())]
     rows = []
     for stage in ORDER:
         cells = []
@@ -160,6 +165,7 @@ def main(argv=None) -> None:
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import Model
     from refimpl.models.weights import Weights
+    from refimpl.precision import Policy
     from refimpl.presets import random_weights
     ap = argparse.ArgumentParser(description="profile the correctly rounded forward pass per kernel stage")
     ap.add_argument("--layers", type=int, default=4)
@@ -167,22 +173,25 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--no-float64-copies", action="store_true", help="convert the weights on every product")
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true", help="CPU time instead of wall time (a loaded machine; set "
+                    "OPENBLAS_NUM_THREADS=1)")
+    ap.add_argument("--fast", action="store_true", help="the plain BLAS path (for its time beside)")
     args = ap.parse_args(argv)
     d = model_config(args.layers)
     cfg = config_from_dict(d, source="bench:qwen3-0.6b")
     weights = Weights(random_weights(cfg, SEED), "float32")
     weights.float64_copies = not args.no_float64_copies
-    model = Model(cfg, weights)
+    model = Model(cfg, weights, precision=Policy(fast=args.fast))
     prompt, tokens = workload(d["vocab_size"], args.prompt_len, args.steps)
     cache = model.new_cache()
     model.forward(prompt, cache=cache)                            # warm-up: constants made, caches touched
     model.forward(np.array([[tokens[0]]]), cache=cache)
     profiles = {}
     cache = model.new_cache()
-    with kernel_profile() as prof, prof.phase():
+    with kernel_profile(args.cpu_time) as prof, prof.phase():
         model.forward(prompt, cache=cache)
     profiles[f"prefill {args.prompt_len}"] = prof
-    with kernel_profile() as prof, prof.phase():
+    with kernel_profile(args.cpu_time) as prof, prof.phase():
         for t in tokens:
             model.forward(np.array([[t]]), cache=cache)
     profiles[f"decode x{args.steps}"] = prof

@@ -215,9 +215,9 @@ def count_fallbacks() -> dict:
     rounded, exact_sums, exact_one, to_float32 = (products._rounded_product, products._exact_sums,
                                                   products._exact_sum_rounded, elementary.to_float32)
 
-    def _rounded_product(a64, b64, c, e):
+    def _rounded_product(a64, b64, c, *bound):
         counts["products"] += c.size
-        return rounded(a64, b64, c, e)
+        return rounded(a64, b64, c, *bound)
 
     def _exact_sums(a, b, *args):
         counts["products_fallback"] += a.shape[0]

@@ -41,7 +41,7 @@ import numpy as np
 
 _U = 2.0 ** -53
 _QNAN32 = np.float32(np.nan)                # 0x7fc00000
-_OUT_BLOCK = 1 << 16                        # float64 results checked at once (512 KiB: stays in cache)
+_OUT_BLOCK = 1 << 18                        # float64 results checked at once (2 MiB: stays in cache)
 _IN_BLOCK = 1 << 18                         # float64 elements of the second operand converted at once (2 MiB)
 _SLICE = 384                                # terms per partial product: more slices cost BLAS speed, fewer give
                                             # looser bounds and more undecided elements
@@ -133,7 +133,13 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         a64 = _to_float64(a)
         na = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None] * _bound_factor(K)   # [..., M, 1]
         rows, depth = math.prod(batch) * a.shape[-2], math.prod(b.shape[:-2]) * K
-        width = max(64, min(_OUT_BLOCK // max(1, rows), _IN_BLOCK // max(1, depth)))
+        width = _OUT_BLOCK // max(1, rows)                                      # c's block stays in cache
+        if const is None or const.b64 is None:
+            width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
+        threaded = rows <= _THREADED_ROWS and _workers() > 1
+        if threaded:                                                            # at least a block per core
+            width = min(width, -(-N // _workers()))
+        width = max(64, width)
 
         def block(j: int) -> None:                                              # columns j .. j + width of b
             with np.errstate(invalid="ignore", over="ignore"):                  # (per thread)
@@ -145,10 +151,10 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
             else:
                 b64 = _to_float64(b[..., :, j:j + width])
             nb = const.norms[..., j:j + width] if const is not None else column_norms(b64)  # [..., 1, n]
-            out[..., j:j + width] = _rounded_product(a64, b64, _sliced_matmul(a64, b64), na * nb)
+            out[..., j:j + width] = _rounded_product(a64, b64, _sliced_matmul(a64, b64), na, nb)
 
         starts = range(0, N, width)
-        if rows <= _THREADED_ROWS and len(starts) > 1 and _workers() > 1:
+        if threaded and len(starts) > 1:
             list(_pool().map(block, starts))
         else:
             for j in starts:
@@ -169,11 +175,13 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(_workers(), thread_name_prefix="refimpl-products")
 
 
-def _rounded_product(a64, b64, c, e) -> np.ndarray:
-    """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e (step 3, then 4)."""
-    if np.isfinite(e).all():
-        block, undecided = _round_verified(c, e)
+def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
+    """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e = na nb (step 3, then 4;
+    na [..., M, 1] and nb [..., 1, N]: e is finite iff both are, zero where either is)."""
+    if np.isfinite(na).all() and np.isfinite(nb).all():
+        block, undecided = _round_verified(c, na * nb, maybe_zero=not (na.all() and nb.all()))
     else:                                                                       # an inf / NaN operand
+        e = na * nb
         finite = np.isfinite(e)
         block, undecided = _round_verified(np.where(finite, c, 0), np.where(finite, e, 0))
         block = np.where(finite, block, _nonfinite(*_nonfinite_products(a64, b64)))
@@ -187,17 +195,21 @@ def _rounded_product(a64, b64, c, e) -> np.ndarray:
     return block
 
 
-def _round_verified(c: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _round_verified(c: np.ndarray, e: np.ndarray, maybe_zero: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """float32 results where c - e and c + e round to one float32, and the mask of the undecided elements.
     c, e float64 (broadcasting), e >= 0 finite and large enough to cover the rounding of c -+ e. e = 0 means
-    every product is zero: the sum is +0."""
-    lo = (c - e).astype(np.float32)
-    hi = (c + e).astype(np.float32)
+    every product is zero: the sum is +0 (maybe_zero=False: the caller knows no e is 0). Each end is computed in
+    float64 and rounded to float32 once (the ufunc's output cast)."""
+    shape = np.broadcast_shapes(c.shape, e.shape)
+    lo, hi = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    np.subtract(c, e, out=lo, casting="unsafe")
+    np.add(c, e, out=hi, casting="unsafe")
     undecided = lo.view(np.int32) != hi.view(np.int32)
-    zero = e == 0
-    if zero.any():
-        lo[np.broadcast_to(zero, lo.shape)] = 0
-        undecided &= ~zero
+    if maybe_zero:
+        zero = e == 0
+        if zero.any():
+            lo[np.broadcast_to(zero, lo.shape)] = 0
+            undecided &= ~zero
     return lo, undecided
 
 
