@@ -114,7 +114,7 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     float32 (or narrower) inputs give float32 RNE32(sum_k a_k b_k) per element; float64 inputs NumPy's float64 product.
     b may be a `Constant` (a weight with its norms and maybe its float64 copy, made once). Otherwise columns of
     `b` are converted to float64 a block at a time (a block's results stay in cache while they are checked), so a
-    weight matrix is never held in float64 whole; with few rows of a (one token's products), the blocks are
+    weight matrix is never held in float64 whole; with few rows of a (one token's products), those blocks are
     spread over the cores (NumPy's casts and BLAS release the GIL; each output element is computed by one
     thread, so the bits do not depend on the split).
     """
@@ -134,9 +134,10 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         na = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None] * _bound_factor(K)   # [..., M, 1]
         rows, depth = math.prod(batch) * a.shape[-2], math.prod(b.shape[:-2]) * K
         width = _OUT_BLOCK // max(1, rows)                                      # c's block stays in cache
-        if const is None or const.b64 is None:
+        converting = const is None or const.b64 is None
+        if converting:
             width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
-        threaded = rows <= _THREADED_ROWS and _workers() > 1
+        threaded = converting and rows <= _THREADED_ROWS and _workers() > 1    # (else BLAS's threads)
         if threaded:                                                            # at least a block per core
             width = min(width, -(-N // _workers()))
         width = max(64, width)

@@ -168,8 +168,13 @@ class Weights:
 
     def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
         """kernels.linear.linear(x, W, b) with W the matrix `name` [out, in] and b the vector `bias` (a name, or
-        None), block by block of `row_blocks`: x [..., in] -> [..., out]."""
-        blocks = self.row_blocks(name, math.prod(x.shape[:-1]))
+        None): x [..., in] -> [..., out]; a streamed matrix block by block of `row_blocks` (each converted alone),
+        a kept one whole when its products are correctly rounded (the product kernel blocks it; the bits are the
+        same), else by `row_blocks` too (plain BLAS's and float64's bits may depend on the blocks)."""
+        rounded = self.dtype == np.float32 and not products.plain_blas_active()
+        whole = rounded and (name in self._kept or self.converted_size(name) == 0 or
+                             self._fits(self.converted_size(name)))
+        blocks = [None] if whole else self.row_blocks(name, math.prod(x.shape[:-1]))
         b = None if bias is None else self[bias]
         if len(blocks) == 1:
             return linear(x, self.matrix(name), b)
