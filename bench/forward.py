@@ -342,7 +342,7 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, con
              f"median of {args.repeats}")
     print_table(title, ["", "refimpl", "plain / bound / transformers / weights", "ratio",
                         "per round min / median / max", "target"], rows, args.plain)
-    print_table(*profile_table({f"{phase} ({side})": Profile.of(*x[side]["profile"][phase])
+    print_table(*profile_table({f"{phase} ({side})": Profile.of(*x["profile"][phase])
                                 for phase in ("prefill", "decode") for side, x in (("resident", r), ("convert", c))},
                                "Where the correctly rounded time goes (one more run, every stage timed; decode: "
                                "per token; 'resident': float64 copies kept, 'convert': converted per product)"),
