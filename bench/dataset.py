@@ -178,9 +178,11 @@ def compare_llama(a, tmp: Path, layers: int, ctx: int, n: int, windows, binary: 
     if own:
         print(f"llama-perplexity's own prompt-eval time (its forward passes, without load and KLD): "
               f"{statistics.median(own):.1f} s ({tokens / statistics.median(own):.1f} tokens / s)")
-    stats = re.findall(r"(Mean    KLD|Same top p)\s*:\s*([^\n]+)", text)
-    print("llama.cpp vs refimpl's reference on these windows: " + "; ".join(f"{k.split()[-1] if 'KLD' in k else k} "
-                                                                       f"{v.strip()}" for k, v in stats))
+    stats = [line.strip() for line in text.splitlines()
+             if line.strip().startswith(("Mean PPL(Q)  ", "Mean    KLD", "Same top p"))]
+    print("llama.cpp vs refimpl's reference on these windows: " +
+          ("; ".join(" ".join(x.split()) for x in stats) if stats else "(no statistics found; its output ends: "
+           + " | ".join(text.strip().splitlines()[-4:]) + ")"))
     job = Job(str(gguf), Policy(), first=windows.first, scored=windows.scored)
     compute_window(job, windows.tokens[0], windows.targets[0])                   # the model loaded, warm
     with kernel_profile() as prof, prof.phase():
