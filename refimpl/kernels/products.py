@@ -38,6 +38,7 @@ import os
 from fractions import Fraction
 
 import numpy as np
+import threadpoolctl
 
 _U = 2.0 ** -53
 _QNAN32 = np.float32(np.nan)                # 0x7fc00000
@@ -156,7 +157,8 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
 
         starts = range(0, N, width)
         if threaded and len(starts) > 1:
-            list(_pool().map(block, starts))
+            with _blas_controller().limit(limits=1, user_api="blas"):             # no BLAS threads inside ours
+                list(_pool().map(block, starts))
         else:
             for j in starts:
                 block(j)
@@ -169,6 +171,11 @@ _THREADED_ROWS = 8                          # products with at most this many ro
 @functools.cache
 def _workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@functools.cache
+def _blas_controller() -> threadpoolctl.ThreadpoolController:
+    return threadpoolctl.ThreadpoolController()
 
 
 @functools.cache
