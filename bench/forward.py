@@ -1,18 +1,23 @@
-"""Forward-pass benchmark: refimpl (correctly rounded float32, the default) vs refimpl's plain BLAS float32 path
-(fast=True) vs transformers (torch CPU, float32, eager) on a Qwen3-0.6B-shaped model.
+"""Forward-pass benchmark: refimpl (correctly rounded float32, the default: with float64 copies of the weights kept
+resident, and converting them on every product instead) vs refimpl's plain BLAS float32 path (fast=True) vs
+transformers (torch CPU, float32, eager) on a Qwen3-0.6B-shaped model.
 
 Workload, identical on every side: prefill 128 tokens (batch 1, logits for every position), then 32 cached
 single-token decode steps with fixed token ids. Every side runs the same seeded random weights
 (refimpl.presets.random_weights, copied into torch tensors), so the bench also prints how far their logits
-are apart, and how many elements the correctly rounded path had to sum exactly (docs/numerics.md).
+are apart, and how many elements the correctly rounded path had to sum exactly (docs/numerics.md); then a
+profile per kernel stage of the correctly rounded sides (bench/_profile.py: products, conversion, error-bound
+norms, rounding check, exact fallback, sums, elementary functions, attention, MoE) on one more prefill and decode.
 
 Each side runs in its own process, so its peak memory (peak RSS minus the process's RSS before the weights
 are built) is its own. All stay resident while the timed rounds alternate between them (A B C C B A ...), one
-at a time, so all see the same machine state; times are medians over rounds. The decode step is also
+at a time, so all see the same machine state; times are medians over rounds, and every ratio is also given per
+round (min / median / max: the noise of a shared machine; /proc/loadavg is printed). The decode step is also
 compared with its memory-bandwidth bound: the bytes one step must read (every weight matrix, the tied
 embedding as lm_head, the KV cache) over the streaming-read bandwidth measured in the same run.
 
-    python bench/forward.py            # full 28-layer model (about 2.4 GB of float32 weights per side)
+    python bench/forward.py            # full 28-layer model (about 2.4 GB of float32 weights per side, and
+                                       # 4.8 GB of float64 copies on the resident correctly rounded side)
     python bench/forward.py --quick    # 4 layers, 32-token prefill, 8 decode steps: a smoke run
     python bench/forward.py --plain    # plain-text table instead of rich
 
@@ -44,6 +49,7 @@ from _common import (  # noqa: E402
     verdict,
     wait_idle,
 )
+from _profile import Profile, profile_table  # noqa: E402
 
 THREADS = 2
 SEED = 0
@@ -54,9 +60,10 @@ QWEN3_0_6B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
     "attention_bias": False, "use_sliding_window": False, "bos_token_id": 151643, "eos_token_id": 151645,
 }
-TARGETS = {"prefill": 1.0, "decode": 1.0, "bound": 1.3, "memory": 1.2,   # the plain path against transformers
-           "exact_prefill": 2.5, "exact_bound": 1.5}                     # correctly rounded: vs plain, vs the bound
-SIDES = ("refimpl", "refimpl-fast", "transformers")
+TARGETS = {"prefill": 1.0, "decode": 1.0, "bound": 1.2, "memory": 1.2,   # the plain path against transformers
+           "exact_prefill": 2.5, "exact_bound": 2.5, "convert_bound": 4.0}  # correctly rounded: vs plain, vs the bound
+SIDES = ("refimpl", "refimpl-convert", "refimpl-fast", "transformers")
+PROFILED = ("refimpl", "refimpl-convert")
 
 
 def model_config(layers: int) -> dict:
@@ -71,7 +78,7 @@ def workload(vocab: int, prompt_len: int, steps: int):
 
 # ------------------------------------------------------------------------------------------------ the sides
 
-def build_refimpl(d: dict, fast: bool = False):
+def build_refimpl(d: dict, fast: bool = False, float64_copies: bool = True):
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import Model
     from refimpl.models.weights import Weights
@@ -79,13 +86,16 @@ def build_refimpl(d: dict, fast: bool = False):
     from refimpl.presets import random_weights
 
     cfg = config_from_dict(d, source="bench:qwen3-0.6b")
-    model = Model(cfg, Weights(random_weights(cfg, SEED), "float32"), precision=Policy(fast=fast))
+    weights = Weights(random_weights(cfg, SEED), "float32")
+    weights.float64_copies = float64_copies
+    model = Model(cfg, weights, precision=Policy(fast=fast))
     weight_bytes = model.weights.nbytes()
+    print(f"{'plain BLAS' if fast else 'correctly rounded'}: {weights.residency()}", file=sys.stderr, flush=True)
 
     def forward(ids, cache):
         return model.forward(ids, cache=cache)
 
-    return model.new_cache, forward, np.asarray, weight_bytes
+    return model.new_cache, forward, np.asarray, weight_bytes, lambda: weights.float64_nbytes
 
 
 def build_transformers(d: dict):
@@ -124,7 +134,7 @@ def build_transformers(d: dict):
     def to_numpy(t):
         return t.detach().numpy()
 
-    return new_cache, forward, to_numpy, weight_bytes
+    return new_cache, forward, to_numpy, weight_bytes, lambda: 0
 
 
 def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str) -> None:
@@ -145,9 +155,10 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
 
     t0 = time.perf_counter()
     builders = {"refimpl": build_refimpl, "refimpl-fast": lambda d: build_refimpl(d, fast=True),
+                "refimpl-convert": lambda d: build_refimpl(d, float64_copies=False),
                 "transformers": build_transformers}
-    new_cache, forward, to_numpy, weight_bytes = builders[side](d)
-    counts = count_fallbacks() if side == "refimpl" else {}
+    new_cache, forward, to_numpy, weight_bytes, float64_bytes = builders[side](d)
+    counts = count_fallbacks() if side in PROFILED else {}
     build_time = time.perf_counter() - t0
     gc.collect()
     build_peak = maxrss_bytes() - baseline
@@ -174,11 +185,24 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
             t2 = time.perf_counter()
             del cache
             reply({"prefill": t1 - t0, "decode": t2 - t1})
+        elif command == "profile":   # one more prefill and decode, every kernel stage timed (bench/_profile.py)
+            from _profile import kernel_profile
+            rows = {}
+            cache = new_cache()
+            with kernel_profile() as prof, prof.phase():
+                forward(prompt, cache)
+            rows["prefill"] = (prof.wall, prof.rows())
+            with kernel_profile() as prof, prof.phase():
+                for ids in decode_ids:
+                    forward(ids, cache)
+            rows["decode"] = (prof.wall / len(decode_ids), {k: v / len(decode_ids) for k, v in prof.rows().items()})
+            del cache
+            reply({"profile": rows})
         elif command == "finish":
             forward_peak = maxrss_bytes() - baseline
             np.save(os.path.join(out_dir, f"{side}_prefill.npy"), to_numpy(prefill)[0])
             np.save(os.path.join(out_dir, f"{side}_decode.npy"), np.concatenate([to_numpy(x)[0] for x in logits]))
-            reply({"forward_peak": forward_peak, "phases_separate": phases_separate,
+            reply({"forward_peak": forward_peak, "phases_separate": phases_separate, "float64_bytes": float64_bytes(),
                    "peak": max(build_peak, forward_peak) if phases_separate else forward_peak, "counts": counts})
             return
 
@@ -191,9 +215,9 @@ def count_fallbacks() -> dict:
     rounded, exact_sums, exact_one, to_float32 = (products._rounded_product, products._exact_sums,
                                                   products._exact_sum_rounded, elementary.to_float32)
 
-    def _rounded_product(a64, b64, c, e):
+    def _rounded_product(a64, b64, c, *bound):
         counts["products"] += c.size
-        return rounded(a64, b64, c, e)
+        return rounded(a64, b64, c, *bound)
 
     def _exact_sums(a, b, *args):
         counts["products_fallback"] += a.shape[0]
@@ -248,6 +272,9 @@ class Side:
         self.proc.stdin.flush()
         return self.read()
 
+    def profile(self) -> None:
+        self.info["profile"] = self.ask("profile")["profile"]
+
     def round(self) -> None:
         r = self.ask("round")
         self.prefill.append(r["prefill"])
@@ -263,8 +290,9 @@ class Side:
 
 # ------------------------------------------------------------------------------------------------ the report
 
-def report(args, r: dict, f: dict, h: dict, bw: dict, out_dir: str, contention) -> None:
-    """r: refimpl (correctly rounded), f: refimpl fast (plain BLAS), h: transformers."""
+def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, contention, loads) -> None:
+    """r: refimpl (correctly rounded, float64 copies resident), c: the same converting the float32 weights on every
+    product, f: refimpl fast (plain BLAS), h: transformers."""
     d = model_config(args.layers)
     L, Hkv, D = d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]
     W = r["weight_bytes"]
@@ -274,51 +302,64 @@ def report(args, r: dict, f: dict, h: dict, bw: dict, out_dir: str, contention) 
     kv_bytes = 2 * L * Hkv * D * 4 * mean_past
     step_bytes = W + kv_bytes
     bound = step_bytes / bw["read"]
-    r_tok, f_tok, h_tok = (x["decode"] / args.steps for x in (r, f, h))
+    per_token = lambda x: [t / args.steps for t in x["decode_all"]]                # noqa: E731
     load = lambda side, phase: np.load(f"{out_dir}/{side}_{phase}.npy")          # noqa: E731
-    rp, fp, hp = (load(s, "prefill") for s in SIDES)
-    rd, fd, hd = (load(s, "decode") for s in SIDES)
+    rp, cp, fp, hp = (load(s, "prefill") for s in SIDES)
+    rd, cd, fd, hd = (load(s, "decode") for s in SIDES)
     scale = float(np.abs(hp).max())
 
-    def row(name, a, b, ratio, target=None, fmt=fmt_s):
+    def row(name, a, b, target=None, fmt=fmt_s):
+        """a, b: per-round times (lists, paired by round) or one number each; ratio of medians, and per round."""
+        a_all, b_all = (x if isinstance(x, list) else [x] for x in (a, b))
+        ratios = [x / y for x, y in zip(a_all, b_all)] if len(a_all) == len(b_all) else \
+            [x / statistics.median(b_all) for x in a_all]
+        ratio = statistics.median(a_all) / statistics.median(b_all)
+        spread = f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}" if len(ratios) > 1 else ""
         ok = "" if target is None else f"<= {target:.1f}x  {verdict(ratio <= target)}"
-        return [name, fmt(a), fmt(b) if b is not None else "", f"{ratio:.2f}x", ok]
+        return [name, fmt(statistics.median(a_all)), fmt(statistics.median(b_all)), f"{ratio:.2f}x", spread, ok]
 
     rows = [
-        row(f"prefill {args.prompt_len} tok: correctly rounded / plain", r["prefill"], f["prefill"],
-            r["prefill"] / f["prefill"], TARGETS["exact_prefill"]),
-        row("decode per token: correctly rounded / bandwidth bound", r_tok, bound, r_tok / bound,
+        row(f"prefill {args.prompt_len} tok: correctly rounded / plain", r["prefill_all"], f["prefill_all"],
+            TARGETS["exact_prefill"]),
+        row("  (converting the weights) / plain", c["prefill_all"], f["prefill_all"]),
+        row("prefill: plain / transformers", f["prefill_all"], h["prefill_all"], TARGETS["prefill"]),
+        row("decode per token: correctly rounded, float64 copies resident / bound", per_token(r), bound,
             TARGETS["exact_bound"]),
-        row("decode per token: correctly rounded / plain", r_tok, f_tok, r_tok / f_tok),
-        row("prefill: correctly rounded / transformers", r["prefill"], h["prefill"], r["prefill"] / h["prefill"]),
-        row("decode per token: correctly rounded / transformers", r_tok, h_tok, r_tok / h_tok),
-        row("prefill: plain / transformers", f["prefill"], h["prefill"], f["prefill"] / h["prefill"],
-            TARGETS["prefill"]),
-        row("decode per token: plain / transformers", f_tok, h_tok, f_tok / h_tok, TARGETS["decode"]),
-        row("decode per token: plain / bandwidth bound", f_tok, bound, f_tok / bound, TARGETS["bound"]),
-        row("transformers decode vs bound", h_tok, bound, h_tok / bound),
-        row("peak memory - baseline (correctly rounded) / weights", r["peak"], W, r["peak"] / W, TARGETS["memory"],
+        row("decode per token: correctly rounded, converting float32 / bound", per_token(c), bound,
+            TARGETS["convert_bound"]),
+        row("decode per token: plain / bandwidth bound", per_token(f), bound, TARGETS["bound"]),
+        row("decode per token: correctly rounded / plain", per_token(r), per_token(f)),
+        row("decode per token: plain / transformers", per_token(f), per_token(h), TARGETS["decode"]),
+        row("decode per token: transformers / bound", per_token(h), bound),
+        row("prefill: correctly rounded / transformers", r["prefill_all"], h["prefill_all"]),
+        row("peak memory - baseline (correctly rounded, float64 copies) / weights", r["peak"], W, fmt=fmt_bytes),
+        row("peak memory - baseline (correctly rounded, converting) / weights", c["peak"], W, TARGETS["memory"],
             fmt=fmt_bytes),
-        row("  while running forward", r["forward_peak"], W, r["forward_peak"] / W, fmt=fmt_bytes),
-        row("peak memory - baseline (plain) / weights", f["peak"], W, f["peak"] / W, fmt=fmt_bytes),
-        row("peak memory - baseline (transformers) / weights", h["peak"], W, h["peak"] / W, fmt=fmt_bytes),
+        row("peak memory - baseline (plain) / weights", f["peak"], W, fmt=fmt_bytes),
+        row("peak memory - baseline (transformers) / weights", h["peak"], W, fmt=fmt_bytes),
     ]
     title = (f"Qwen3-0.6B-shaped forward, {d['num_hidden_layers']} layers, float32, {THREADS} threads, "
              f"median of {args.repeats}")
-    print_table(title, ["", "refimpl", "plain / bound / transformers / weights", "ratio", "target"], rows,
+    print_table(title, ["", "refimpl", "plain / bound / transformers / weights", "ratio",
+                        "per round min / median / max", "target"], rows, args.plain)
+    print_table(*profile_table({f"{phase} ({side})": Profile.of(*x["profile"][phase])
+                                for phase in ("prefill", "decode") for side, x in (("resident", r), ("convert", c))},
+                               "Where the correctly rounded time goes (one more run, every stage timed; decode: "
+                               "per token; 'resident': float64 copies kept, 'convert': converted per product)"),
                 args.plain)
-    c = r["counts"]
-    print(f"correctly rounded products: {c['products']:,} elements, {c['products_fallback']:,} needed the exact "
-          f"fallback ({1e6 * c['products_fallback'] / max(1, c['products']):.0f} per million), "
-          f"{c['products_fsum']:,} of them summed one by one; elementary functions: {c['functions']:,} values, "
-          f"{c['functions_mpmath']:,} by mpmath "
-          f"({1e6 * c['functions_mpmath'] / max(1, c['functions']):.1f} per million)")
+    k = r["counts"]
+    print(f"correctly rounded products: {k['products']:,} elements, {k['products_fallback']:,} needed the exact "
+          f"fallback ({1e6 * k['products_fallback'] / max(1, k['products']):.0f} per million), "
+          f"{k['products_fsum']:,} of them summed one by one; elementary functions: {k['functions']:,} values, "
+          f"{k['functions_mpmath']:,} by mpmath "
+          f"({1e6 * k['functions_mpmath'] / max(1, k['functions']):.1f} per million)")
     print(f"weights: {fmt_bytes(W)} ({W:,} B); bytes read per decode step: {fmt_bytes(step_bytes)} "
-          f"(weights + mean KV cache {fmt_bytes(kv_bytes)})")
+          f"(weights + mean KV cache {fmt_bytes(kv_bytes)}); the resident correctly rounded side also holds "
+          f"float64 copies of the matrices: {fmt_bytes(r['float64_bytes'])} (its decode reads those instead)")
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))
     print(f"bandwidth, GB/s (1 GiB float32, best of 5; copy counts read + write, for information): {rates}; "
           f"bound uses the best read, {bw['read_method']} = {bw['read'] / 1e9:.1f} GB/s -> {fmt_s(bound)} per step")
-    for name, x in zip(SIDES, (r, f, h)):
+    for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
     for name, (p, q) in (("correctly rounded", (rp, rd)), ("plain", (fp, fd))):
@@ -327,14 +368,23 @@ def report(args, r: dict, f: dict, h: dict, bw: dict, out_dir: str, contention) 
               f"argmax agree prefill {np.mean(p.argmax(-1) == hp.argmax(-1)):.0%}, "
               f"decode {np.mean(q.argmax(-1) == hd.argmax(-1)):.0%}")
     print(f"logits, correctly rounded vs plain: max |diff| prefill {np.abs(rp - fp).max():.3g}, "
-          f"decode {np.abs(rd - fd).max():.3g}")
+          f"decode {np.abs(rd - fd).max():.3g}; resident float64 copies vs converting: bit-identical "
+          f"{'yes' if np.array_equal(rp, cp) and np.array_equal(rd, cd) else 'NO'}")
     if contention is not None:
         print(f"cpu pressure while timing: some task waited for a CPU {contention:.0%} of the time"
               + (" -- other load on the machine; times are noisy (try --wait-idle 600)" if contention > 0.1 else ""))
+    print(f"load average (1, 5, 15 min) before the rounds {loads[0]}, after {loads[1]} ({os.cpu_count()} CPUs)")
     if h["weight_bytes"] != W:
         print(f"note: transformers holds {fmt_bytes(h['weight_bytes'])} of parameters, refimpl {fmt_bytes(W)}")
     if not r["phases_separate"]:
         print("note: could not reset the peak-RSS mark; peaks include the build")
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
 
 
 def fmt_list(xs):
@@ -379,6 +429,7 @@ def main(argv=None):
             sides.append(Side(name, argv))
         for s in sides:
             s.ask("warmup")
+        loads = loadavg()
         waited = timed = 0.0  # seconds some task waited for a CPU during the timed rounds, and their length
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
@@ -390,9 +441,14 @@ def main(argv=None):
                 if p0 is not None:
                     waited += cpu_pressure_total() - p0
                     timed += time.perf_counter() - t0
-        r, f, h = (s.finish() for s in sides)
+        loads = (loads, loadavg())
+        for s in sides:
+            if s.name in PROFILED:
+                print(f"profiling {s.name} ...", file=sys.stderr, flush=True)
+                s.profile()
+        r, c, f, h = (s.finish() for s in sides)
         contention = waited / timed if timed else None
-        report(args, r, f, h, bw, out_dir, contention)
+        report(args, r, c, f, h, bw, out_dir, contention, loads)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,19 @@ import numpy as np
 from . import products
 
 
-def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """y = x W^T (+ b).  x [..., in], weight [out, in] (PyTorch layout), bias [out] -> [..., out].
+def linear(x: np.ndarray, weight, bias: np.ndarray | None = None) -> np.ndarray:
+    """y = x W^T (+ b).  x [..., in], weight [out, in] (PyTorch layout) or a products.Constant of W^T [in, out]
+    (a weight with its error-bound norms made once: Weights.matrix), bias [out] -> [..., out].
 
     Each element is the correctly rounded sum of its products (kernels/products.py); leading axes are flattened
     so the product is one matrix multiply.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    y = products.matmul(x2, weight.T)
+    w_t = weight if isinstance(weight, products.Constant) else weight.T            # [in, out]
+    y = products.matmul(x2, w_t)
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*x.shape[:-1], w_t.shape[-1])
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -29,16 +29,20 @@ Sums are products with ones; cumulative sums are prefix sums, each correctly rou
 """
 
 import builtins
+import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import math
+import os
 from fractions import Fraction
 
 import numpy as np
+import threadpoolctl
 
 _U = 2.0 ** -53
 _QNAN32 = np.float32(np.nan)                # 0x7fc00000
-_OUT_BLOCK = 1 << 16                        # float64 results checked at once (512 KiB: stays in cache)
+_OUT_BLOCK = 1 << 18                        # float64 results checked at once (2 MiB: stays in cache)
 _IN_BLOCK = 1 << 18                         # float64 elements of the second operand converted at once (2 MiB)
 _SLICE = 384                                # terms per partial product: more slices cost BLAS speed, fewer give
                                             # looser bounds and more undecided elements
@@ -66,13 +70,57 @@ def _sliced_matmul(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     return c
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+class Constant:
+    """A constant second operand b [..., K, N] (a weight matrix, transposed) with what its products reuse: the
+    column norms ||b_j||_2 of the error bound (step 2; float64 [..., 1, N]) and, optionally, b in float64 (then no
+    product converts it again). Made once per weight by `constant`; b's values must not change afterwards."""
+
+    def __init__(self, b: np.ndarray, norms: np.ndarray, b64: np.ndarray | None = None):
+        self.b, self.norms, self.b64 = b, norms, b64
+        self.shape, self.dtype = b.shape, b.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held beyond b itself: the norms and the float64 copy."""
+        return self.norms.nbytes + (0 if self.b64 is None else self.b64.nbytes)
+
+
+def constant(b: np.ndarray, keep_float64: bool = False) -> Constant:
+    """b [..., K, N] with its column norms (float64, computed a block of columns at a time), and its float64 copy
+    when keep_float64. A float64 b (the oracle mode) needs neither: its norms are not computed."""
+    if b.dtype == np.float64:
+        return Constant(b, np.empty((*b.shape[:-2], 1, 0)))
+    width = max(1, _IN_BLOCK // max(1, math.prod(b.shape[:-1])))
+    b64 = _to_float64(b) if keep_float64 else None
+    norms = np.concatenate([column_norms(b64[..., j:j + width] if keep_float64 else _to_float64(b[..., j:j + width]))
+                            for j in range(0, b.shape[-1], width)] or [np.empty((*b.shape[:-2], 1, 0))], axis=-1)
+    return Constant(b, norms, b64)
+
+
+def _to_float64(b: np.ndarray) -> np.ndarray:
+    """b converted to float64 (exact)."""
+    return b.astype(np.float64)
+
+
+def column_norms(b64: np.ndarray) -> np.ndarray:
+    """||b_j||_2 of each column of float64 b [..., K, N] -> [..., 1, N] (its rounding is covered by step 2's
+    factor 1 + 2^-20: any float64 evaluation of the norm will do)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))[..., None, :]
+
+
+def matmul(a: np.ndarray, b) -> np.ndarray:
     """a @ b with NumPy's matmul broadcasting: a [..., M, K], b [..., K, N] -> [..., M, N], correctly rounded.
 
     float32 (or narrower) inputs give float32 RNE32(sum_k a_k b_k) per element; float64 inputs NumPy's float64 product.
-    Columns of `b` are converted to float64 a block at a time (a block's results stay in cache while they are
-    checked), so a weight matrix is never held in float64 whole.
+    b may be a `Constant` (a weight with its norms and maybe its float64 copy, made once). Otherwise columns of
+    `b` are converted to float64 a block at a time (a block's results stay in cache while they are checked), so a
+    weight matrix is never held in float64 whole; with few rows of a (one token's products), those blocks are
+    spread over the cores (NumPy's casts and BLAS release the GIL; each output element is computed by one
+    thread, so the bits do not depend on the split).
     """
+    const = b if isinstance(b, Constant) else None
+    b = const.b if const is not None else b
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
@@ -83,22 +131,65 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = np.empty((*batch, a.shape[-2], N), np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        a64 = a.astype(np.float64)
+        a64 = _to_float64(a)
         na = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None] * _bound_factor(K)   # [..., M, 1]
         rows, depth = math.prod(batch) * a.shape[-2], math.prod(b.shape[:-2]) * K
-        width = max(64, min(_OUT_BLOCK // max(1, rows), _IN_BLOCK // max(1, depth)))
-        for j in range(0, N, width):                                            # column blocks of b
-            b64 = b[..., :, j:j + width].astype(np.float64)
-            nb = np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))[..., None, :]  # [..., 1, n]  ||b_j||
-            out[..., j:j + width] = _rounded_product(a64, b64, _sliced_matmul(a64, b64), na * nb)
+        width = _OUT_BLOCK // max(1, rows)                                      # c's block stays in cache
+        converting = const is None or const.b64 is None
+        if converting:
+            width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
+        threaded = converting and rows <= _THREADED_ROWS and _workers() > 1    # (else BLAS's threads)
+        if threaded:                                                            # at least a block per core
+            width = min(width, -(-N // _workers()))
+        width = max(64, width)
+
+        def block(j: int) -> None:                                              # columns j .. j + width of b
+            with np.errstate(invalid="ignore", over="ignore"):                  # (per thread)
+                _block(j)
+
+        def _block(j: int) -> None:
+            if const is not None and const.b64 is not None:
+                b64 = const.b64[..., :, j:j + width]
+            else:
+                b64 = _to_float64(b[..., :, j:j + width])
+            nb = const.norms[..., j:j + width] if const is not None else column_norms(b64)  # [..., 1, n]
+            out[..., j:j + width] = _rounded_product(a64, b64, _sliced_matmul(a64, b64), na, nb)
+
+        starts = range(0, N, width)
+        if threaded and len(starts) > 1:
+            with _blas_controller().limit(limits=1, user_api="blas"):             # no BLAS threads inside ours
+                list(_pool().map(block, starts))
+        else:
+            for j in starts:
+                block(j)
     return out
 
 
-def _rounded_product(a64, b64, c, e) -> np.ndarray:
-    """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e (step 3, then 4)."""
-    if np.isfinite(e).all():
-        block, undecided = _round_verified(c, e)
+_THREADED_ROWS = 8                          # products with at most this many rows spread their blocks over cores
+
+
+@functools.cache
+def _workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@functools.cache
+def _blas_controller() -> threadpoolctl.ThreadpoolController:
+    return threadpoolctl.ThreadpoolController()
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(_workers(), thread_name_prefix="refimpl-products")
+
+
+def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
+    """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e = na nb (step 3, then 4;
+    na [..., M, 1] and nb [..., 1, N]: e is finite iff both are, zero where either is)."""
+    if np.isfinite(na).all() and np.isfinite(nb).all():
+        block, undecided = _round_verified(c, na * nb, maybe_zero=not (na.all() and nb.all()))
     else:                                                                       # an inf / NaN operand
+        e = na * nb
         finite = np.isfinite(e)
         block, undecided = _round_verified(np.where(finite, c, 0), np.where(finite, e, 0))
         block = np.where(finite, block, _nonfinite(*_nonfinite_products(a64, b64)))
@@ -112,17 +203,21 @@ def _rounded_product(a64, b64, c, e) -> np.ndarray:
     return block
 
 
-def _round_verified(c: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _round_verified(c: np.ndarray, e: np.ndarray, maybe_zero: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """float32 results where c - e and c + e round to one float32, and the mask of the undecided elements.
     c, e float64 (broadcasting), e >= 0 finite and large enough to cover the rounding of c -+ e. e = 0 means
-    every product is zero: the sum is +0."""
-    lo = (c - e).astype(np.float32)
-    hi = (c + e).astype(np.float32)
+    every product is zero: the sum is +0 (maybe_zero=False: the caller knows no e is 0). Each end is computed in
+    float64 and rounded to float32 once (the ufunc's output cast)."""
+    shape = np.broadcast_shapes(c.shape, e.shape)
+    lo, hi = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    np.subtract(c, e, out=lo, casting="unsafe")
+    np.add(c, e, out=hi, casting="unsafe")
     undecided = lo.view(np.int32) != hi.view(np.int32)
-    zero = e == 0
-    if zero.any():
-        lo[np.broadcast_to(zero, lo.shape)] = 0
-        undecided &= ~zero
+    if maybe_zero:
+        zero = e == 0
+        if zero.any():
+            lo[np.broadcast_to(zero, lo.shape)] = 0
+            undecided &= ~zero
     return lo, undecided
 
 

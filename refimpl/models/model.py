@@ -78,6 +78,8 @@ class Model:
         self.generation_config: dict = {}          # a checkpoint's generation_config.json (refimpl.generate)
         self.dtype = weights.dtype                  # the container dtype: float64 (oracle) or float32
         self.precision = precision or policy(weights.dtype.name)
+        if self.precision.fast:
+            weights.float64_copies = False  # plain BLAS products use the float32 weights as they are
         names = expected_tensors(config)
         weights.check(names)
         self._mixers = [architecture(config).mixer(config, i) for i in range(config.num_hidden_layers)]

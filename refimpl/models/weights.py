@@ -16,6 +16,14 @@ time (`expert`). A budget too small for one piece is refused when the model is b
 Default: keep everything when the converted model fits in half of the machine's memory, else stream under
 max(DEFAULT_STREAM_BUDGET, reserve).
 
+Constants of the correctly rounded products (float32 mode, kernels/products.py). A matrix read by `linear` is
+handed to the product kernel as a products.Constant: its column norms (the per-weight quantities of the error
+bound, 1 / K of its size) are computed on first use and kept for every later product, streamed or not; and when
+the whole model is resident and the model plus float64 copies of its matrices still fit the budget (the default:
+half of memory), each matrix's float64 copy is kept too (`float64_copies`), so no product converts it again.
+Stored tensors are constants: replacing an entry of `stored` is noticed, changing an array in place is not
+(call `drop`).
+
 Stored tensors are numpy arrays or objects with `shape`, `dtype` (what `read` returns), `nbytes` (stored bytes),
 `read(index=None)`: the tensor, or part `index` (int, slice or int array) of its leading axis, as a float array,
 and `partial`: whether reading a part touches only that part (GGUF's LazyTensor).
@@ -34,6 +42,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import WeightsError
+from ..kernels import products
 from ..kernels.linear import linear
 from ..progress import layer_progress
 from .experts import FUSED, PER_EXPERT, expert_names, per_expert_tensors, split_gate_up
@@ -104,6 +113,9 @@ class Weights:
         self.conversions = 0                # tensors (or parts) converted, and their converted bytes
         self.converted_bytes = 0
         self.conversion_log: list | None = None   # a list: (name, index) of each conversion is appended
+        self.float64_copies = True          # keep float64 copies of the matrices when they fit (see the module doc)
+        self._constants: dict = {}          # (name, rows) -> (stored tensor, column norms, float64 copy or None)
+        self.float64_nbytes = 0             # bytes of the float64 copies kept
 
     def __contains__(self, name: str) -> bool:
         return name in self.stored
@@ -156,15 +168,63 @@ class Weights:
 
     def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
         """kernels.linear.linear(x, W, b) with W the matrix `name` [out, in] and b the vector `bias` (a name, or
-        None), block by block of `row_blocks`: x [..., in] -> [..., out]."""
-        blocks = self.row_blocks(name, math.prod(x.shape[:-1]))
+        None): x [..., in] -> [..., out]; a streamed matrix block by block of `row_blocks` (each converted alone),
+        a kept one whole when its products are correctly rounded (the product kernel blocks it; the bits are the
+        same), else by `row_blocks` too (plain BLAS's and float64's bits may depend on the blocks)."""
+        rounded = self.dtype == np.float32 and not products.plain_blas_active()
+        whole = rounded and (name in self._kept or self.converted_size(name) == 0 or
+                             self._fits(self.converted_size(name)))
+        blocks = [None] if whole else self.row_blocks(name, math.prod(x.shape[:-1]))
         b = None if bias is None else self[bias]
         if len(blocks) == 1:
-            return linear(x, self[name], b)
+            return linear(x, self.matrix(name), b)
         out = np.empty((*x.shape[:-1], self.shape(name)[0]), np.result_type(x.dtype, self.dtype))
         for rows in blocks:
-            out[..., rows] = linear(x, self.rows(name, rows), None if b is None else b[rows])
+            out[..., rows] = linear(x, self.matrix(name, rows), None if b is None else b[rows])
         return out
+
+    def matrix(self, name: str, rows: slice | None = None):
+        """Matrix `name` [out, in] (or its row block `rows`) for `linear`: in float32 mode a products.Constant of
+        its transpose, with its column norms (kept after the first use: of the whole matrix when it is kept, else
+        of the block) and its float64 copy when `float64_copies_planned`; else the array itself (float64 mode
+        and plain BLAS need neither)."""
+        W = self[name] if rows is None else self.rows(name, rows)
+        if self.dtype != np.float32 or products.plain_blas_active():
+            return W
+        stored = self._stored(name)
+        whole = name in self._kept or self.converted_size(name) == 0
+        key = name if whole or rows is None else (name, rows.start, rows.stop)
+        hit = self._constants.get(key)
+        if hit is None or hit[0] is not stored:
+            if hit is not None and hit[2] is not None:
+                self.float64_nbytes -= hit[2].nbytes
+            c = products.constant((self[name] if whole else W).T, keep_float64=whole and self.float64_copies_planned())
+            hit = self._constants[key] = (stored, c.norms, c.b64)
+            self.float64_nbytes += 0 if c.b64 is None else c.b64.nbytes
+        if rows is None or not whole:
+            return products.Constant(W.T, hit[1], hit[2])
+        return products.Constant(W.T, hit[1][..., rows], None if hit[2] is None else hit[2][:, rows])
+
+    def float64_copies_planned(self) -> bool:
+        """Whether the matrices' float64 copies are kept: `float64_copies` is on, the model is resident, and the
+        converted model plus the copies fit the budget (the default budget: half of the machine's memory)."""
+        if not self.float64_copies or self.dtype != np.float32 or not self.resident:
+            return False
+        budget, reserve, _ = self.plan()
+        limit = machine_memory() / 2 if budget == math.inf else budget - reserve
+        return self.compute_nbytes() + self.float64_copies_nbytes() <= limit
+
+    def compute_nbytes(self) -> int:
+        """Bytes of the whole model in the compute dtype (converted, or used in place)."""
+        return sum(math.prod(self.shape(n)) * self.dtype.itemsize for n in [*self.stored, *self.aliases])
+
+    def float64_copies_nbytes(self) -> int:
+        """Bytes of float64 copies of the matrices `linear` reads (2-D tensors; an untied embedding is only
+        gathered, never copied)."""
+        names = [n for n in [*self.stored, *self.aliases] if len(self.shape(n)) == 2]
+        if "lm_head.weight" in names:
+            names = [n for n in names if n != "model.embed_tokens.weight"]
+        return sum(math.prod(self.shape(n)) * 8 for n in names)
 
     def expert(self, prefix: str, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [Ie, H], up [Ie, H], down [H, Ie]) of expert e under `prefix` (e.g. model.layers.0.mlp.experts),
@@ -312,7 +372,13 @@ class Weights:
         why = (f"max_resident_bytes {size_text(budget)}" if self.max_resident_bytes is not None else
                f"{'fits in' if budget == math.inf else 'exceeds'} half of {size_text(machine_memory())} memory")
         if self.resident:
-            return f"resident ({size_text(total)} converted, {why})"
+            copies = "" if self.dtype != np.float32 else \
+                (f"; float64 copies of the matrices kept for the correctly rounded products "
+                 f"(+{size_text(self.float64_copies_nbytes())})" if self.float64_copies_planned() else
+                 "; no float64 copies of the matrices (" + ("float64_copies is off" if not self.float64_copies else
+                                                            f"+{size_text(self.float64_copies_nbytes())} would exceed "
+                                                            "the budget") + ")")
+            return f"resident ({size_text(total)} converted, {why}{copies})"
         return (f"streamed per layer ({size_text(total)} converted, {why}; at most {size_text(budget)} held, "
                 f"largest piece {size_text(reserve)})")
 
@@ -330,9 +396,11 @@ class Weights:
         self.kept_nbytes += size
 
     def drop(self) -> None:
-        """Forget every converted tensor (they are converted again when read)."""
+        """Forget every converted tensor (they are converted again when read), and the products' constants."""
         self._kept.clear()
         self.kept_nbytes = 0
+        self._constants.clear()
+        self.float64_nbytes = 0
 
     # ------------------------------------------------------------------------------------------------ checking
 

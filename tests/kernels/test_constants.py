@@ -1,0 +1,86 @@
+"""A weight's products from its products.Constant (column norms made once, maybe a float64 copy) and spread over
+threads give the same bits as the product of the bare array, block by block in one thread, and as the exact
+product rounded once (tests/exact.py, an oracle the kernel does not use)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import exact
+from refimpl.kernels import products
+
+F32 = np.float32
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a, F32)
+    return np.where(np.isnan(a), np.int32(0x7FC00000), a.view(np.int32))
+
+
+def scaled(rng, shape, spread: int) -> np.ndarray:
+    return (rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape)).astype(F32)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 64 columns (the kernel's smallest), so a few hundred columns are several blocks and one-row
+    products take the threaded path (the same for every generated input: nothing is reset between them)."""
+    monkeypatch.setattr(products, "_IN_BLOCK", 64)
+    monkeypatch.setattr(products, "_OUT_BLOCK", 64)
+
+
+def serial(a, b):
+    """The product of the bare array, every block in this thread (the path before constants and threads)."""
+    saved = products._THREADED_ROWS
+    products._THREADED_ROWS = -1
+    try:
+        return products.matmul(a, b)
+    finally:
+        products._THREADED_ROWS = saved
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(M=st.sampled_from([1, 2, 8, 9]), K=st.integers(1, 120), N=st.integers(1, 260),
+       spread=st.sampled_from([0, 8, 40]), special=st.sampled_from([None, np.inf, -np.inf, np.nan, 0.0]),
+       seed=st.integers(0, 2**32 - 1))
+def test_constant_and_threaded_products_are_the_same_bits(small_blocks, M, K, N, spread, special, seed):
+    rng = np.random.default_rng(seed)
+    a, w = scaled(rng, (M, K), spread), scaled(rng, (N, K), spread)       # w: a weight [out, in]
+    if special is not None:                                               # one non-finite (or zero) weight
+        w[rng.integers(N), rng.integers(K)] = special
+    want = serial(a, w.T)
+    for keep in (False, True):
+        c = products.constant(w.T, keep_float64=keep)
+        assert (c.b64 is not None) == keep and c.norms.shape == (1, N)
+        assert np.array_equal(bits(products.matmul(a, c)), bits(want)), f"keep_float64={keep}"
+    assert np.array_equal(bits(products.matmul(a, w.T)), bits(want))     # threaded, converting per block
+    if special is None and K * M * N <= 4000:
+        assert np.array_equal(bits(want), bits(exact.matmul(a, w.T)))
+
+
+def test_constant_of_near_ties(small_blocks):
+    """Rows whose exact sums are float32 midpoints or within 2^-100 of one: the exact fallback decides them the
+    same way from a Constant's norms and float64 copy, in threads."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for f in scaled(rng, 40, 30):
+        half = float(np.spacing(abs(f))) / 2
+        for tail in (0.0, 2.0 ** -100 * abs(float(f)), -(2.0 ** -100) * abs(float(f))):
+            rows.append([float(f), half, tail, 2.0 ** 60, -(2.0 ** 60)])
+    w = np.array(rows, F32)                                 # [120, 5]: each row's sum against ones is a near tie
+    ones = np.ones((1, 5), F32)
+    want = exact.matmul(ones, w.T)
+    for keep in (False, True):
+        assert np.array_equal(bits(products.matmul(ones, products.constant(w.T, keep))), bits(want))
+
+
+def test_float64_and_plain_modes_take_the_array():
+    rng = np.random.default_rng(1)
+    a, w = scaled(rng, (3, 20), 2), scaled(rng, (7, 20), 2)
+    c = products.constant(w.T, keep_float64=True)
+    with products.plain_blas():
+        assert np.array_equal(products.matmul(a, c), np.matmul(a, w.T))
+    a64 = a.astype(np.float64)
+    assert np.array_equal(products.matmul(a64, products.constant(w.T.astype(np.float64))),
+                          np.matmul(a64, w.T.astype(np.float64)))
