@@ -57,6 +57,9 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
     "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
     "residual adds", "moe routing weights, each weighted expert term and the running sum",
     "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
+# AI Hub's Qwen3.5 graph code (qai-hub-models 0.65.0, DELTA_RULE_CHUNK_CAP) runs the delta rule in chunks of
+# min(T, 64) tokens with a band-seeded Newton-Schulz triangular inverse, exact up to 64 (docs/htp.md section 8)
+AIHUB_DELTA_RULE_CHUNK = 64
 HTP_CAST_POINTS = CAST_POINTS[:-1] + (  # htp-fp16: the GDN in fp16 too (docs/htp.md)
     "gdn beta, g (each op), the l2norms (each op), the delta rule token by token (each op, its state included)",
     "gate sigmoids and softplus as 1 / (1 + exp(-x)) and log(1 + exp(x)), each op",
@@ -85,6 +88,8 @@ class Policy:
     encodings: str | None = None      # AIMET / QNN encodings JSON (weights "encodings", and its activations)
     strict_encodings: bool = False    # an activation encoding that names nothing refimpl has is an error
     fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
+    delta_rule_chunk: int | None = None  # htp-fp16: the device graph runs the delta rule in chunks of min(T, this)
+                                         # tokens (AI Hub's Qwen3.5 graph: AIHUB_DELTA_RULE_CHUNK); None: token by token
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -101,6 +106,11 @@ class Policy:
             raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
         if not isinstance(self.fast, bool):
             raise InputError(f"precision fast must be True or False, got {self.fast!r}")
+        c = self.delta_rule_chunk
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= AIHUB_DELTA_RULE_CHUNK
+                              or self.activations != "htp-fp16"):
+            raise InputError(f"precision delta_rule_chunk {c!r}: an integer from 1 to {AIHUB_DELTA_RULE_CHUNK} (the "
+                             f"chunked rule's triangular inverse is exact up to there), with htp-fp16 activations only")
         if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
             raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
 
@@ -147,14 +157,22 @@ class Policy:
             encodings = {"file": Path(self.encodings).name,
                          "sha256": sha256_file(self.encodings, "encodings file", InputError)[0]}
         rounds = self.emulated or self.kv is not None or self.weight_format != self.dtype
-        return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
-                "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+        recorded = {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
+                    "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
+                    "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+        if self.delta_rule_chunk is not None:   # recorded only when set: other manifests stay as they were
+            recorded["delta_rule_chunk"] = self.delta_rule_chunk
+        return recorded
 
     @property
     def cast_points(self) -> list:
         """Where the emulation rounds (recorded in manifests)."""
-        return list(HTP_CAST_POINTS if self.rounds_each_op else CAST_POINTS if self.emulated else ())
+        points = list(HTP_CAST_POINTS if self.rounds_each_op else CAST_POINTS if self.emulated else ())
+        if self.delta_rule_chunk:
+            points[len(CAST_POINTS) - 1] = (f"gdn beta, g (each op), the l2norms (each op), the delta rule in "
+                                            f"chunks of min(T, {self.delta_rule_chunk}) as AI Hub's graph (each op, "
+                                            "its state included)")
+        return points
 
     @property
     def arithmetic(self) -> str:
@@ -174,8 +192,9 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     needs the file again (the manifest keeps its name and sha256), which must match."""
     activations = recorded.get("activations", recorded.get("dtype", "float32"))
     weights, kv, fast = recorded.get("weights"), recorded.get("kv"), recorded.get("arithmetic") == "plain-blas"
+    chunk = recorded.get("delta_rule_chunk")
     if weights != "encodings":
-        return Policy(activations, None if weights == activations else weights, kv, fast=fast)
+        return Policy(activations, None if weights == activations else weights, kv, fast=fast, delta_rule_chunk=chunk)
     want = (recorded.get("encodings") or {}).get("sha256")
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
@@ -183,7 +202,7 @@ def from_manifest(recorded: dict, encodings: str | None = None) -> Policy:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings), fast=fast)
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast, delta_rule_chunk=chunk)
 
 
 def policy(precision) -> Policy:

@@ -25,6 +25,7 @@ from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
 from ..kernels.gated_delta import (
     gated_delta_chunked,
+    gated_delta_chunked_rounded,
     gated_delta_rounded,
     gated_delta_step,
     l2_normalize,
@@ -99,7 +100,10 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
         g = put("g", r(r(-exp(w[f"{p}.A_log"])) * softplus_rounded(r(a + w[f"{p}.dt_bias"]), r)))
     else:
         g = put("g", -exp(w[f"{p}.A_log"]) * softplus(a + w[f"{p}.dt_bias"]))      # [B, T, Hv], < 0
-    if npu:   # token by token, as a static NPU graph runs the rule (prompt and decode alike)
+    chunk = ctx.precision.delta_rule_chunk
+    if npu and chunk:   # in chunks, as AI Hub's graph code runs the rule (prompt and decode alike)
+        core, S = gated_delta_chunked_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r, chunk)
+    elif npu:   # token by token, as a static NPU graph of transformers' recurrent rule runs it
         core, S = gated_delta_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r)
     elif state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
