@@ -15,8 +15,9 @@ activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced pr
              htp-fp16: an fp16 NPU running the whole graph in fp16 (Qualcomm's HTP; docs/htp.md): fp16's cast points,
              and also g, the GDN l2norms and the delta rule (token by token, its state included) and the gates'
              sigmoid / softplus rounded to fp16 after every op, each sum accumulated wide and rounded once (the HTP's
-             reductions and matmuls, measured). The norms keep fp16's cast points: rounding their insides op by op
-             predicts the HTP no better (65 % vs 62 % bit-identical, measured) and raises the emulated error 8x.
+             reductions and matmuls, measured), and the RMSNorms op by op (AI Hub's Qwen3.5 graph needs it: its
+             layer-0 norm 76 % bit-identical op by op, 30 % cast once). delta_rule_chunk: the device graph runs
+             the rule in chunks as AI Hub's graph code does (kernels.gated_delta.gated_delta_chunked_rounded).
 weights      float32 | float64 | bf16 | fp16, or integer fake-quantisation of every matrix (ndim >= 2) except
              the embedding table and the depthwise conv:  int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}
              (ranges from the weights' own min/max per row or per block of the input axis: a stand-in when no
@@ -62,6 +63,7 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
 AIHUB_DELTA_RULE_CHUNK = 64
 HTP_CAST_POINTS = CAST_POINTS[:-1] + (  # htp-fp16: the GDN in fp16 too (docs/htp.md)
     "gdn beta, g (each op), the l2norms (each op), the delta rule token by token (each op, its state included)",
+    "the RMSNorms (each op: the mean of squares, 1/sqrt, the two products)",
     "gate sigmoids and softplus as 1 / (1 + exp(-x)) and log(1 + exp(x)), each op",
     "sums (reductions, matmuls) accumulated wide, rounded once")
 

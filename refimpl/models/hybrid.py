@@ -14,7 +14,8 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
 Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
 output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
 (its recurrent state included) stay float32, as transformers computes them. htp-fp16 (an fp16 NPU, docs/htp.md)
-rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_delta_rounded).
+rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_delta_rounded) or, with the policy's
+delta_rule_chunk, in chunks as AI Hub's graph code runs it (kernels.gated_delta.gated_delta_chunked_rounded).
 """
 
 import numpy as np
