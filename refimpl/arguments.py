@@ -80,6 +80,9 @@ def precision_flags(p) -> None:
     p.add_argument("--weights", help="weight emulation: bf16, fp16 or int{4,8}-{per-tensor|per-channel|block<N>}-"
                                      "{qnn|onnx} (default: the activation precision)")
     p.add_argument("--kv", choices=["bf16", "fp16", "int8"], help="KV cache dtype emulation")
+    p.add_argument("--delta-rule-chunk", type=positive, metavar="N",
+                   help="htp-fp16: the device graph runs the Gated DeltaNet delta rule in chunks of min(T, N) tokens "
+                        "(AI Hub's Qwen3.5 graph code: 64; docs/htp.md section 8); default token by token")
     p.add_argument("--fast", action="store_true",
                    help="plain BLAS float32 sums instead of correctly rounded ones: faster, but the bits depend on the "
                         "CPU, BLAS kernel and thread count (recorded in the manifest; never the golden default)")
@@ -101,7 +104,7 @@ def load_model(args, source=None, strict=True):
     """The model with the precision policy of --dtype / --precision / --weights / --kv / --encodings and the
     resident budget of --max-resident."""
     fields = {"activations": args.precision or args.dtype, "weights": args.weights, "kv": args.kv,
-              "fast": args.fast}
+              "fast": args.fast, "delta_rule_chunk": args.delta_rule_chunk}
     if args.encodings:
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")

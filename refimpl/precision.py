@@ -15,8 +15,9 @@ activations  float32 | float64 (the oracle) | bf16 | fp16 | htp-fp16. Reduced pr
              htp-fp16: an fp16 NPU running the whole graph in fp16 (Qualcomm's HTP; docs/htp.md): fp16's cast points,
              and also g, the GDN l2norms and the delta rule (token by token, its state included) and the gates'
              sigmoid / softplus rounded to fp16 after every op, each sum accumulated wide and rounded once (the HTP's
-             reductions and matmuls, measured). The norms keep fp16's cast points: rounding their insides op by op
-             predicts the HTP no better (65 % vs 62 % bit-identical, measured) and raises the emulated error 8x.
+             reductions and matmuls, measured), and the RMSNorms op by op (AI Hub's Qwen3.5 graph needs it: its
+             layer-0 norm 76 % bit-identical op by op, 30 % cast once). delta_rule_chunk: the device graph runs
+             the rule in chunks as AI Hub's graph code does (kernels.gated_delta.gated_delta_chunked_rounded).
 weights      float32 | float64 | bf16 | fp16, or integer fake-quantisation of every matrix (ndim >= 2) except
              the embedding table and the depthwise conv:  int{4,8}-{per-tensor|per-channel|block<N>}-{qnn|onnx}
              (ranges from the weights' own min/max per row or per block of the input axis: a stand-in when no
@@ -57,8 +58,12 @@ CAST_POINTS = (  # where emulated bf16 / fp16 rounds (transformers 5.23's casts,
     "attention probabilities (float32 softmax) and output", "activation outputs and gating products",
     "residual adds", "moe routing weights, each weighted expert term and the running sum",
     "conv1d output and its silu", "gdn beta and core output (g, l2norm, the core and its state float32)")
+# AI Hub's Qwen3.5 graph code (qai-hub-models 0.65.0, DELTA_RULE_CHUNK_CAP) runs the delta rule in chunks of
+# min(T, 64) tokens with a band-seeded Newton-Schulz triangular inverse, exact up to 64 (docs/htp.md section 8)
+AIHUB_DELTA_RULE_CHUNK = 64
 HTP_CAST_POINTS = CAST_POINTS[:-1] + (  # htp-fp16: the GDN in fp16 too (docs/htp.md)
     "gdn beta, g (each op), the l2norms (each op), the delta rule token by token (each op, its state included)",
+    "the RMSNorms (each op: the mean of squares, 1/sqrt, the two products)",
     "gate sigmoids and softplus as 1 / (1 + exp(-x)) and log(1 + exp(x)), each op",
     "sums (reductions, matmuls) accumulated wide, rounded once")
 
@@ -86,6 +91,8 @@ class Policy:
     strict_encodings: bool = False    # an activation encoding that names nothing refimpl has is an error
     onnx: str | None = None           # the ONNX model whose tensors an aimet-onnx encodings file names (issue 27)
     fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
+    delta_rule_chunk: int | None = None  # htp-fp16: the device graph runs the delta rule in chunks of min(T, this)
+                                         # tokens (AI Hub's Qwen3.5 graph: AIHUB_DELTA_RULE_CHUNK); None: token by token
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -105,6 +112,11 @@ class Policy:
             raise InputError(f"precision kv {self.kv!r} is not one of {', '.join(map(str, KV))}")
         if not isinstance(self.fast, bool):
             raise InputError(f"precision fast must be True or False, got {self.fast!r}")
+        c = self.delta_rule_chunk
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= AIHUB_DELTA_RULE_CHUNK
+                              or self.activations != "htp-fp16"):
+            raise InputError(f"precision delta_rule_chunk {c!r}: an integer from 1 to {AIHUB_DELTA_RULE_CHUNK} (the "
+                             f"chunked rule's triangular inverse is exact up to there), with htp-fp16 activations only")
         if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
             raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
 
@@ -160,14 +172,22 @@ class Policy:
         if self.onnx is not None:
             encodings["onnx"] = {"file": Path(self.onnx).name,
                                  "sha256": sha256_file(self.onnx, "ONNX model", InputError)[0]}
-        return {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
-                "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
-                "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+        recorded = {"dtype": self.dtype, "activations": self.activations, "weights": self.weight_format,
+                    "kv": self.kv, "encodings": encodings, "rounding": "round-to-nearest-even" if rounds else None,
+                    "cast_points": self.cast_points, "arithmetic": self.arithmetic}
+        if self.delta_rule_chunk is not None:   # recorded only when set: other manifests stay as they were
+            recorded["delta_rule_chunk"] = self.delta_rule_chunk
+        return recorded
 
     @property
     def cast_points(self) -> list:
         """Where the emulation rounds (recorded in manifests)."""
-        return list(HTP_CAST_POINTS if self.rounds_each_op else CAST_POINTS if self.emulated else ())
+        points = list(HTP_CAST_POINTS if self.rounds_each_op else CAST_POINTS if self.emulated else ())
+        if self.delta_rule_chunk:
+            points[len(CAST_POINTS) - 1] = (f"gdn beta, g (each op), the l2norms (each op), the delta rule in "
+                                            f"chunks of min(T, {self.delta_rule_chunk}) as AI Hub's graph (each op, "
+                                            "its state included)")
+        return points
 
     @property
     def arithmetic(self) -> str:
@@ -187,8 +207,9 @@ def from_manifest(recorded: dict, encodings: str | None = None, onnx: str | None
     needs the file again (the manifest keeps its name and sha256), which must match."""
     activations = recorded.get("activations", recorded.get("dtype", "float32"))
     weights, kv, fast = recorded.get("weights"), recorded.get("kv"), recorded.get("arithmetic") == "plain-blas"
+    chunk = recorded.get("delta_rule_chunk")
     if weights != "encodings":
-        return Policy(activations, None if weights == activations else weights, kv, fast=fast)
+        return Policy(activations, None if weights == activations else weights, kv, fast=fast, delta_rule_chunk=chunk)
     want = (recorded.get("encodings") or {}).get("sha256")
     if encodings is None:
         raise InputError(f"the bundle's weights come from an encodings file "
@@ -202,7 +223,8 @@ def from_manifest(recorded: dict, encodings: str | None = None, onnx: str | None
                          f"give it again (--onnx)")
     if graph and sha256_file(onnx, "ONNX model", InputError)[0] != graph.get("sha256"):
         raise InputError(f"{onnx}: sha256 differs from the bundle's ONNX model ({str(graph.get('sha256'))[:12]})")
-    return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx if graph else None)
+    return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx if graph else None,
+                  delta_rule_chunk=chunk)
 
 
 def policy(precision) -> Policy:

@@ -61,6 +61,27 @@ def test_golden_records_the_precision_policy(tmp_path, capsys):
     assert np.array_equal(logits, logits.astype(ml_dtypes.bfloat16).astype(logits.dtype))
 
 
+def test_golden_delta_rule_chunk_changes_only_the_gdn_core_and_is_recorded(tmp_path, capsys):
+    """--delta-rule-chunk: htp-fp16 with AI Hub's chunked rule. Recorded in the manifest; the taps before the
+    first delta rule are bit-identical to the token-by-token emulation's, its core is not; without htp-fp16 it is
+    bad input."""
+    args = ["golden", "--model", "tiny-qwen3.5", "--input-ids", "1,2,3,4,5", "--precision", "htp-fp16", "-q",
+            "--taps", "layers\\.0\\.linear_attn\\.(q|core)$"]
+    assert main([*args, "--out", str(tmp_path / "tok")]) == 0
+    assert main([*args, "--delta-rule-chunk", "64", "--out", str(tmp_path / "chunk")]) == 0
+    tok, chunk = read_bundle(tmp_path / "tok"), read_bundle(tmp_path / "chunk")
+    assert chunk.manifest["precision"]["delta_rule_chunk"] == 64 and "delta_rule_chunk" not in tok.manifest["precision"]
+    q = "model.layers.0.linear_attn.q"
+    assert np.array_equal(tok.tensor(0, "tap", q), chunk.tensor(0, "tap", q))
+    core = "model.layers.0.linear_attn.core"
+    a, b = tok.tensor(0, "tap", core), chunk.tensor(0, "tap", core)
+    assert not np.array_equal(a, b) and np.abs(a - b).max() < 0.01 * np.abs(a).max()
+    capsys.readouterr()
+    assert main(["golden", "--model", "tiny-qwen3.5", "--input-ids", "1,2", "--precision", "fp16",
+                 "--delta-rule-chunk", "64", "--out", str(tmp_path / "bad"), "-q"]) == 2
+    assert "delta_rule_chunk" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
 def test_golden_follow_decodes_the_followed_bundles_tokens(tmp_path, capsys):
     """An emulated-precision bundle for three-way judging follows the golden's generated tokens (teacher forcing):
     its decode calls feed them, whatever its own greedy choices, and its generation record says so."""

@@ -306,3 +306,56 @@ def test_htp_fp16_policy_rounds_the_delta_rule_too():
     assert np.array_equal(S16, S16.astype(np.float16).astype(np.float32))
     err = np.abs(o16 - o_ref).max() / np.abs(o_ref).max()
     assert 1e-5 < err < 1e-2, err                                               # fp16 noise, not a different rule
+
+
+@pytest.mark.parametrize("T,C,Hk,Hv", [(7, 64, 2, 4), (8, 64, 2, 2), (40, 16, 1, 2), (64, 64, 2, 4), (9, 1, 1, 1)])
+def test_aihub_chunked_delta_rule_is_the_recurrent_rule_in_float64(T, C, Hk, Hv):
+    """gated_delta_chunked_rounded without rounding (AI Hub's chunked algorithm, its band-seeded Newton-Schulz
+    inverse included) is the token-by-token rule in float64 to ~1e-15: the same real function."""
+    from refimpl.kernels.activation import identity
+    from refimpl.kernels.gated_delta import gated_delta_chunked_rounded, gated_delta_recurrent, l2_normalize
+    rng = np.random.default_rng(T * 100 + C)
+    q, k = (l2_normalize(rng.standard_normal((1, T, Hk, 16))) for _ in range(2))
+    v, S0 = rng.standard_normal((1, T, Hv, 8)), 0.1 * rng.standard_normal((1, Hv, 16, 8))
+    g, beta = -0.5 * np.abs(rng.standard_normal((1, T, Hv))), rng.uniform(0, 1, (1, T, Hv))
+    o_ref, S_ref = gated_delta_recurrent(q, k, v, g, beta, S0, use_qk_l2norm=False, scale=16 ** -0.5)
+    o, S = gated_delta_chunked_rounded(q, k, v, g, beta, S0, identity, C)
+    assert np.abs(o - o_ref).max() < 1e-12 * np.abs(o_ref).max()
+    assert np.abs(S - S_ref).max() < 1e-12 * np.abs(S_ref).max()
+    o16, _ = gated_delta_chunked_rounded(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                                         g.astype(np.float32), beta.astype(np.float32), S0.astype(np.float32),
+                                         rounder_fp16(), C)
+    assert np.array_equal(o16, o16.astype(np.float16).astype(np.float32))
+    err = np.abs(o16 - o_ref).max() / np.abs(o_ref).max()
+    assert 1e-5 < err < 1e-2, err                                               # fp16 noise, not a different rule
+
+
+def rounder_fp16():
+    from refimpl.precision import rounder
+    return rounder("fp16")
+
+
+def test_delta_rule_chunk_is_an_htp_fp16_property_recorded_only_when_set():
+    p = Policy("htp-fp16", delta_rule_chunk=64)
+    assert p.to_dict()["delta_rule_chunk"] == 64 and "delta_rule_chunk" not in Policy("htp-fp16").to_dict()
+    assert from_manifest(p.to_dict()).delta_rule_chunk == 64
+    assert from_manifest(Policy("htp-fp16").to_dict()).delta_rule_chunk is None
+    assert any("chunks of min(T, 64)" in c for c in p.cast_points)
+    for activations, chunk in (("fp16", 64), ("htp-fp16", 0), ("htp-fp16", 65), ("htp-fp16", 8.0)):
+        with pytest.raises(InputError, match="delta_rule_chunk"):
+            policy({"activations": activations, "delta_rule_chunk": chunk})
+
+
+def test_rms_norm_rounded_is_rms_norm_without_rounding():
+    """htp-fp16's op-by-op RMSNorm is the same function as the one-cast norm (float64, no rounding), plain and
+    zero-centred; rounded, every value is an fp16 value within fp16 noise of it."""
+    from refimpl.kernels.norm import rms_norm, rms_norm_rounded
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((3, 4, 32)), 0.1 * rng.standard_normal(32)
+    for zc in (False, True):
+        np.testing.assert_allclose(rms_norm_rounded(x, w, 1e-6, zero_centered=zc),
+                                   rms_norm(x, w, 1e-6, zero_centered=zc), rtol=1e-13, atol=1e-15)
+        y = rms_norm_rounded(x.astype(np.float32), w.astype(np.float32), 1e-6, zero_centered=zc, rnd=rounder_fp16())
+        assert np.array_equal(y, y.astype(np.float16).astype(np.float32))
+        ref = rms_norm(x, w, 1e-6, zero_centered=zc)
+        assert np.abs(y - ref).max() < 4e-3 * np.abs(ref).max()

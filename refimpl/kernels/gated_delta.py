@@ -134,6 +134,69 @@ def gated_delta_rounded(q, k, v, g, beta, initial_state, rnd):
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 
 
+def _wide_matmul(a: np.ndarray, b: np.ndarray, rnd) -> np.ndarray:
+    """a @ b as an fp16 NPU multiplies: each dot product accumulated wide (float64 here), rounded once by rnd."""
+    return rnd(np.matmul(a.astype(np.float64), b.astype(np.float64))).astype(a.dtype)
+
+
+def _band_inverse_rounded(A: np.ndarray, rnd, order: int = 4) -> np.ndarray:
+    """(I - A)^-1 for a strictly lower-triangular A [..., C, C] (C <= 64), as AI Hub's graph solves it
+    (qai-hub-models 0.65.0, qwen3_5 `_solve_triangular`): a Taylor seed of `order` powers masked to the band of
+    `order` sub-diagonals, refined by four product-form Newton-Schulz squarings; every op rounded by rnd."""
+    C = A.shape[-1]
+    eye = np.eye(C, dtype=A.dtype)
+    band = np.triu(np.ones((C, C), A.dtype), -order)                            # j >= i - order
+    M = eye - A                                                                 # I - A
+    acc, power = eye + A, A                                                     # I + A
+    for _ in range(2, order + 1):
+        power = _wide_matmul(power, A, rnd)                                     # A^p
+        acc = rnd(acc + power)                                                  # I + A + ... + A^p
+    M0 = band * acc                                                             # the seed, exact inside the band
+    E = [rnd(eye - _wide_matmul(M, M0, rnd))]                                   # E0 = I - (I - A) M0
+    for _ in range(3):
+        E.append(_wide_matmul(E[-1], E[-1], rnd))                               # E_{n+1} = E_n^2
+    X = M0
+    for En in E:
+        X = _wide_matmul(X, rnd(eye + En), rnd)                                 # M0 (I + E0)(I + E1)(I + E2)(I + E3)
+    return X
+
+
+def gated_delta_chunked_rounded(q, k, v, g, beta, initial_state, rnd, chunk_size: int = 64):
+    """The delta rule as an fp16 NPU runs AI Hub's chunked graph code (qai-hub-models 0.65.0, qwen3_5
+    `gated_delta_rule`: chunks of min(T, chunk_size) tokens, the triangular inverse by `_band_inverse_rounded`),
+    every elementwise op rounded by rnd, every matmul accumulated wide and rounded once, the state held rounded.
+    q, k come l2-normalised. Same real function as gated_delta_recurrent; shapes and results as it."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, False)
+    B, Hv, T, Dk = k.shape
+    C = min(T, chunk_size)
+    q = rnd(q * rnd(q.dtype.type(Dk ** -0.5)))                                 # q Dk^-1/2
+    v_beta, k_beta = rnd(v * beta[..., None]), rnd(k * beta[..., None])        # beta V, beta K
+    q, k, v_beta, k_beta, g = (_to_chunks(x, C) for x in (q, k, v_beta, k_beta, g))   # [B, Hv, N, C, .]
+    tril = np.tril(np.ones((C, C), q.dtype))                                    # i <= r
+    strict = tril - np.eye(C, dtype=q.dtype)                                    # i < r
+    G = _wide_matmul(tril, g[..., None], rnd)[..., 0]                           # G_r = sum_{i<=r} g_i  [B, Hv, N, C]
+    decay = rnd(exp(rnd(G[..., :, None] - G[..., None, :]) * tril)) * tril     # Gamma[r, i] = exp(G_r - G_i), i <= r
+    kT = k.swapaxes(-1, -2)                                                     # [B, Hv, N, Dk, C]
+    A = -rnd(_wide_matmul(k_beta, kT, rnd) * decay) * strict                   # -strict_lower((beta K) K^T * Gamma)
+    T_ut = _band_inverse_rounded(A, rnd)                                        # (I + A_ut)^-1
+    U_tilde = _wide_matmul(T_ut, v_beta, rnd)                                   # U~ = T_ut (beta V)
+    eG = rnd(exp(G))                                                            # exp(G)  [B, Hv, N, C]
+    W = _wide_matmul(T_ut, rnd(k_beta * eG[..., None]), rnd)                    # W = T_ut (beta exp(G) K)
+    S = rnd(S)
+    o = np.empty((*v_beta.shape[:4], v.shape[-1]), S.dtype)                     # [B, Hv, N, C, Dv]
+    for j in range(g.shape[2]):
+        A_qk = rnd(_wide_matmul(q[:, :, j], kT[:, :, j], rnd) * decay[:, :, j]) * tril      # (Q K^T) * Gamma
+        U = rnd(U_tilde[:, :, j] - _wide_matmul(W[:, :, j], S, rnd))                       # U = U~ - W S
+        o[:, :, j] = rnd(_wide_matmul(rnd(q[:, :, j] * eG[:, :, j, :, None]), S, rnd)     # O = exp(G) Q S
+                         + _wide_matmul(A_qk, U, rnd))                                     #     + A_qk U
+        Gc = G[:, :, j, -1:]                                                                # G_C  [B, Hv, 1]
+        k_dec = rnd(k[:, :, j] * rnd(exp(rnd(Gc - G[:, :, j])))[..., None])               # exp(G_C - G) K
+        S = rnd(rnd(S * rnd(exp(Gc))[..., None]) + _wide_matmul(k_dec.swapaxes(-1, -2), U, rnd))  # S <- exp(G_C) S + .
+    o = o.reshape(B, Hv, -1, o.shape[-1])[:, :, :T]                             # drop the padding
+    return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
+
+
 def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None):
     """One decode step (spec §4): the recurrent form with T = 1, from a cached state.
 

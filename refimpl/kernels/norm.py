@@ -44,6 +44,18 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bo
     return rnd((weight * rnd(n.astype(x.dtype, copy=False))).astype(x.dtype, copy=False))
 
 
+def rms_norm_rounded(x: np.ndarray, weight: np.ndarray, eps: float, *, zero_centered: bool = False,
+                     rnd=identity) -> np.ndarray:
+    """RMSNorm as an fp16 NPU runs transformers' float32 norm (precision htp-fp16, docs/htp.md): each op rounded
+    by rnd, the mean of squares accumulated wide and rounded once, 1/sqrt rounded once (the HTP's RMSNorm on AI
+    Hub's Qwen3.5 graph: 76 % of elements bit-identical, the one-cast form 30 %).  x [..., n] -> [..., n]"""
+    x = x.astype(compute_dtype(x), copy=False)
+    ms = rnd(np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True).astype(x.dtype))   # mean(x^2)
+    inv = rnd((1 / np.sqrt(rnd(ms + x.dtype.type(eps)).astype(np.float64))).astype(x.dtype))    # 1/sqrt(. + eps)
+    w = rnd(1 + weight.astype(x.dtype)) if zero_centered else weight.astype(x.dtype)           # (1 + w) or w
+    return rnd(rnd(x * inv) * w)                                                               # (x * 1/sqrt) w
+
+
 def rms_norm_gated(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, *, rnd=identity,
                    at=unhooked) -> np.ndarray:
     """Gated RMSNorm of the GDN output: norm first, then the plain weight, then * silu(gate).

@@ -14,7 +14,8 @@ Gated DeltaNet block, x [B, T, H] (the input_layernorm output):
 Emulated bf16 / fp16 (refimpl/precision.py) rounds, as transformers does in that dtype: the projections, the conv
 output and its silu, beta, the core output and the gated norm; g, the l2norms and the whole delta-rule core
 (its recurrent state included) stay float32, as transformers computes them. htp-fp16 (an fp16 NPU, docs/htp.md)
-rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_delta_rounded).
+rounds those too, op by op, the rule token by token (kernels.gated_delta.gated_delta_rounded) or, with the policy's
+delta_rule_chunk, in chunks as AI Hub's graph code runs it (kernels.gated_delta.gated_delta_chunked_rounded).
 """
 
 import numpy as np
@@ -25,6 +26,7 @@ from ..kernels.conv import causal_conv1d
 from ..kernels.elementary import exp
 from ..kernels.gated_delta import (
     gated_delta_chunked,
+    gated_delta_chunked_rounded,
     gated_delta_rounded,
     gated_delta_step,
     l2_normalize,
@@ -114,7 +116,10 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
             sp = np.where(t > 20, t, at("softplus_raw", softplus(np.minimum(t, 20))))
         g = at("-exp(A_log)", -exp(w[f"{p}.A_log"])) * at("softplus", sp)
         g = put("g", quant.output(f"{p}.g", g))                                       # [B, T, Hv], < 0
-    if npu:   # token by token, as a static NPU graph runs the rule (prompt and decode alike)
+    chunk = ctx.precision.delta_rule_chunk
+    if npu and chunk:   # in chunks, as AI Hub's graph code runs the rule (prompt and decode alike)
+        core, S = gated_delta_chunked_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r, chunk)
+    elif npu:   # token by token, as a static NPU graph of transformers' recurrent rule runs it
         core, S = gated_delta_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r)
     elif state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)

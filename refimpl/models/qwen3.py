@@ -24,7 +24,7 @@ from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
 from ..kernels.linear import linear
 from ..kernels.moe import mix_experts, route
-from ..kernels.norm import rms_norm
+from ..kernels.norm import rms_norm, rms_norm_rounded
 from ..kernels.rope import apply_rope
 from ..trace import tap
 
@@ -32,8 +32,12 @@ from ..trace import tap
 def norm(w, name: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
     """The model's RMSNorm module `name`: plain weight (Qwen3) or zero-centred (1 + w) (Qwen3-Next / 3.5)."""
     q = ctx.quant
-    y = rms_norm(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
-                 rnd=ctx.round, at=q.at(name))
+    if ctx.precision.rounds_each_op:   # htp-fp16: each op of the norm rounded
+        y = rms_norm_rounded(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps,
+                             zero_centered=cfg.zero_centered_norms, rnd=ctx.round)
+    else:
+        y = rms_norm(q.input(name, x), w[f"{name}.weight"], cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norms,
+                     rnd=ctx.round, at=q.at(name))
     return q.output(name, y)
 
 

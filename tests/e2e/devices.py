@@ -72,8 +72,9 @@ def small_preset(preset: str, vocab: int = 2048, seed: int = 11) -> tuple[dict, 
     return config, arrays
 
 
-def reference(config: dict, arrays: dict, precision: str | None = None):
-    """refimpl's model of the same weights (the golden), optionally at an emulated precision (bf16, fp16)."""
+def reference(config: dict, arrays: dict, precision: str | dict | None = None):
+    """refimpl's model of the same weights (the golden), optionally at an emulated precision (bf16, fp16, a policy
+    dict)."""
     return Model.from_arrays(config_from_dict(config), arrays, "e2e", policy(precision or "float32"))
 
 
