@@ -43,6 +43,8 @@ _IN_BLOCK = 1 << 18                         # float64 elements of the second ope
 _SLICE = 384                                # terms per partial product: more slices cost BLAS speed, fewer give
                                             # looser bounds and more undecided elements
 _plain = contextvars.ContextVar("plain_blas", default=False)
+_sequential = contextvars.ContextVar("sequential_fma", default=False)
+MLAS_STRIDE_K = 256                         # ONNX Runtime's MLAS SGEMM: K blocks summed from 0, added in order
 
 
 def _bound_factor(K: int) -> float:
@@ -77,6 +79,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
         return np.matmul(a, b)
+    if _sequential.get():
+        return matmul_sequential_fma(a, b)
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
@@ -237,6 +241,56 @@ def _sums(p, c, abs_sum, K, any_product, terms) -> np.ndarray:
     for idx in zip(*np.nonzero(undecided)):
         out[idx] = _exact_sum_rounded(terms(idx if undecided.ndim == c.ndim else ()).tolist())
     return out.reshape(c.shape)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """RNE32(a b + c) exactly (float32 a, b, c: one rounding, as an FMA instruction): a b is exact in float64, the
+    float64 sum s = fl64(a b + c) with its error-free remainder (TwoSum) decides where s is a float32 midpoint."""
+    p, c = np.multiply(a, b, dtype=np.float64), np.asarray(c, np.float64)         # a b exact (48 bits)
+    s = p + c                                                                      # fl64(a b + c)
+    v = s - p
+    err = (p - (s - v)) + (c - v)                                                  # s + err = a b + c exactly
+    r = s.astype(np.float32)                                                       # RNE32(s)
+    mid = (err != 0) & (np.abs(s - r) * 2 == np.abs(np.nextafter(r, np.where(s > r, np.inf, -np.inf)
+                                                                  .astype(np.float32)).astype(np.float64) - r))
+    if mid.any():   # s a float32 midpoint, the exact sum beyond it in err's direction: the neighbour that way
+        away = np.nextafter(r, np.where(err > 0, np.inf, -np.inf).astype(np.float32))
+        toward = np.sign(s - r) == np.sign(err)
+        r = np.where(mid & toward, away, r)
+    return r
+
+
+def matmul_sequential_fma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a @ b summed as ONNX Runtime's CPU EP sums (MLAS SGEMM): per block of MLAS_STRIDE_K terms of K,
+    acc = fma(a_k, b_k, acc) from acc = 0 in k order; the blocks' sums added to the result in order. a [..., M, K],
+    b [..., K, N] -> [..., M, N] float32. Not correctly rounded: the runtime's own order (a QDQ model's 16-bit
+    codes flip with its float32 roundings: docs/precision.md)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    K = a.shape[-1]
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    out = None
+    for k0 in range(0, K, MLAS_STRIDE_K):
+        acc = np.zeros(shape, np.float32)
+        for k in range(k0, min(K, k0 + MLAS_STRIDE_K)):
+            acc = fma32(a[..., :, k:k + 1], b[..., k:k + 1, :], acc)              # acc = a_k b_k + acc, one rounding
+        out = acc if out is None else out + acc
+    return out
+
+
+def sequential_fma_active() -> bool:
+    return _sequential.get()
+
+
+@contextlib.contextmanager
+def sequential_fma(enabled: bool = True):
+    """Within the block, float32 matrix products are summed as ONNX Runtime's CPU EP sums them
+    (matmul_sequential_fma): refimpl emulating a device graph that runtime runs (its quantisers' 16-bit codes
+    follow its float32 roundings)."""
+    token = _sequential.set(enabled)
+    try:
+        yield
+    finally:
+        _sequential.reset(token)
 
 
 def plain_blas_active() -> bool:
