@@ -17,7 +17,7 @@ from ..trace import tap
 from . import hybrid, qwen3
 from .cache import Cache
 from .config import ModelConfig
-from .onnx_placement import Placement, place_onnx
+from .onnx_placement import Placement, place_onnx, stored_weights
 from .quantisers import NONE as NO_QUANTISERS
 from .quantisers import EncodingsWarning, Quantisers, place
 from .weights import Weights
@@ -125,8 +125,8 @@ class Model:
         if device is not None:
             names = set(expected_tensors(config)) | {"lm_head.weight"}
             placement = place_onnx(*device, graph(config), names, p.strict_encodings, str(p.encodings))
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source,
-                                   transform=weight_transform(p, placement and placement.weights),
+        encodings = placement and stored_weights(placement.weights, arrays)
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p, encodings),
                                    max_resident_bytes=max_resident_bytes, origins=origins), precision=p,
                    placement=placement)
 

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import InputError
 from ..graph import point_name
 from ..graph import points as declared_points
+from .experts import FUSED, expert_names
 
 ROLES = ("const:", "weight:", "input:")
 ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
@@ -304,3 +305,28 @@ def _in_graph_order(graph, encodings) -> list:
     order = [*graph.inputs, *graph.initializers, *(o for n in graph.nodes for o in n.outputs)]
     seen = dict.fromkeys(t for t in order if t in encodings)
     return [*seen, *(t for t in encodings if t not in seen)]
+
+
+def stored_weights(weights: dict, stored) -> dict:
+    """A placement's {weight: (Encoding, ...)} (each laid out on the ONNX graph's tensor) as the checkpoint stores
+    the weights, refimpl's convention (Encoding.on_rows: [out, in] rows): a fused expert tensor the checkpoint holds
+    one per expert (Qwen3-MoE: the export's experts.gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie], gathered by
+    the expert index) becomes that expert's gate and up (the first and second half of its 2Ie rows) and down."""
+    stored, out = set(stored), {}
+    for name, chain in weights.items():
+        rows = tuple(e.on_rows(max(2, np.ndim(e.scale))) for e in chain)
+        fused = FUSED.match(name)
+        if fused is None or name in stored or expert_names(fused[1], 0)[0] not in stored:
+            out[name] = rows
+            continue
+        experts = 0
+        while expert_names(fused[1], experts)[0] in stored:
+            experts += 1
+        for e in range(experts):
+            gate, up, down = expert_names(fused[1], e)
+            if fused[2] == "down_proj":
+                out[down] = tuple(enc.rows(e, (experts, -1)) for enc in rows)
+                continue
+            for half, part in enumerate((gate, up)):   # expert e's 2Ie channels: gate's, then up's
+                out[part] = tuple(enc.rows(e, (experts, -1)).rows(half, (2, -1)) for enc in rows)
+    return out
