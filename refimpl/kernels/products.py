@@ -43,7 +43,7 @@ _IN_BLOCK = 1 << 18                         # float64 elements of the second ope
 _SLICE = 384                                # terms per partial product: more slices cost BLAS speed, fewer give
                                             # looser bounds and more undecided elements
 _plain = contextvars.ContextVar("plain_blas", default=False)
-_sequential = contextvars.ContextVar("sequential_fma", default=False)
+_runtime = contextvars.ContextVar("onnxruntime_cpu", default=False)
 MLAS_STRIDE_K = 256                         # ONNX Runtime's MLAS SGEMM: K blocks summed from 0, added in order
 
 
@@ -79,7 +79,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
         return np.matmul(a, b)
-    if _sequential.get():
+    if _runtime.get():
         return matmul_sequential_fma(a, b)
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
@@ -277,20 +277,21 @@ def matmul_sequential_fma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-def sequential_fma_active() -> bool:
-    return _sequential.get()
+def onnxruntime_cpu_active() -> bool:
+    return _runtime.get()
 
 
 @contextlib.contextmanager
-def sequential_fma(enabled: bool = True):
-    """Within the block, float32 matrix products are summed as ONNX Runtime's CPU EP sums them
-    (matmul_sequential_fma): refimpl emulating a device graph that runtime runs (its quantisers' 16-bit codes
-    follow its float32 roundings)."""
-    token = _sequential.set(enabled)
+def onnxruntime_cpu(enabled: bool = True):
+    """Within the block, float32 matrix products are summed (matmul_sequential_fma) and the logistic evaluated
+    (elementary.sigmoid: MLAS's rational approximation) as ONNX Runtime's CPU EP computes them: refimpl emulating
+    a device graph that runtime runs (a QDQ model; aimet-onnx's QuantSim session), whose 16-bit codes follow its
+    float32 roundings. Everything else stays correctly rounded (it is what the runtime computes: measured)."""
+    token = _runtime.set(enabled)
     try:
         yield
     finally:
-        _sequential.reset(token)
+        _runtime.reset(token)
 
 
 def plain_blas_active() -> bool:

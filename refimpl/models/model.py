@@ -87,8 +87,8 @@ class Model:
         nodes = graph(config)
         self.modules = modules(nodes)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
-        # a device graph's quantisers act on ONNX Runtime's float32 values: its matrix products summed in its order
-        self._runtime_sums = placement is not None
+        # a device graph's quantisers act on ONNX Runtime's float32 values: its sums and logistic, in its order
+        self._onnxruntime = placement is not None
         if placement is not None:                # a device graph's quantisers (onnx_placement), placed
             if placement.unplaced:
                 warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
@@ -190,7 +190,7 @@ class Model:
         what `forward` runs, and what a device convention runs on the inputs its graph receives. NaN / Inf (from
         weights that hold them: a NonFiniteWeightWarning names each such tensor) propagate as IEEE arithmetic says,
         without NumPy's warnings at every op they reach."""
-        with products.plain_blas(self.precision.fast), products.sequential_fma(self._runtime_sums), \
+        with products.plain_blas(self.precision.fast), products.onnxruntime_cpu(self._onnxruntime), \
                 np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             return self._layers(ids, ctx, logits_to_keep)
 
