@@ -120,11 +120,14 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     initializer named after one is that weight)."""
     weight_names = set(weight_names)
     pts = declared_points(nodes)
-    index = {}                            # (op type, value inputs) -> [point names], declaration order
-    for full, (node, pt) in pts.items():
-        values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
-        for op in pt.onnx:
-            index.setdefault((op, values), []).append(full)
+    forms = {}                            # (point name, k) -> (node, its k-th form: Point.forms)
+    index = {}                            # (op type, value inputs) -> [(point name, form)], declaration order
+    for full, (node, declared) in pts.items():
+        for k, pt in enumerate(declared.forms()):
+            forms[(full, k)] = (node, pt)
+            values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
+            for op in pt.onnx:
+                index.setdefault((op, values), []).append((full, k))
     consts = set(graph.initializers)
     value, const, ginput = {}, {}, {}     # tensor -> point name / (root initializer, path) / (graph input, path)
     path = {}                             # tensor -> tensors from its root (a point's output, a constant, an input)
@@ -141,9 +144,82 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     def candidates_of(n, kinds):
         values = tuple(sorted(v for k, v in kinds if k == "v"))
         n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
-        return [c for c in index.get((n.op_type, values), ()) if c not in assigned
-                and _counts(pts[c][1]) == (n_const, n_input)
-                and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+        return [c for c in index.get((n.op_type, values), ()) if c[0] not in assigned
+                and _counts(forms[c][1]) == (n_const, n_input)
+                and (n.op_type not in ORDERED or _operands(*forms[c]) == _operands(None, None, kinds))]
+
+    found = {}                            # point -> (its tensor, the (op, values) it was matched by)
+
+    def twin_swapped(n, kinds):
+        """Equal points (x1 / x2 of RoPE: Slices of one value) are assigned in file order, which an optimizer may
+        reorder; a node that matches only with an input's twin in its place decides: the two swap."""
+        for j, (k, p) in enumerate(kinds):
+            if k != "v" or p not in found:
+                continue
+            for twin, _ in index.get(found[p][1], ()):
+                if twin == p:
+                    continue
+                tried = [*kinds[:j], ("v", twin), *kinds[j + 1:]]
+                if candidates_of(n, tried):
+                    for t, v in value.items():   # the tensors holding either (data moved from it too)
+                        value[t] = twin if v == p else p if v == twin else v
+                    if twin in found:
+                        found[p], found[twin] = (found[twin][0], found[p][1]), (found[p][0], found[twin][1])
+                    else:
+                        assigned.discard(p)
+                        assigned.add(twin)
+                        found[twin] = found.pop(p)
+                    return tried, candidates_of(n, tried)
+        return kinds, []
+
+    def mirrored(a: str, b: str, out: dict) -> dict | None:
+        """Two declared nodes of the same structure (q_rope / k_rope, and upstream q_norm / k_norm, q_proj /
+        k_proj): {name: its mirror} of the nodes, their points and weights, or None where they differ."""
+        if a == b or out.get(a) == b:
+            return out
+        na, nb = nodes.get(a), nodes.get(b)
+        if na is None or nb is None or na.op != nb.op or [x.name for x in na.points] != [x.name for x in nb.points]:
+            return None
+        out[a], out[b] = b, a
+        for pa, pb in zip(na.points, nb.points):
+            for ia, ib in zip(pa.inputs, pb.inputs):
+                if ia == ib or ia.startswith("/") or ia.startswith(("const:", "input:")):
+                    continue
+                if ia.startswith("weight:") and ib.startswith("weight:"):
+                    out[ia[7:]], out[ib[7:]] = ib[7:], ia[7:]
+                elif ia.startswith(ROLES) or ib.startswith(ROLES) or mirrored(
+                        ia.split("/")[0], ib.split("/")[0], out) is None:
+                    return None
+        return out
+
+    def mirror_swapped(n, kinds):
+        """Parallel chains (q and k: projection, norm, RoPE) are told apart by file order where no weight's name
+        decides (an optimizer may put k's first): a node that matches only with an input's chain mirrored (the
+        keys' Concat reading "q_rope") decides: the two chains swap names."""
+        for k, p in kinds:
+            node = p.split("/")[0] if k == "v" else None
+            if node not in nodes:
+                continue
+            for other, decl in nodes.items():
+                if other == node or decl.op != nodes[node].op or decl.layer != nodes[node].layer:
+                    continue
+                pairs = mirrored(node, other, {})
+                if not pairs:
+                    continue
+
+                def m(name):
+                    head, sep, rest = name.partition("/")
+                    return pairs.get(head, head) + sep + rest if head in pairs else pairs.get(name, name)
+                tried = [(kk, m(v)) if kk == "v" else (kk, v) for kk, v in kinds]
+                if candidates_of(n, tried):
+                    for t in value:
+                        value[t] = m(value[t])
+                    swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
+                    assigned.clear(), assigned.update(swapped[0]), found.clear(), found.update(swapped[1])
+                    for t, ws in uses.items():
+                        uses[t] = [(m(w), kind) for w, kind in ws]
+                    return tried, candidates_of(n, tried)
+        return kinds, []
 
     for n in graph.nodes:
         outs = [o for o in n.outputs if o]
@@ -181,14 +257,19 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                     unmatched[o], ancestry[o] = why, anc | {v for k, v in kinds if k == "v"}
                 continue
         candidates = candidates_of(n, kinds)
+        if not candidates and n.op_type not in MOVES:
+            kinds, candidates = twin_swapped(n, kinds)
+        if not candidates and (n.op_type not in MOVES or n.op_type == "Concat"):
+            kinds, candidates = mirror_swapped(n, kinds)
         if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
             named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
-                                                  for k, i in kinds if k == "c" for w in pts[c][1].inputs
+                                                  for k, i in kinds if k == "c" for w in forms[c][1].inputs
                                                   if w.startswith("weight:"))]
-            point = (named or candidates)[0]
+            point, form = (named or candidates)[0]
             assigned.add(point)
-            node, pt = pts[point]
+            node, pt = forms[(point, form)]
             value[outs[0]], path[outs[0]] = point, (outs[0],)
+            found[point] = (outs[0], (n.op_type, tuple(sorted(v for k, v in kinds if k == "v"))))
             for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
                 if o and more.startswith("#"):                 # integers (indices): no values, like a shape
                     const[o], path[o] = o, (o,)
