@@ -6,8 +6,8 @@ In a float32 or float64 run the casts are no-ops; they matter for reduced-precis
 
 Sub-op points (`at`, identity by default: kernels/activation.Unhooked), where a quantised device graph has a
 tensor: x^2 (Pow, with its exponent 2; or Mul(x, x)), mean (ReduceMean), +eps (Add, with eps), sqrt, 1/sqrt
-(Reciprocal; or Div with its 1), x*1/sqrt (Mul); 1+w (the zero-centred weight, a folded constant). x^2 is formed only where a hook acts on it (else
-the mean is one correctly rounded sum of squares).
+(Reciprocal; or Div with its 1), x*1/sqrt (Mul; or Div(x, sqrt)); 1+w (the zero-centred weight, a folded
+constant). x^2 is formed only where a hook acts on it (else the mean is one correctly rounded sum of squares).
 """
 
 import numpy as np

@@ -144,8 +144,9 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     def candidates_of(n, kinds):
         values = tuple(sorted(v for k, v in kinds if k == "v"))
         n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
+        same = len(set(n.inputs)) < len(n.inputs)          # Mul(x, x): one tensor twice
         return [c for c in index.get((n.op_type, values), ()) if c[0] not in assigned
-                and _counts(forms[c][1]) == (n_const, n_input)
+                and _counts(forms[c][1]) == (n_const, n_input) and (same or not _twice(forms[c][1]))
                 and (n.op_type not in ORDERED or _operands(*forms[c]) == _operands(None, None, kinds))]
 
     found = {}                            # point -> (its tensor, the (op, values) it was matched by)
@@ -322,6 +323,12 @@ def _operands(node, pt, kinds=None) -> tuple:
         return tuple(v if k == "v" else k for k, v in kinds)
     return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
                  for i in pt.inputs)
+
+
+def _twice(pt) -> bool:
+    """A form reading one value twice (x^2 as Mul(x, x)): only a node with one tensor twice is it."""
+    values = [i for i in pt.inputs if not i.startswith(ROLES)]
+    return len(set(values)) < len(values)
 
 
 def _counts(pt) -> tuple:
