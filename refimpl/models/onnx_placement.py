@@ -151,9 +151,21 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
 
     found = {}                            # point -> (its tensor, the (op, values) it was matched by)
 
+    def relabel(pairs: dict) -> None:
+        """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
+        def m(name):
+            return _mirror(pairs, name)
+        for t in value:
+            value[t] = m(value[t])
+        swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
+        assigned.clear(), assigned.update(swapped[0]), found.clear(), found.update(swapped[1])
+        for t, ws in uses.items():
+            uses[t] = [(m(w), kind) for w, kind in ws]
+
     def twin_swapped(n, kinds):
-        """Equal points (x1 / x2 of RoPE: Slices of one value) are assigned in file order, which an optimizer may
-        reorder; a node that matches only with an input's twin in its place decides: the two swap."""
+        """Equal points (x1 / x2 of RoPE: Slices of one value; gate_proj / up_proj where no weight's name decides)
+        are assigned in file order, which an optimizer may reorder; a node that matches only with an input's twin
+        in its place decides: the two swap (with their weights)."""
         for j, (k, p) in enumerate(kinds):
             if k != "v" or p not in found:
                 continue
@@ -162,14 +174,11 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                     continue
                 tried = [*kinds[:j], ("v", twin), *kinds[j + 1:]]
                 if candidates_of(n, tried):
-                    for t, v in value.items():   # the tensors holding either (data moved from it too)
-                        value[t] = twin if v == p else p if v == twin else v
-                    if twin in found:
-                        found[p], found[twin] = (found[twin][0], found[p][1]), (found[p][0], found[twin][1])
-                    else:
-                        assigned.discard(p)
-                        assigned.add(twin)
-                        found[twin] = found.pop(p)
+                    pairs = {p: twin, twin: p}
+                    for ia, ib in zip(pts[p][1].inputs, pts[twin][1].inputs):
+                        if ia != ib and ia.startswith("weight:") and ib.startswith("weight:"):
+                            pairs[ia[7:]], pairs[ib[7:]] = ib[7:], ia[7:]
+                    relabel(pairs)
                     return tried, candidates_of(n, tried)
         return kinds, []
 
@@ -208,17 +217,9 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                 if not pairs:
                     continue
 
-                def m(name):
-                    head, sep, rest = name.partition("/")
-                    return pairs.get(head, head) + sep + rest if head in pairs else pairs.get(name, name)
-                tried = [(kk, m(v)) if kk == "v" else (kk, v) for kk, v in kinds]
+                tried = [(kk, _mirror(pairs, v)) if kk == "v" else (kk, v) for kk, v in kinds]
                 if candidates_of(n, tried):
-                    for t in value:
-                        value[t] = m(value[t])
-                    swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
-                    assigned.clear(), assigned.update(swapped[0]), found.clear(), found.update(swapped[1])
-                    for t, ws in uses.items():
-                        uses[t] = [(m(w), kind) for w, kind in ws]
+                    relabel(pairs)
                     return tried, candidates_of(n, tried)
         return kinds, []
 
@@ -323,6 +324,12 @@ def _operands(node, pt, kinds=None) -> tuple:
         return tuple(v if k == "v" else k for k, v in kinds)
     return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
                  for i in pt.inputs)
+
+
+def _mirror(pairs: dict, name: str) -> str:
+    """A point / node / weight name under a swap {name: its mirror} ("node/point" by its node)."""
+    head, sep, rest = name.partition("/")
+    return pairs.get(head, head) + sep + rest if head in pairs else pairs.get(name, name)
 
 
 def _twice(pt) -> bool:
