@@ -205,9 +205,13 @@ def sumprod(a: np.ndarray, b: np.ndarray, axis: int = -1, keepdims: bool = False
 
 
 def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  # noqa: A001 (the kernel's name)
-    """sum_k x_k along `axis`, correctly rounded (float32) or NumPy's float64 sum (float64)."""
+    """sum_k x_k along `axis`, correctly rounded (float32) or NumPy's float64 sum (float64); inside
+    onnxruntime_cpu(), in ONNX Runtime's order (eigen_sum)."""
     if x.dtype == np.float64 or _plain.get():
         return np.sum(x, axis=axis, keepdims=keepdims)
+    if _runtime.get():
+        out = eigen_sum(np.moveaxis(np.asarray(x, np.float32), axis, -1))
+        return np.expand_dims(out, axis) if keepdims else out
     return sumprod(x, np.ones((), np.float32), axis=axis, keepdims=keepdims)
 
 
@@ -277,16 +281,44 @@ def matmul_sequential_fma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+EIGEN_PACKET = 4                            # float32 lanes of Eigen's packets in ONNX Runtime's CPU build (SSE)
+
+
+def eigen_sum(x: np.ndarray) -> np.ndarray:
+    """float32 sum over the last axis as ONNX Runtime's CPU EP reduces (ReduceSum / ReduceMean: Eigen's vectorised
+    redux, packets of EIGEN_PACKET lanes): two packet accumulators over alternate packets, added; a last odd
+    packet added; the lanes halved pairwise (predux); the tail elements added in order.  [..., n] -> [...]"""
+    n, w = x.shape[-1], EIGEN_PACKET
+    whole, pairs = n // w * w, n // (2 * w) * 2 * w
+    if not whole:
+        s = x[..., 0] if n else np.zeros(x.shape[:-1], np.float32)
+    else:
+        r0 = x[..., :w]
+        if whole > w:
+            r1 = x[..., w:2 * w]
+            for i in range(2 * w, pairs, 2 * w):
+                r0, r1 = r0 + x[..., i:i + w], r1 + x[..., i + w:i + 2 * w]     # two accumulators
+            r0 = r0 + r1
+            if whole > pairs:
+                r0 = r0 + x[..., pairs:pairs + w]                               # the odd packet
+        while r0.shape[-1] > 1:                                                 # predux: halves added
+            r0 = r0[..., :r0.shape[-1] // 2] + r0[..., r0.shape[-1] // 2:]
+        s = r0[..., 0]
+    for i in range(whole if whole else 1, n):
+        s = s + x[..., i]                                                       # the tail, in order
+    return s
+
+
 def onnxruntime_cpu_active() -> bool:
     return _runtime.get()
 
 
 @contextlib.contextmanager
 def onnxruntime_cpu(enabled: bool = True):
-    """Within the block, float32 matrix products are summed (matmul_sequential_fma) and the logistic evaluated
-    (elementary.sigmoid: MLAS's rational approximation) as ONNX Runtime's CPU EP computes them: refimpl emulating
-    a device graph that runtime runs (a QDQ model; aimet-onnx's QuantSim session), whose 16-bit codes follow its
-    float32 roundings. Everything else stays correctly rounded (it is what the runtime computes: measured)."""
+    """Within the block, float32 matrix products (matmul_sequential_fma) and sums (eigen_sum) are summed and the
+    logistic evaluated (elementary.sigmoid: MLAS's rational approximation) as ONNX Runtime's CPU EP computes them:
+    refimpl emulating a device graph that runtime runs (a QDQ model; aimet-onnx's QuantSim session), whose 16-bit
+    codes follow its float32 roundings. The rest stays correctly rounded (measured: what the runtime computes)."""
     token = _runtime.set(enabled)
     try:
         yield
