@@ -21,6 +21,7 @@ class Unhooked:
     points it acts on (a kernel computes a fused step, x^2 inside a sum or silu, op by op only where a hook acts
     on its intermediate: the float path keeps its correctly rounded fused form)."""
     points = frozenset()
+    forms: dict = {}           # point -> the op of another declared form (graph.Point.also) the device computes
 
     def __call__(self, point: str, value):
         return value

@@ -27,6 +27,8 @@ def _normalized(x: np.ndarray, eps: float, at=unhooked) -> np.ndarray:
     else:
         variance = at("mean", products.sumprod(x, x, keepdims=True) / n)        # mean(x^2): sum correctly rounded
     root = at("sqrt", np.sqrt(at("+eps", variance + at("eps", eps))))          # sqrt(mean + eps)
+    if at.forms.get("x*1/sqrt") == "Div":                                    # the device's form: x / sqrt
+        return at("x*1/sqrt", x / root)
     return at("x*1/sqrt", x * at("1/sqrt", at("1", x.dtype.type(1)) / root))   # torch's rsqrt on CPU is 1/sqrt
 
 

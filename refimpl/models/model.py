@@ -96,7 +96,7 @@ class Model:
             module_of = {tap: module for module, tap in taps.items()}
             self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
                                          points=placement.points(), rnd=rounder(self.precision.activations),
-                                         taps=taps, placement=placement)
+                                         taps=taps, placement=placement, forms=placement.forms)
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
                              f"loaded (refimpl.load, Model.from_arrays(device=...))")

@@ -52,6 +52,7 @@ class Placement:
     shared: dict
     unplaced: list
     source: str = "encodings"
+    forms: dict = dataclasses.field(default_factory=dict)   # point -> the op of the other form it was found in
 
     @property
     def total(self) -> int:
@@ -150,6 +151,7 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                 and (n.op_type not in ORDERED or _operands(*forms[c]) == _operands(None, None, kinds))]
 
     found = {}                            # point -> (its tensor, the (op, values) it was matched by)
+    forms_found = {}                      # point -> the op of the form (Point.also) it was found in
 
     def relabel(pairs: dict) -> None:
         """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
@@ -158,6 +160,8 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         for t in value:
             value[t] = m(value[t])
         swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
+        moved = {m(key): op for key, op in forms_found.items()}
+        forms_found.clear(), forms_found.update(moved)
         assigned.clear(), assigned.update(swapped[0]), found.clear(), found.update(swapped[1])
         for t, ws in uses.items():
             uses[t] = [(m(w), kind) for w, kind in ws]
@@ -268,6 +272,8 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                                                   for k, i in kinds if k == "c" for w in forms[c][1].inputs
                                                   if w.startswith("weight:"))]
             point, form = (named or candidates)[0]
+            if form:
+                forms_found[point] = n.op_type
             assigned.add(point)
             node, pt = forms[(point, form)]
             value[outs[0]], path[outs[0]] = point, (outs[0],)
@@ -307,8 +313,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                             f"factorisation and declares no points inside it" if inside else
                             f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})")
             ancestry[o] = anc
-    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
-                   weight_names)
+    placement = _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+                        weight_names)
+    placement.forms.update(forms_found)
+    return placement
 
 
 def _full(node: str, name: str) -> str:
