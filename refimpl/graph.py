@@ -24,12 +24,21 @@ class Point:
         "const:p"         a constant of the graph (eps, the attention scale, 2 of x^2), quantised at point p
         "weight:w"        checkpoint weight w (a MatMul's or Gather's constant; quantised as that weight)
         "input:p"         a graph input read here (the mask, the cos / sin tables), quantised at point p
+    also: the same point's other forms, (onnx, inputs) each, declared beside it (a device graph an engineer
+    rewrote: Pow(x, 2) as Mul(x, x), Reciprocal as Div(1, x)); the kernel reads a form's constants through the
+    hook too ("const:1": at("1", 1)).
     """
     name: str
     onnx: tuple[str, ...]
     inputs: tuple[str, ...]
     formula: str = ""
     more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half); "#name": integers
+    also: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()   # other (onnx, inputs) forms of the same function
+
+    def forms(self) -> tuple["Point", ...]:
+        """The point as declared, then each equivalent form a rewritten device graph computes it in (`also`: x^2 as
+        Mul(x, x), 1 / s as Div(1, s)): the same real function of the same values, another op."""
+        return (self, *(dataclasses.replace(self, onnx=ops, inputs=ins, also=()) for ops, ins in self.also))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,3 +202,28 @@ def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "of 408 quantisers placed" in err and "--strict-encodings" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_stored_weights_lays_a_device_graphs_weight_encodings_out_as_the_checkpoint_stores_them():
+    """A MatMul B [in, out] per-channel encoding (ONNX axis 1, W4A16) applies to refimpl's [out, in] rows; the
+    export's fused experts.gate_up_proj [E, 2Ie, H] / down_proj encodings, for a checkpoint stored one tensor per
+    expert (Qwen3-MoE), become each expert's gate (first Ie rows), up (the next) and down."""
+    from refimpl.models.onnx_placement import stored_weights
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3)).astype(np.float32)              # refimpl's [out 4, in 3]
+    scale = np.array([0.01, 0.02, 0.03, 0.04], np.float32)
+    enc = Encoding(4, scale, np.zeros(4, np.int32), signed=True, axis=1, arithmetic="onnx")
+    rows = stored_weights({"q.weight": (enc,)}, {"q.weight"})["q.weight"]
+    got = rows[0].fake_quant(w)
+    want = (np.clip(np.rint(w / scale[:, None]), -8, 7) * scale[:, None]).astype(np.float32)
+    assert np.array_equal(got, want)
+    E, Ie = 2, 3
+    per_row = Encoding(8, np.arange(1, 2 * E * Ie + 1, dtype=np.float32), np.zeros(2 * E * Ie, np.int32), axis=None)
+    stored = {n for e in range(E) for n in (f"m.experts.{e}.gate_proj.weight", f"m.experts.{e}.up_proj.weight",
+                                            f"m.experts.{e}.down_proj.weight")}
+    flat = Encoding(8, np.float32(0.5), np.int32(0))
+    out = stored_weights({"m.experts.gate_up_proj": (per_row,), "m.experts.down_proj": (flat,)}, stored)
+    assert set(out) == stored
+    assert out["m.experts.1.gate_proj.weight"][0].scale.tolist() == [7, 8, 9]
+    assert out["m.experts.1.up_proj.weight"][0].scale.tolist() == [10, 11, 12]
+    assert out["m.experts.0.down_proj.weight"][0].scale == flat.scale

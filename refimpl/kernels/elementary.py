@@ -112,8 +112,57 @@ def _sigmoid64(v):
 
 
 def sigmoid(x):
-    """sigmoid(x) = 1 / (1 + e^-x)."""
+    """sigmoid(x) = 1 / (1 + e^-x); inside products.onnxruntime_cpu(), ONNX Runtime's (mlas_logistic)."""
+    if products.onnxruntime_cpu_active() and np.asarray(x).dtype == np.float32:
+        return mlas_logistic(x)
     return correctly_rounded(x, _sigmoid64, lambda v: 1 / (1 + mpmath.exp(-v)))
+
+
+# MLAS's logistic (onnxruntime/core/mlas/lib/logistic.cpp, Eigen's coefficients): an odd rational function of x
+_MLAS_P = tuple(np.float32(c) for c in (4.37031012579801e-11, 1.15627324459942e-07, 6.08574864600143e-05,
+                                        8.51377133304701e-03, 2.48287947061529e-01))            # alpha_9 .. alpha_1
+_MLAS_Q = tuple(np.float32(c) for c in (6.10247389755681e-13, 5.76102136993427e-09, 6.29106785017040e-06,
+                                        1.70198817374094e-03, 1.16817656904453e-01, 9.93151921023180e-01))  # beta_10..0
+
+
+# MLAS's exp of softmax (onnxruntime/core/mlas/lib/compute.cpp, MlasComputeSumExpVector): x = m ln 2 + r, a degree-6
+# polynomial of r (its last coefficient applied twice), times 2^m
+_MLAS_EXP = tuple(np.float32(float.fromhex(h)) for h in ("0x1.694000p-10", "0x1.125edcp-7", "0x1.555b5ap-5",
+                                                         "0x1.555450p-3", "0x1.fffff6p-2", "0x1.000000p+0"))
+_MLAS_BIAS = np.float32(12582912.0)          # 1.5 * 2^23: adding it rounds to an integer
+
+
+def mlas_softmax_exp(x):
+    """ONNX Runtime's CPU exp inside Softmax, float32 x <= 0 (x - max): clamped at -88.376; m = round(x / ln 2)
+    (by the rounding bias), r = x - m ln2 (two fused steps, ln 2 split high / low), p(r) by Horner with fused
+    multiply-adds, times 2^m (exponent bits)."""
+    v = np.maximum(np.float32(-88.3762626647949), np.asarray(x, np.float32))
+    biased = products.fma32(v, np.float32(1.44269504088896341), _MLAS_BIAS)     # x / ln 2 + bias
+    m = biased - _MLAS_BIAS                                                      # round(x / ln 2)
+    r = products.fma32(m, np.float32(-6.93145752e-1), v)                         # x - m ln2 (high part)
+    r = products.fma32(m, np.float32(-1.42860677e-6), r)                         # ... (low part)
+    p = np.full_like(r, _MLAS_EXP[0])
+    for c in _MLAS_EXP[1:]:
+        p = products.fma32(p, r, c)                                              # p r + c
+    p = products.fma32(p, r, _MLAS_EXP[5])                                       # the last coefficient again
+    scale = ((biased.view(np.int32) << 23) + np.int32(0x3F800000)).view(np.float32)   # 2^m
+    return p * scale
+
+
+def mlas_logistic(x):
+    """ONNX Runtime's CPU Sigmoid (its x86-64 FMA3 kernel), float32: x clamped to [-18, 18],
+    p = x (a1 + x^2 (a3 + ...)), q = b0 + x^2 (b2 + ...) by Horner with fused multiply-adds, clamp(p / q + 1/2, 0, 1).
+    Not correctly rounded (within a few ulp): the runtime's own values, which a QDQ model's 16-bit codes follow."""
+    v = np.clip(np.asarray(x, np.float32), np.float32(-18), np.float32(18))
+    v2 = v * v                                                                   # x^2
+    p = products.fma32(v2, _MLAS_P[0], _MLAS_P[1])                               # a9 x^2 + a7
+    for c in _MLAS_P[2:]:
+        p = products.fma32(p, v2, c)                                             # p x^2 + a_k
+    p = p * v                                                                    # odd numerator
+    q = products.fma32(v2, _MLAS_Q[0], _MLAS_Q[1])                               # b10 x^2 + b8
+    for c in _MLAS_Q[2:]:
+        q = products.fma32(q, v2, c)                                             # q x^2 + b_k
+    return np.clip(p / q + np.float32(0.5), np.float32(0), np.float32(1))       # (NaN stays NaN)
 
 
 def silu(x):

@@ -5,9 +5,9 @@ In a float32 or float64 run the casts are no-ops; they matter for reduced-precis
 (refimpl/precision.py) rounds to the emulated activation dtype at each cast. rnd defaults to the identity.
 
 Sub-op points (`at`, identity by default: kernels/activation.Unhooked), where a quantised device graph has a
-tensor: x^2 (Pow, with its exponent 2), mean (ReduceMean), +eps (Add, with eps), sqrt, 1/sqrt (Reciprocal),
-x*1/sqrt (Mul); 1+w (the zero-centred weight, a folded constant). x^2 is formed only where a hook acts on it (else
-the mean is one correctly rounded sum of squares).
+tensor: x^2 (Pow, with its exponent 2; or Mul(x, x)), mean (ReduceMean), +eps (Add, with eps), sqrt, 1/sqrt
+(Reciprocal; or Div with its 1), x*1/sqrt (Mul; or Div(x, sqrt)); 1+w (the zero-centred weight, a folded
+constant). x^2 is formed only where a hook acts on it (else the mean is one correctly rounded sum of squares).
 """
 
 import numpy as np
@@ -27,7 +27,9 @@ def _normalized(x: np.ndarray, eps: float, at=unhooked) -> np.ndarray:
     else:
         variance = at("mean", products.sumprod(x, x, keepdims=True) / n)        # mean(x^2): sum correctly rounded
     root = at("sqrt", np.sqrt(at("+eps", variance + at("eps", eps))))          # sqrt(mean + eps)
-    return at("x*1/sqrt", x * at("1/sqrt", 1 / root))                          # torch's rsqrt on CPU is 1/sqrt
+    if at.forms.get("x*1/sqrt") == "Div":                                    # the device's form: x / sqrt
+        return at("x*1/sqrt", x / root)
+    return at("x*1/sqrt", x * at("1/sqrt", at("1", x.dtype.type(1)) / root))   # torch's rsqrt on CPU is 1/sqrt
 
 
 

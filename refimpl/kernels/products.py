@@ -47,6 +47,8 @@ _IN_BLOCK = 1 << 18                         # float64 elements of the second ope
 _SLICE = 384                                # terms per partial product: more slices cost BLAS speed, fewer give
                                             # looser bounds and more undecided elements
 _plain = contextvars.ContextVar("plain_blas", default=False)
+_runtime = contextvars.ContextVar("onnxruntime_cpu", default=False)
+MLAS_STRIDE_K = 256                         # ONNX Runtime's MLAS SGEMM: K blocks summed from 0, added in order
 
 
 def _bound_factor(K: int) -> float:
@@ -125,6 +127,8 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
         return np.matmul(a, b)
+    if _runtime.get():
+        return matmul_sequential_fma(a, b)
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
@@ -301,9 +305,13 @@ def sumprod(a: np.ndarray, b: np.ndarray, axis: int = -1, keepdims: bool = False
 
 
 def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  # noqa: A001 (the kernel's name)
-    """sum_k x_k along `axis`, correctly rounded (float32) or NumPy's float64 sum (float64)."""
+    """sum_k x_k along `axis`, correctly rounded (float32) or NumPy's float64 sum (float64); inside
+    onnxruntime_cpu(), in ONNX Runtime's order (eigen_sum)."""
     if x.dtype == np.float64 or _plain.get():
         return np.sum(x, axis=axis, keepdims=keepdims)
+    if _runtime.get():
+        out = eigen_sum(np.moveaxis(np.asarray(x, np.float32), axis, -1))
+        return np.expand_dims(out, axis) if keepdims else out
     return sumprod(x, np.ones((), np.float32), axis=axis, keepdims=keepdims)
 
 
@@ -337,6 +345,85 @@ def _sums(p, c, abs_sum, K, any_product, terms) -> np.ndarray:
     for idx in zip(*np.nonzero(undecided)):
         out[idx] = _exact_sum_rounded(terms(idx if undecided.ndim == c.ndim else ()).tolist())
     return out.reshape(c.shape)
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """RNE32(a b + c) exactly (float32 a, b, c: one rounding, as an FMA instruction): a b is exact in float64, the
+    float64 sum s = fl64(a b + c) with its error-free remainder (TwoSum) decides where s is a float32 midpoint."""
+    p, c = np.multiply(a, b, dtype=np.float64), np.asarray(c, np.float64)         # a b exact (48 bits)
+    s = p + c                                                                      # fl64(a b + c)
+    v = s - p
+    err = (p - (s - v)) + (c - v)                                                  # s + err = a b + c exactly
+    r = s.astype(np.float32)                                                       # RNE32(s)
+    mid = (err != 0) & (np.abs(s - r) * 2 == np.abs(np.nextafter(r, np.where(s > r, np.inf, -np.inf)
+                                                                  .astype(np.float32)).astype(np.float64) - r))
+    if mid.any():   # s a float32 midpoint, the exact sum beyond it in err's direction: the neighbour that way
+        away = np.nextafter(r, np.where(err > 0, np.inf, -np.inf).astype(np.float32))
+        toward = np.sign(s - r) == np.sign(err)
+        r = np.where(mid & toward, away, r)
+    return r
+
+
+def matmul_sequential_fma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a @ b summed as ONNX Runtime's CPU EP sums (MLAS SGEMM): per block of MLAS_STRIDE_K terms of K,
+    acc = fma(a_k, b_k, acc) from acc = 0 in k order; the blocks' sums added to the result in order. a [..., M, K],
+    b [..., K, N] -> [..., M, N] float32. Not correctly rounded: the runtime's own order (a QDQ model's 16-bit
+    codes flip with its float32 roundings: docs/precision.md)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    K = a.shape[-1]
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    out = None
+    for k0 in range(0, K, MLAS_STRIDE_K):
+        acc = np.zeros(shape, np.float32)
+        for k in range(k0, min(K, k0 + MLAS_STRIDE_K)):
+            acc = fma32(a[..., :, k:k + 1], b[..., k:k + 1, :], acc)              # acc = a_k b_k + acc, one rounding
+        out = acc if out is None else out + acc
+    return out
+
+
+EIGEN_PACKET = 4                            # float32 lanes of Eigen's packets in ONNX Runtime's CPU build (SSE)
+
+
+def eigen_sum(x: np.ndarray) -> np.ndarray:
+    """float32 sum over the last axis as ONNX Runtime's CPU EP reduces (ReduceSum / ReduceMean: Eigen's vectorised
+    redux, packets of EIGEN_PACKET lanes): two packet accumulators over alternate packets, added; a last odd
+    packet added; the lanes halved pairwise (predux); the tail elements added in order.  [..., n] -> [...]"""
+    n, w = x.shape[-1], EIGEN_PACKET
+    whole, pairs = n // w * w, n // (2 * w) * 2 * w
+    if not whole:
+        s = x[..., 0] if n else np.zeros(x.shape[:-1], np.float32)
+    else:
+        r0 = x[..., :w]
+        if whole > w:
+            r1 = x[..., w:2 * w]
+            for i in range(2 * w, pairs, 2 * w):
+                r0, r1 = r0 + x[..., i:i + w], r1 + x[..., i + w:i + 2 * w]     # two accumulators
+            r0 = r0 + r1
+            if whole > pairs:
+                r0 = r0 + x[..., pairs:pairs + w]                               # the odd packet
+        while r0.shape[-1] > 1:                                                 # predux: halves added
+            r0 = r0[..., :r0.shape[-1] // 2] + r0[..., r0.shape[-1] // 2:]
+        s = r0[..., 0]
+    for i in range(whole if whole else 1, n):
+        s = s + x[..., i]                                                       # the tail, in order
+    return s
+
+
+def onnxruntime_cpu_active() -> bool:
+    return _runtime.get()
+
+
+@contextlib.contextmanager
+def onnxruntime_cpu(enabled: bool = True):
+    """Within the block, float32 matrix products (matmul_sequential_fma) and sums (eigen_sum) are summed and the
+    logistic evaluated (elementary.sigmoid: MLAS's rational approximation) as ONNX Runtime's CPU EP computes them:
+    refimpl emulating a device graph that runtime runs (a QDQ model; aimet-onnx's QuantSim session), whose 16-bit
+    codes follow its float32 roundings. The rest stays correctly rounded (measured: what the runtime computes)."""
+    token = _runtime.set(enabled)
+    try:
+        yield
+    finally:
+        _runtime.reset(token)
 
 
 def plain_blas_active() -> bool:

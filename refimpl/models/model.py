@@ -17,7 +17,7 @@ from ..trace import tap
 from . import hybrid, qwen3
 from .cache import Cache
 from .config import ModelConfig
-from .onnx_placement import Placement, place_onnx
+from .onnx_placement import Placement, place_onnx, stored_weights
 from .quantisers import NONE as NO_QUANTISERS
 from .quantisers import EncodingsWarning, Quantisers, place
 from .weights import Weights
@@ -89,6 +89,8 @@ class Model:
         nodes = graph(config)
         self.modules = modules(nodes)            # AIMET-quantisable modules -> their input taps
         self.quantisers = NO_QUANTISERS
+        # a device graph's quantisers act on ONNX Runtime's float32 values: its sums and logistic, in its order
+        self._onnxruntime = placement is not None
         if placement is not None:                # a device graph's quantisers (onnx_placement), placed
             if placement.unplaced:
                 warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
@@ -96,7 +98,7 @@ class Model:
             module_of = {tap: module for module, tap in taps.items()}
             self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
                                          points=placement.points(), rnd=rounder(self.precision.activations),
-                                         taps=taps, placement=placement)
+                                         taps=taps, placement=placement, forms=placement.forms)
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
                              f"loaded (refimpl.load, Model.from_arrays(device=...))")
@@ -125,8 +127,8 @@ class Model:
         if device is not None:
             names = set(expected_tensors(config)) | {"lm_head.weight"}
             placement = place_onnx(*device, graph(config), names, p.strict_encodings, str(p.encodings))
-        return cls(config, Weights(arrays, dtype=p.dtype, source=source,
-                                   transform=weight_transform(p, placement and placement.weights),
+        encodings = placement and stored_weights(placement.weights, arrays)
+        return cls(config, Weights(arrays, dtype=p.dtype, source=source, transform=weight_transform(p, encodings),
                                    max_resident_bytes=max_resident_bytes, origins=origins), precision=p,
                    placement=placement)
 
@@ -190,7 +192,8 @@ class Model:
         what `forward` runs, and what a device convention runs on the inputs its graph receives. NaN / Inf (from
         weights that hold them: a NonFiniteWeightWarning names each such tensor) propagate as IEEE arithmetic says,
         without NumPy's warnings at every op they reach."""
-        with products.plain_blas(self.precision.fast), np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        with products.plain_blas(self.precision.fast), products.onnxruntime_cpu(self._onnxruntime), \
+                np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             return self._layers(ids, ctx, logits_to_keep)
 
     def _layers(self, ids: np.ndarray, ctx: Context, logits_to_keep: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import InputError
 from ..graph import point_name
 from ..graph import points as declared_points
+from .experts import FUSED, expert_names
 
 ROLES = ("const:", "weight:", "input:")
 ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
@@ -51,6 +52,7 @@ class Placement:
     shared: dict
     unplaced: list
     source: str = "encodings"
+    forms: dict = dataclasses.field(default_factory=dict)   # point -> the op of the other form it was found in
 
     @property
     def total(self) -> int:
@@ -119,11 +121,14 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     initializer named after one is that weight)."""
     weight_names = set(weight_names)
     pts = declared_points(nodes)
-    index = {}                            # (op type, value inputs) -> [point names], declaration order
-    for full, (node, pt) in pts.items():
-        values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
-        for op in pt.onnx:
-            index.setdefault((op, values), []).append(full)
+    forms = {}                            # (point name, k) -> (node, its k-th form: Point.forms)
+    index = {}                            # (op type, value inputs) -> [(point name, form)], declaration order
+    for full, (node, declared) in pts.items():
+        for k, pt in enumerate(declared.forms()):
+            forms[(full, k)] = (node, pt)
+            values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
+            for op in pt.onnx:
+                index.setdefault((op, values), []).append((full, k))
     consts = set(graph.initializers)
     value, const, ginput = {}, {}, {}     # tensor -> point name / (root initializer, path) / (graph input, path)
     path = {}                             # tensor -> tensors from its root (a point's output, a constant, an input)
@@ -140,9 +145,87 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     def candidates_of(n, kinds):
         values = tuple(sorted(v for k, v in kinds if k == "v"))
         n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
-        return [c for c in index.get((n.op_type, values), ()) if c not in assigned
-                and _counts(pts[c][1]) == (n_const, n_input)
-                and (n.op_type not in ORDERED or _operands(*pts[c]) == _operands(None, None, kinds))]
+        same = len(set(n.inputs)) < len(n.inputs)          # Mul(x, x): one tensor twice
+        return [c for c in index.get((n.op_type, values), ()) if c[0] not in assigned
+                and _counts(forms[c][1]) == (n_const, n_input) and (same or not _twice(forms[c][1]))
+                and (n.op_type not in ORDERED or _operands(*forms[c]) == _operands(None, None, kinds))]
+
+    found = {}                            # point -> (its tensor, the (op, values) it was matched by)
+    forms_found = {}                      # point -> the op of the form (Point.also) it was found in
+
+    def relabel(pairs: dict) -> None:
+        """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
+        def m(name):
+            return _mirror(pairs, name)
+        for t in value:
+            value[t] = m(value[t])
+        swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
+        moved = {m(key): op for key, op in forms_found.items()}
+        forms_found.clear(), forms_found.update(moved)
+        assigned.clear(), assigned.update(swapped[0]), found.clear(), found.update(swapped[1])
+        for t, ws in uses.items():
+            uses[t] = [(m(w), kind) for w, kind in ws]
+
+    def twin_swapped(n, kinds):
+        """Equal points (x1 / x2 of RoPE: Slices of one value; gate_proj / up_proj where no weight's name decides)
+        are assigned in file order, which an optimizer may reorder; a node that matches only with an input's twin
+        in its place decides: the two swap (with their weights)."""
+        for j, (k, p) in enumerate(kinds):
+            if k != "v" or p not in found:
+                continue
+            for twin, _ in index.get(found[p][1], ()):
+                if twin == p:
+                    continue
+                tried = [*kinds[:j], ("v", twin), *kinds[j + 1:]]
+                if candidates_of(n, tried):
+                    pairs = {p: twin, twin: p}
+                    for ia, ib in zip(pts[p][1].inputs, pts[twin][1].inputs):
+                        if ia != ib and ia.startswith("weight:") and ib.startswith("weight:"):
+                            pairs[ia[7:]], pairs[ib[7:]] = ib[7:], ia[7:]
+                    relabel(pairs)
+                    return tried, candidates_of(n, tried)
+        return kinds, []
+
+    def mirrored(a: str, b: str, out: dict) -> dict | None:
+        """Two declared nodes of the same structure (q_rope / k_rope, and upstream q_norm / k_norm, q_proj /
+        k_proj): {name: its mirror} of the nodes, their points and weights, or None where they differ."""
+        if a == b or out.get(a) == b:
+            return out
+        na, nb = nodes.get(a), nodes.get(b)
+        if na is None or nb is None or na.op != nb.op or [x.name for x in na.points] != [x.name for x in nb.points]:
+            return None
+        out[a], out[b] = b, a
+        for pa, pb in zip(na.points, nb.points):
+            for ia, ib in zip(pa.inputs, pb.inputs):
+                if ia == ib or ia.startswith("/") or ia.startswith(("const:", "input:")):
+                    continue
+                if ia.startswith("weight:") and ib.startswith("weight:"):
+                    out[ia[7:]], out[ib[7:]] = ib[7:], ia[7:]
+                elif ia.startswith(ROLES) or ib.startswith(ROLES) or mirrored(
+                        ia.split("/")[0], ib.split("/")[0], out) is None:
+                    return None
+        return out
+
+    def mirror_swapped(n, kinds):
+        """Parallel chains (q and k: projection, norm, RoPE) are told apart by file order where no weight's name
+        decides (an optimizer may put k's first): a node that matches only with an input's chain mirrored (the
+        keys' Concat reading "q_rope") decides: the two chains swap names."""
+        for k, p in kinds:
+            node = p.split("/")[0] if k == "v" else None
+            if node not in nodes:
+                continue
+            for other, decl in nodes.items():
+                if other == node or decl.op != nodes[node].op or decl.layer != nodes[node].layer:
+                    continue
+                pairs = mirrored(node, other, {})
+                if not pairs:
+                    continue
+
+                tried = [(kk, _mirror(pairs, v)) if kk == "v" else (kk, v) for kk, v in kinds]
+                if candidates_of(n, tried):
+                    relabel(pairs)
+                    return tried, candidates_of(n, tried)
+        return kinds, []
 
     for n in graph.nodes:
         outs = [o for o in n.outputs if o]
@@ -180,14 +263,21 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                     unmatched[o], ancestry[o] = why, anc | {v for k, v in kinds if k == "v"}
                 continue
         candidates = candidates_of(n, kinds)
+        if not candidates and n.op_type not in MOVES:
+            kinds, candidates = twin_swapped(n, kinds)
+        if not candidates and (n.op_type not in MOVES or n.op_type == "Concat"):
+            kinds, candidates = mirror_swapped(n, kinds)
         if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
             named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
-                                                  for k, i in kinds if k == "c" for w in pts[c][1].inputs
+                                                  for k, i in kinds if k == "c" for w in forms[c][1].inputs
                                                   if w.startswith("weight:"))]
-            point = (named or candidates)[0]
+            point, form = (named or candidates)[0]
+            if form:
+                forms_found[point] = n.op_type
             assigned.add(point)
-            node, pt = pts[point]
+            node, pt = forms[(point, form)]
             value[outs[0]], path[outs[0]] = point, (outs[0],)
+            found[point] = (outs[0], (n.op_type, tuple(sorted(v for k, v in kinds if k == "v"))))
             for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
                 if o and more.startswith("#"):                 # integers (indices): no values, like a shape
                     const[o], path[o] = o, (o,)
@@ -223,8 +313,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                             f"factorisation and declares no points inside it" if inside else
                             f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})")
             ancestry[o] = anc
-    return _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
-                   weight_names)
+    placement = _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
+                        weight_names)
+    placement.forms.update(forms_found)
+    return placement
 
 
 def _full(node: str, name: str) -> str:
@@ -240,6 +332,18 @@ def _operands(node, pt, kinds=None) -> tuple:
         return tuple(v if k == "v" else k for k, v in kinds)
     return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
                  for i in pt.inputs)
+
+
+def _mirror(pairs: dict, name: str) -> str:
+    """A point / node / weight name under a swap {name: its mirror} ("node/point" by its node)."""
+    head, sep, rest = name.partition("/")
+    return pairs.get(head, head) + sep + rest if head in pairs else pairs.get(name, name)
+
+
+def _twice(pt) -> bool:
+    """A form reading one value twice (x^2 as Mul(x, x)): only a node with one tensor twice is it."""
+    values = [i for i in pt.inputs if not i.startswith(ROLES)]
+    return len(set(values)) < len(values)
 
 
 def _counts(pt) -> tuple:
@@ -304,3 +408,28 @@ def _in_graph_order(graph, encodings) -> list:
     order = [*graph.inputs, *graph.initializers, *(o for n in graph.nodes for o in n.outputs)]
     seen = dict.fromkeys(t for t in order if t in encodings)
     return [*seen, *(t for t in encodings if t not in seen)]
+
+
+def stored_weights(weights: dict, stored) -> dict:
+    """A placement's {weight: (Encoding, ...)} (each laid out on the ONNX graph's tensor) as the checkpoint stores
+    the weights, refimpl's convention (Encoding.on_rows: [out, in] rows): a fused expert tensor the checkpoint holds
+    one per expert (Qwen3-MoE: the export's experts.gate_up_proj [E, 2Ie, H] / down_proj [E, H, Ie], gathered by
+    the expert index) becomes that expert's gate and up (the first and second half of its 2Ie rows) and down."""
+    stored, out = set(stored), {}
+    for name, chain in weights.items():
+        rows = tuple(e.on_rows(max(2, np.ndim(e.scale))) for e in chain)
+        fused = FUSED.match(name)
+        if fused is None or name in stored or expert_names(fused[1], 0)[0] not in stored:
+            out[name] = rows
+            continue
+        experts = 0
+        while expert_names(fused[1], experts)[0] in stored:
+            experts += 1
+        for e in range(experts):
+            gate, up, down = expert_names(fused[1], e)
+            if fused[2] == "down_proj":
+                out[down] = tuple(enc.rows(e, (experts, -1)) for enc in rows)
+                continue
+            for half, part in enumerate((gate, up)):   # expert e's 2Ie channels: gate's, then up's
+                out[part] = tuple(enc.rows(e, (experts, -1)).rows(half, (2, -1)) for enc in rows)
+    return out

@@ -50,7 +50,7 @@ class Quantisers:
     "module:input.i": the value its first quantiser received} (the device's float tensor before quantisation)."""
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
-                 taps: dict | None = None, points: dict | None = None, placement=None):
+                 taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -59,7 +59,9 @@ class Quantisers:
         self.placement = placement               # an ONNX graph's placement (onnx_placement.Placement), if any
         self.record: dict | None = None
         self._rnd = rnd
-        self.hooks = {node: Hook(self, node, encs) for node, encs in self.points.items()}
+        forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
+        self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}"] for p in encs if f"{node}/{p}" in forms})
+                      for node, encs in self.points.items()}
 
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.points)
@@ -133,11 +135,13 @@ class BlockHook:
 
 class Hook:
     """A node's sub-op quantisers as its kernel calls them: hook(point, value) -> the value quantised there (a
-    constant, e.g. eps, as float32: the device's constant); `points`: where it acts."""
+    constant, e.g. eps, as float32: the device's constant); `points`: where it acts; `forms`: points the device
+    computes in another declared form (graph.Point.also: {point: its op}), which the kernel then computes."""
 
-    def __init__(self, quantisers: Quantisers, node: str, encodings: dict):
+    def __init__(self, quantisers: Quantisers, node: str, encodings: dict, forms: dict | None = None):
         self.quantisers, self.node, self.encodings = quantisers, node, encodings
         self.points = frozenset(encodings)
+        self.forms = forms or {}     # point -> the ONNX op of the equivalent form the device computes it in
 
     def __call__(self, point: str, value):
         enc = self.encodings.get(point)

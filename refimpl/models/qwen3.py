@@ -237,9 +237,11 @@ def norm_formula(cfg) -> str:
 
 def norm_points(cfg, x: str, weight: str) -> tuple:
     """kernels.norm.rms_norm over tap x with checkpoint weight `weight`."""
-    return (Point("x^2", ("Pow",), (x, "const:2")), Point("mean", ("ReduceMean",), ("/x^2",)),
+    return (Point("x^2", ("Pow",), (x, "const:2"), also=((("Mul",), (x, x)),)),
+            Point("mean", ("ReduceMean",), ("/x^2",)),
             Point("+eps", ("Add",), ("/mean", "const:eps")), Point("sqrt", ("Sqrt",), ("/+eps",)),
-            Point("1/sqrt", ("Reciprocal",), ("/sqrt",)), Point("x*1/sqrt", ("Mul",), (x, "/1/sqrt")),
+            Point("1/sqrt", ("Reciprocal",), ("/sqrt",), also=((("Div",), ("const:1", "/sqrt")),)),
+            Point("x*1/sqrt", ("Mul",), (x, "/1/sqrt"), also=((("Div",), (x, "/sqrt")),)),   # x / sqrt folded
             Point("", ("Mul",), ("/x*1/sqrt", "const:1+w" if cfg.zero_centered_norms else f"weight:{weight}")))
 
 

@@ -151,6 +151,34 @@ def test_plain_blas_is_opt_in():
     assert_bits(products.matmul(a, b), exact.matmul(a, b))
 
 
+def test_fma32_rounds_once_and_the_runtime_order_is_a_chain_of_them():
+    """fma32(a, b, c) is RNE32 of the exact a b + c (tests/exact.py's Fraction rounding), midpoints included
+    (a b exactly halfway between two float32, c a tiny nudge either way); ONNX Runtime's order (onnxruntime_cpu) is
+    that chain from 0 over each 256-term block of K, blocks added; the float path outside it stays correctly
+    rounded. (Against ONNX Runtime itself: tests/e2e/test_quantised_refimpl.py.)"""
+    from fractions import Fraction
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal(300).astype(np.float32), rng.standard_normal(300).astype(np.float32)
+    c = np.concatenate([rng.standard_normal(100), -(a[100:200].astype(np.float64) * b[100:200]),
+                        rng.standard_normal(100) * 1e-9]).astype(np.float32)
+    half = np.float32(1 + 2 ** -12)                          # half^2 = 1 + 2^-11 + 2^-24: a float32 midpoint
+    a, b = np.append(a, [half] * 3), np.append(b, [half] * 3)
+    c = np.append(c, np.array([0, 2.0 ** -60, -2.0 ** -60], np.float32))
+    want = [exact.to_float32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
+    assert_bits(products.fma32(a, b, c), want)
+    x, w = scaled(rng, (3, 600), 0), scaled(rng, (600, 5), 0)
+    with products.onnxruntime_cpu():
+        got = products.matmul(x, w)
+    blocks = []
+    for k0 in range(0, 600, products.MLAS_STRIDE_K):
+        acc = np.zeros((3, 5), np.float32)
+        for k in range(k0, min(600, k0 + products.MLAS_STRIDE_K)):
+            acc = products.fma32(x[:, k:k + 1], w[k:k + 1], acc)
+        blocks.append(acc)
+    assert_bits(got, (blocks[0] + blocks[1]) + blocks[2])
+    assert_bits(products.matmul(x, w), exact.matmul(x, w))
+
+
 # --- elementary functions -------------------------------------------------------------------------------------
 
 def mp_rounded(fn, x) -> np.ndarray:
