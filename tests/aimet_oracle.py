@@ -200,6 +200,12 @@ class Recording:
             self.seen[module, "output", 0] = (y, z)
         return z
 
+    def at(self, node):   # a device graph's sub-op points: AIMET-torch's module placement has none to record
+        return self.q.at(node)
+
+    def within(self, prefix):
+        return self.q.within(prefix)
+
     def _aligned(self, key, x, y):
         if key not in self.align:
             return y

@@ -81,7 +81,7 @@ def perturbed_weights(model, arrays, name: str, scale: float = 1e-2, seed: int =
 
 def interleaved_rope():
     """RoPE over interleaved pairs (2i, 2i+1) (Meta / llama.c) instead of half-split pairs (i, i + rot/2)."""
-    def apply(x, cos, sin, rnd=lambda v: v):
+    def apply(x, cos, sin, rnd=lambda v: v, at=None):   # at: refimpl's sub-op points (none quantised here)
         rot = 2 * cos.shape[-1]
         c, s = cos[..., None, :], sin[..., None, :]
         even, odd = x[..., 0:rot:2], x[..., 1:rot:2]
