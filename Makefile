@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test fuzz bench clean
+.PHONY: demo test test-devices fuzz bench clean
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
+
+# the rest of the device matrix (pyproject's `device_matrix` marker): every architecture, graph form and planted fault
+# on Qualcomm's HTP simulator, beside the one of each kind `make test` runs (~25 min on 2 cores; docs/testing.md)
+test-devices: $(VENV)/.dev
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q -m device_matrix \
+		tests/e2e
 
 # the long fuzz run (tests/fuzz): FUZZ_CASES seeded mutations of every format, each in a worker under a memory and a
 # time limit; prints a table per format (ok / clean / crash / hang / memory) and exits 1 if any case crashed, hung or

@@ -40,7 +40,8 @@ LONG_GENIE = {**GENIE, "ar": 16}
 # tiny-qwen3.5-moe ("hybrid-moe") is not among them: its honest run fails at an ill-conditioned token (a
 # near-cancellation in layer 1's delta rule, then a near tie of layer 2's router), no op of the HTP adding error
 # (docs/htp.md, section 7); tests/e2e/htp_table.py prints its row
-HONEST = [arch for arch in ARCHITECTURES if arch != "hybrid-moe"]
+HONEST = [arch if arch in ("dense", "hybrid") else pytest.param(arch, marks=pytest.mark.device_matrix)
+          for arch in ARCHITECTURES if arch != "hybrid-moe"]   # make test: dense and Qwen3.5; test-devices: all
 
 
 @pytest.mark.parametrize("arch", HONEST)
@@ -77,7 +78,8 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("fault", [f if FAULTS[f][0] in ("dense", "hybrid") else
+                                   pytest.param(f, marks=pytest.mark.device_matrix) for f in FAULTS])
 def test_planted_fault_on_the_htp_is_localised_and_blamed(fault, htp_cases):
     arch, planted, expected, (step, layer), blamed = FAULTS[fault]
     case = htp_cases(arch)
@@ -104,7 +106,13 @@ CHANNEL_FAULTS = [f"model.layers.{i}.{p}.weight" for i in (0, 1) for p in (
     "mlp.down_proj")]
 
 
-@pytest.mark.parametrize("param", CHANNEL_FAULTS)
+# make test: the projections the tensor-wide bar missed before the gain test; test-devices: all fourteen
+CHANNEL_DEFAULT = {"model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                   "model.layers.0.self_attn.v_proj.weight"}
+
+
+@pytest.mark.parametrize("param", [p if p in CHANNEL_DEFAULT else pytest.param(p, marks=pytest.mark.device_matrix)
+                                   for p in CHANNEL_FAULTS])
 def test_one_output_channel_x1_02_is_named_a_channel_gain_at_its_projection(param, htp_cases):
     """The prompt call (AR = 8, 7 tokens): the first divergence is that projection (mostly by one channel, the
     tensor under its bar), classified a gain of channel 5 by 1.02; replay blames that op alone."""
@@ -170,6 +178,7 @@ def test_htp_rms_norm_fusion_is_wrong_on_the_4d_q_norm_of_a_longer_prompt():
     assert np.abs(y - want).max() < 4 * 2.0 ** -11 * scale
 
 
+@pytest.mark.device_matrix   # the MoE case: make test-devices
 def test_htp_gathernd_bug_is_named_at_the_expert_gather(htp_cases):
     """Without the GatherND rewrite the HTP gathers wrong expert rows (transformers' batched_mm experts): the diff's
     first divergence is layer 0's experts, the first op downstream of the gather, at the prompt call."""

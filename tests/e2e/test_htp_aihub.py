@@ -32,7 +32,7 @@ from refimpl.diff.replay import replay  # noqa: E402
 from refimpl.golden import write_golden  # noqa: E402
 from refimpl.precision import AIHUB_DELTA_RULE_CHUNK  # noqa: E402
 
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("htp-aihub")]   # one worker builds its cases
 
 PROMPT = [97, 11, 1879, 13, 42, 7, 99]             # one genie chunk of AR = 8 with one pad slot; the hf prefill
 GENIE = {"ar": 8, "cl": 32, "mask_floor": -1000.0}
@@ -144,6 +144,7 @@ def divergence(report, step: int):
 
 # ------------------------------------------------------------------------------------------------ honest runs
 
+@pytest.mark.device_matrix   # make test runs AI Hub's Qwen3.5 graph; make test-devices these too
 @pytest.mark.parametrize("arch", ["dense", "moe"])
 def test_aihub_graph_on_the_htp_passes_three_way(arch, cases):
     """AI Hub's Qwen3 graph (split-head attention as per-head 1x1 convs, per-head q / k norms, q pre-scaled, static
@@ -179,6 +180,7 @@ def test_aihub_qwen35_graph_on_the_htp_passes_three_way(cases):
     assert worst > 1.0, (worst, where)
 
 
+@pytest.mark.device_matrix
 @pytest.mark.parametrize("arch", ["dense", "hybrid"])
 def test_hf_prefill_form_runs_on_the_htp_and_passes(arch, cases):
     """transformers' own prefill forward (mask, positions, RoPE tables and Qwen3.5's M-RoPE ScatterND in the graph)
@@ -219,7 +221,8 @@ FAULTS = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("fault", [f if FAULTS[f][:2] == ("hybrid", "genie") else
+                                   pytest.param(f, marks=pytest.mark.device_matrix) for f in FAULTS])
 def test_planted_fault_is_the_first_divergence_and_blamed(fault, cases):
     arch, form, planted, step, expected, layer, blamed = FAULTS[fault]
     case = cases(arch)
@@ -234,6 +237,7 @@ def test_planted_fault_is_the_first_divergence_and_blamed(fault, cases):
         [(r.name, r.failures) for r in rows if r.adds_error]
 
 
+@pytest.mark.device_matrix
 def test_stitched_heads_are_the_heads_in_order(cases):
     """The per-head q_norm hooks of AI Hub's split-head attention, stacked by HookRecorder, are the heads of the
     golden's q_norm in order (a head order slip would show as a large error on every head but the first)."""

@@ -20,7 +20,7 @@ if reason:
 from onnx import TensorProto, helper  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised-" + __name__)]   # one worker per module fixture
 Q = quantised
 
 

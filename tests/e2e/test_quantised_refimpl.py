@@ -32,7 +32,7 @@ from refimpl.models.config import config_from_dict  # noqa: E402
 from refimpl.models.model import Model  # noqa: E402
 from refimpl.precision import Policy, policy  # noqa: E402
 
-pytestmark = pytest.mark.oracle
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised-" + __name__)]   # one worker per module fixture
 Q = quantised
 
 
