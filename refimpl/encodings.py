@@ -272,15 +272,15 @@ def _legacy(encs, where: str) -> Encoding:
     return Encoding(bw, scale, offset, signed=sym and not offset.any())
 
 
-def _v1(e, where: str) -> Encoding:
-    """One 1.0.0 encoding -> Encoding (LPBQ expanded to per-block float scales)."""
-    expect(e, dict, where, what="an encoding object")
+def _v1_common(e, where: str, arithmetic: str):
+    """The fields every 1.0.0 entry shares -> (bw, a float Encoding or None, enc_type, scale, offset)."""
     if "zero_point_shift" in e:
         raise FormatError(f"{where}: zero_point_shift encodings are not supported")
     bw = integer(e.get("bw"), f"{where}: bw", lo=1, hi=MAX_BITWIDTH)
     kind = expect(e.get("dtype", "INT"), str, f"{where}: dtype").lower()
     if kind == "float":
-        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where))
+        return bw, Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where),
+                            arithmetic=arithmetic), None, None, None
     if kind != "int":
         raise FormatError(f"{where}: dtype {brief(e.get('dtype'))} is not INT or FLOAT")
     enc_type = e.get("enc_type", "PER_TENSOR")
@@ -289,6 +289,15 @@ def _v1(e, where: str) -> Encoding:
     if not scale.size or offset.size not in (1, scale.size):
         raise FormatError(f"{where}: {scale.size} scales and {offset.size} offsets (expected one offset, or one "
                           f"per scale)")
+    return bw, None, enc_type, scale, offset
+
+
+def _v1(e, where: str) -> Encoding:
+    """One 1.0.0 encoding -> Encoding (LPBQ expanded to per-block float scales)."""
+    expect(e, dict, where, what="an encoding object")
+    bw, floating, enc_type, scale, offset = _v1_common(e, where, "aimet-torch")
+    if floating is not None:
+        return floating
     block = None
     if enc_type == "PER_TENSOR":
         if scale.size != 1:
@@ -495,20 +504,9 @@ def _weight_layouts(path: Path, model) -> dict[str, tuple]:
 
 def _onnx_entry(e: dict, where: str, layout) -> Encoding:
     """One aimet-onnx 1.0.0 entry -> Encoding (arithmetic aimet-onnx), laid out on the weight's ONNX shape."""
-    if "zero_point_shift" in e:
-        raise FormatError(f"{where}: zero_point_shift encodings are not supported")
-    bw = integer(e.get("bw"), f"{where}: bw", lo=1, hi=MAX_BITWIDTH)
-    kind = expect(e.get("dtype", "INT"), str, f"{where}: dtype").lower()
-    if kind == "float":
-        return Encoding(bw, np.float32(1), np.int32(0), float_dtype=_float_dtype(e, bw, where), arithmetic="aimet-onnx")
-    if kind != "int":
-        raise FormatError(f"{where}: dtype {brief(e.get('dtype'))} is not INT or FLOAT")
-    enc_type = e.get("enc_type", "PER_TENSOR")
-    scale = _scales(expect(e.get("scale"), list, f"{where}: scale"), where)
-    offset = _offsets(expect(e.get("offset"), list, f"{where}: offset"), bw, where)
-    if not scale.size or offset.size not in (1, scale.size):
-        raise FormatError(f"{where}: {scale.size} scales and {offset.size} offsets (expected one offset, or one "
-                          f"per scale)")
+    bw, floating, enc_type, scale, offset = _v1_common(e, where, "aimet-onnx")
+    if floating is not None:
+        return floating
     signed = _symmetric(e.get("is_sym", False), where) and not offset.any()
     if enc_type == "PER_TENSOR":
         if scale.size != 1:

@@ -11,7 +11,6 @@ One float16 export per architecture and form for the session; weight faults are 
 (htp.rewrite), host faults in the host loop (no new compile)."""
 
 import dataclasses
-import math
 
 import devices as D
 import numpy as np
@@ -23,6 +22,7 @@ if reason:
     pytest.skip(reason, allow_module_level=True)
 H = pytest.importorskip("htp_aihub")
 import htp_hf  # noqa: E402
+from htp_runs import margin  # noqa: E402  (the same three-way policy: hf-hooks layout)
 
 from refimpl.bundle import read_bundle  # noqa: E402
 from refimpl.diff.compare import compare  # noqa: E402
@@ -122,19 +122,6 @@ def cases(tmp_path_factory):
             built[arch] = Case(arch, config, arrays, root)
         return built[arch]
     return get
-
-
-def margin(report) -> tuple[float, str]:
-    """How far the worst tensor's NMSE stays under its three-way bar (dB), and where."""
-    policy = make_policy(POLICY, "fp16")
-    worst, where = math.inf, None
-    for r in report.results:
-        if r.metrics and not r.metrics.get("integer") and r.metrics["n"] and r.reference and r.status != "diverged":
-            slack = 10 * math.log10(policy.criteria(r.name, False, r.reference)["max_nmse"] /
-                                    max(r.metrics["nmse"], 1e-300))
-            if slack < worst:
-                worst, where = slack, f"step {r.step} {r.name}"
-    return worst, where
 
 
 def divergence(report, step: int):
