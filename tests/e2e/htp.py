@@ -302,6 +302,18 @@ def _export(wrapped, args, names_in, names_out, f: Path):
                           external_data=False, optimize=False, verbose=False)
 
 
+def run_graph(compiled, ins: list, outs: list):
+    """The host's graph(inputs, step) -> (outputs, taps) of an fp16 HTP graph: compiled(inputs) -> (session, tap
+    names) for that call's shape; float32 inputs fed as float16, float16 results returned as float32."""
+    def graph(inputs, step):
+        sess, tap_names = compiled(inputs)
+        feed = {n: (inputs[n].astype(np.float16) if inputs[n].dtype == np.float32 else inputs[n]) for n in ins}
+        named = dict(zip(outs + tap_names, sess.run(None, feed)))
+        as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
+        return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
+    return graph
+
+
 def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None = None, skip=(), exports=None):
     """graph(inputs, step) -> (outputs, taps): GenieGraph exported in float16 and run on the HTP. One honest export
     per call shape (prompt AR, token AR); `exports` (a dict) caches the ONNX files across graphs of the same model
@@ -326,10 +338,4 @@ def htp_genie_graph(model, cfg, params: dict, path: Path, fault: D.Fault | None 
             sessions[ar] = (compiled_session(f, skip, fault), tap_names)
         return sessions[ar]
 
-    def graph(inputs, step):
-        sess, tap_names = compiled(inputs)
-        feed = {n: (inputs[n].astype(np.float16) if inputs[n].dtype == np.float32 else inputs[n]) for n in ins}
-        named = dict(zip(outs + tap_names, sess.run(None, feed)))
-        as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
-        return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
-    return graph
+    return run_graph(compiled, ins, outs)

@@ -21,7 +21,6 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -130,21 +129,6 @@ def _patched(module, name, value):
         setattr(module, name, before)
 
 
-class WithTaps(torch.nn.Module):
-    """AI Hub's graph returning the hooked taps as extra outputs (names in `tap_names` after a trace)."""
-
-    def __init__(self, base, recorder):
-        super().__init__()
-        self.base, self.recorder, self.tap_names = base, recorder, []
-
-    def forward(self, *args):
-        self.recorder.take()
-        outputs = self.base(*args)
-        taps = self.recorder.take()
-        self.tap_names = list(taps)
-        return (*outputs, *taps.values())
-
-
 @functools.cache
 def aihub_graph(directory: str, CL: int, pad_id: int):
     """AI Hub's graph of a checkpoint (tests/conformance/aihub.py) in float16, built once per process."""
@@ -174,7 +158,7 @@ def htp_aihub_graph(directory: Path, cfg, params: dict, path: Path, fault: D.Fau
         assert ins == list(g.input_spec(ar)), (ins, list(g.input_spec(ar)))
         if ar not in exports:
             with torch.no_grad(), HookRecorder(g.model) as rec:
-                wrapped = WithTaps(g.model, rec).eval()
+                wrapped = D.WithTaps(g.model, rec).eval()
                 args = tuple(D.torch_arg(inputs[n], torch.float16) for n in ins)
                 wrapped(*args)                                           # learn the tap names
                 f = path / f"aihub_genie_ar{ar}.onnx"
@@ -189,10 +173,4 @@ def htp_aihub_graph(directory: Path, cfg, params: dict, path: Path, fault: D.Fau
             sessions[ar] = (htp.compiled_session(f, skip, fault), tap_names)
         return sessions[ar]
 
-    def graph(inputs, step):
-        sess, tap_names = compiled(inputs)
-        feed = {n: (inputs[n].astype(np.float16) if inputs[n].dtype == np.float32 else inputs[n]) for n in ins}
-        named = dict(zip(outs + tap_names, sess.run(None, feed)))
-        as32 = {n: (a.astype(np.float32) if a.dtype == np.float16 else a) for n, a in named.items()}
-        return {n: as32[n] for n in outs}, {n: as32[n] for n in tap_names}
-    return graph
+    return htp.run_graph(compiled, ins, outs)
