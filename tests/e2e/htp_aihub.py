@@ -20,6 +20,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -75,10 +76,10 @@ class HookRecorder:
                 finally:
                     self.stack.pop()
             for where in (adaptations, aihub.load().qwen3_5):   # the graph's module imported it by name
-                self.patches.enter_context(_patched(where, "linear_attention_forward", linear_attention))
-            self.patches.enter_context(_patched(adaptations, "gated_delta_rule", self._function(
+                self.patches.enter_context(mock.patch.object(where, "linear_attention_forward", linear_attention))
+            self.patches.enter_context(mock.patch.object(adaptations, "gated_delta_rule", self._function(
                 "gated_delta_rule", adaptations.gated_delta_rule, ("query", "key", "value", "g", "beta"))))
-            self.patches.enter_context(_patched(adaptations, "_conv_with_state", self._function(
+            self.patches.enter_context(mock.patch.object(adaptations, "_conv_with_state", self._function(
                 "_conv_with_state", adaptations._conv_with_state, ("mixed_qkv",))))
         return self
 
@@ -117,16 +118,6 @@ class HookRecorder:
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     self._save(name if i == 0 else f"{name}.{i}", o)
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
 
 
 @functools.cache
