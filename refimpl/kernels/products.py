@@ -48,7 +48,6 @@ _SLICE = 384                                # terms per partial product: more sl
                                             # looser bounds and more undecided elements
 _plain = contextvars.ContextVar("plain_blas", default=False)
 _runtime = contextvars.ContextVar("onnxruntime_cpu", default=False)
-MLAS_STRIDE_K = 256                         # ONNX Runtime's MLAS SGEMM: K blocks summed from 0, added in order
 
 
 def _bound_factor(K: int) -> float:
@@ -128,7 +127,7 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
         return np.matmul(a, b)
     if _runtime.get():
-        return matmul_sequential_fma(a, b)
+        return mlas_sgemm(a, b)
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
@@ -364,21 +363,113 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return r
 
 
-def matmul_sequential_fma(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """float32 a @ b summed as ONNX Runtime's CPU EP sums (MLAS SGEMM): per block of MLAS_STRIDE_K terms of K,
-    acc = fma(a_k, b_k, acc) from acc = 0 in k order; the blocks' sums added to the result in order. a [..., M, K],
-    b [..., K, N] -> [..., M, N] float32. Not correctly rounded: the runtime's own order (a QDQ model's 16-bit
-    codes flip with its float32 roundings: docs/precision.md)."""
+MLAS_STRIDE = 128                           # MLAS_SGEMM_STRIDEN = MLAS_SGEMM_STRIDEK (mlasi.h): the B panel's sides
+MLAS_STRIDE_N_MIN = 16                      # ... N's side is not narrowed below this (sgemm.cpp)
+MLAS_LANES = 8                              # float32 lanes of the AVX registers of MLAS's M1 kernels (ymm)
+
+
+def mlas_stride_k(N: int, K: int) -> int:
+    """The K block of MLAS's SGEMM (MlasSgemmOperation, B not pre-packed, A not transposed) for an [M, K] @ [K, N]
+    product: from 128 x 128 panels, a small K doubles N's side while K fits in half the K side (N >= K), a small N
+    doubles K's side while N fits in half the N side (N < K; N's side stays >= 16)."""
+    stride_n = stride_k = MLAS_STRIDE
+    if N >= K:
+        while stride_k // 2 >= K:
+            stride_n, stride_k = stride_n * 2, stride_k // 2
+    else:
+        while stride_n > MLAS_STRIDE_N_MIN and stride_n // 2 >= N:
+            stride_n, stride_k = stride_n // 2, stride_k * 2
+    return stride_k
+
+
+def mlas_sgemm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a @ b with NumPy's broadcasting, summed as ONNX Runtime's CPU EP sums its MatMul (one MLAS thread per
+    product, B a runtime tensor, not an initializer MLAS pre-packs: a QDQ model's dequantised weights). As
+    MatMulComputeHelper does, a's leading axes fold into the rows M when b has no batch (b [K, N] or [1.., K, N]);
+    else each batch is one [M, K] @ [K, N] product. MlasSgemmOperation then takes (x86-64 with AVX):
+      M == 1:  MlasSgemmKernelM1Avx, b's rows added four at a time (matmul_mlas_m1);
+      N == 1:  MlasSgemmKernelM1TransposeBAvx on (b, a), eight lanes and a per-row-group reduction (matmul_mlas_n1);
+      else:    the FMA kernel per K block of mlas_stride_k(N, K) (matmul_sequential_fma).
+    a [..., M, K], b [..., K, N] -> [..., M, N] float32."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    if b.shape[-2] != K:
+        raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
+    fold = a.ndim >= b.ndim and math.prod(b.shape[:-2]) == 1
+    rows = math.prod(a.shape[:-1]) if fold else M                                # ORT's M
+    if rows == 1:
+        return matmul_mlas_m1(a, b)
+    if N == 1:
+        if fold:
+            out = matmul_mlas_n1(a.reshape(rows, K), b.reshape(K, 1))             # one [rows, K] @ [K, 1]
+            return out.reshape(*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), M, 1)
+        return matmul_mlas_n1(a, b)
+    return matmul_sequential_fma(a, b, mlas_stride_k(N, K))
+
+
+def matmul_sequential_fma(a: np.ndarray, b: np.ndarray, block: int) -> np.ndarray:
+    """float32 a @ b summed as MLAS's SGEMM FMA kernels sum (ONNX Runtime's CPU EP, M > 1 and N > 1): per block of
+    `block` terms of K (mlas_stride_k), acc = fma(a_k, b_k, acc) from acc = 0 in k order; the blocks' sums added
+    to the result in order. a [..., M, K], b [..., K, N] -> [..., M, N] float32. Not correctly rounded: the
+    runtime's own order (a QDQ model's 16-bit codes flip with its float32 roundings: docs/precision.md)."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     K = a.shape[-1]
     shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
     out = None
-    for k0 in range(0, K, MLAS_STRIDE_K):
+    for k0 in range(0, K, block):
         acc = np.zeros(shape, np.float32)
-        for k in range(k0, min(K, k0 + MLAS_STRIDE_K)):
+        for k in range(k0, min(K, k0 + block)):
             acc = fma32(a[..., :, k:k + 1], b[..., k:k + 1, :], acc)              # acc = a_k b_k + acc, one rounding
         out = acc if out is None else out + acc
-    return out
+    return out if out is not None else np.zeros(shape, np.float32)
+
+
+def matmul_mlas_m1(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a @ b for one row of a, summed as MlasSgemmKernelM1Avx (ONNX Runtime's CPU EP, M == 1): products
+    p_k = fl32(a_k b_kn) (vmulps, no FMA); per four rows k..k+3 of b, t = ((p_k + p_k+1) + p_k+2) + p_k+3, then
+    c = t + c from c = +0; of the last K mod 4 rows, a pair t = p_k + p_k+1 (c = t + c), then a single p (c = p + c).
+    a [..., 1, K], b [..., K, N] -> [..., 1, N] float32."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    K = a.shape[-1]
+    p = a[..., 0, :, None] * b                                                  # p_kn = fl32(a_k b_kn)  [..., K, N]
+    c = np.zeros(p.shape[:-2] + p.shape[-1:], np.float32)                       # +0  [..., N]
+    k = 0
+    for step in (4,) * (K // 4) + ((2,) if K % 4 >= 2 else ()) + ((1,) if K % 2 else ()):
+        t = p[..., k, :]
+        for j in range(k + 1, k + step):
+            t = t + p[..., j, :]                                                # t = ((p_k + p_k+1) + ...) in order
+        c, k = t + c, k + step
+    return c[..., None, :]
+
+
+def matmul_mlas_n1(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a @ b for one column b, summed as MlasSgemmKernelM1TransposeBAvx on (b, a) (ONNX Runtime's CPU EP,
+    N == 1: MlasSgemmOperation computes C^T = b^T a^T, a's rows being the kernel's transposed B):
+      products p_k = fl32(a_mk b_k) (vmulps, no FMA), eight lanes: s_j = (((+0 + p_j) + p_j+8) + p_j+16) + ...,
+      k = j mod 8 (vaddps; the last K mod 8 lanes loaded masked: + a zero product);
+      the lanes reduced by the rows' group (a's rows in fours from row 0, then a pair, then a single row):
+        four:   (((s0 + s1) + s2) + s3) + (((s4 + s5) + s6) + s7)
+        pair:   ((s0 + s2) + (s4 + s6)) + ((s1 + s3) + (s5 + s7))
+        single: ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+      then + 0 (beta = 0: C masked to +0, added).
+    a [..., M, K], b [..., K, 1] -> [..., M, 1] float32."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    M, K = a.shape[-2:]
+    p = a * np.swapaxes(b, -1, -2)                                              # p_mk = fl32(a_mk b_k)  [..., M, K]
+    L = MLAS_LANES
+    chunks = -(-K // L)
+    p = np.concatenate([p, np.zeros((*p.shape[:-1], chunks * L - K), np.float32)], axis=-1)   # masked: + 0 products
+    s = np.zeros((*p.shape[:-1], L), np.float32)                                 # the lanes, from +0  [..., M, 8]
+    for c in range(chunks):
+        s = s + p[..., c * L:(c + 1) * L]                                       # s_j += p_j+8c
+    l = [s[..., j] for j in range(L)]                                           # noqa: E741
+    four = (((l[0] + l[1]) + l[2]) + l[3]) + (((l[4] + l[5]) + l[6]) + l[7])
+    pair = ((l[0] + l[2]) + (l[4] + l[6])) + ((l[1] + l[3]) + (l[5] + l[7]))
+    single = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    m4 = M // 4 * 4
+    group = np.where(np.arange(M) < m4, 0, np.where(np.arange(M) < m4 + (M % 4 // 2) * 2, 1, 2))  # four, pair, single
+    out = np.choose(np.broadcast_to(group, four.shape), (four, pair, single)) + np.float32(0)
+    return out[..., None]
 
 
 EIGEN_PACKET = 4                            # float32 lanes of Eigen's packets in ONNX Runtime's CPU build (SSE)

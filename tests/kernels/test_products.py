@@ -154,7 +154,7 @@ def test_plain_blas_is_opt_in():
 def test_fma32_rounds_once_and_the_runtime_order_is_a_chain_of_them():
     """fma32(a, b, c) is RNE32 of the exact a b + c (tests/exact.py's Fraction rounding), midpoints included
     (a b exactly halfway between two float32, c a tiny nudge either way); ONNX Runtime's order (onnxruntime_cpu) is
-    that chain from 0 over each 256-term block of K, blocks added; the float path outside it stays correctly
+    that chain from 0 over each K block (256 terms here), blocks added; the float path outside it stays correctly
     rounded. (Against ONNX Runtime itself: tests/e2e/test_quantised_refimpl.py.)"""
     from fractions import Fraction
     rng = np.random.default_rng(3)
@@ -166,13 +166,15 @@ def test_fma32_rounds_once_and_the_runtime_order_is_a_chain_of_them():
     c = np.append(c, np.array([0, 2.0 ** -60, -2.0 ** -60], np.float32))
     want = [exact.to_float32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
     assert_bits(products.fma32(a, b, c), want)
-    x, w = scaled(rng, (3, 600), 0), scaled(rng, (600, 5), 0)
+    x, w = scaled(rng, (3, 600), 0), scaled(rng, (600, 40), 0)
+    step = products.mlas_stride_k(40, 600)                  # N = 40 < K: N's side 64, K's 256
+    assert step == 256
     with products.onnxruntime_cpu():
         got = products.matmul(x, w)
     blocks = []
-    for k0 in range(0, 600, products.MLAS_STRIDE_K):
-        acc = np.zeros((3, 5), np.float32)
-        for k in range(k0, min(600, k0 + products.MLAS_STRIDE_K)):
+    for k0 in range(0, 600, step):
+        acc = np.zeros((3, 40), np.float32)
+        for k in range(k0, min(600, k0 + step)):
             acc = products.fma32(x[:, k:k + 1], w[k:k + 1], acc)
         blocks.append(acc)
     assert_bits(got, (blocks[0] + blocks[1]) + blocks[2])
