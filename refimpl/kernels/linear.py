@@ -20,6 +20,18 @@ def linear(x: np.ndarray, weight, bias: np.ndarray | None = None) -> np.ndarray:
     return y.reshape(*x.shape[:-1], w_t.shape[-1])
 
 
+def matvec(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y_t = W x_t for each row x_t of x: n matrix-vector products, the batched form [n, out, in] @ [n, in, 1] an
+    export computes (transformers' batched_mm experts: W first).  weight [out, in], x [n, in] -> [n, out].
+
+    Correctly rounded, each element is what `linear` gives; inside products.onnxruntime_cpu() it is summed as ONNX
+    Runtime sums that form (one column: MLAS's N == 1 kernel, whose order depends on the row of W: the whole W,
+    not a slice of its rows, is the product's A).
+    """
+    y = products.matmul(np.broadcast_to(weight, (x.shape[0], *weight.shape)), x[:, :, None])   # [n, out, 1]
+    return y[..., 0]
+
+
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Row gather: ids [B, T] int, table [V, H] -> [B, T, H]."""
     return table[ids]

@@ -22,7 +22,7 @@ from ..graph import Node, Point, declare, merge
 from ..kernels.activation import ACTIVATIONS, activate, sigmoid, sigmoid_rounded, unhooked
 from ..kernels.attention import attend, attention_probs, attention_scores
 from ..kernels.elementary import inverse_sqrt
-from ..kernels.linear import linear
+from ..kernels.linear import linear, matvec
 from ..kernels.moe import mix_experts, route
 from ..kernels.norm import rms_norm, rms_norm_rounded
 from ..kernels.rope import apply_rope
@@ -145,13 +145,15 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
         gate, up, down = w.expert(f"{p}.experts", e)
         if at is unhooked:
             return r(linear(r(r(act(r(linear(xe, gate)))) * r(linear(xe, up))), down))
-        # a device graph's points: x W_gate_up^T split in [gate | up], silu as x * sigmoid(x), the product, down
-        g, u = r(linear(xe, gate)), r(linear(xe, up))                                  # [n_e, Ie] each
+        # a device graph's points: W_gate_up x split in [gate | up], silu as x * sigmoid(x), the product, W_down h;
+        # its products are the declared points' W x per token (MatMul's operands in order: the placement checks),
+        # which ONNX Runtime sums in another order than x W^T (matvec)
+        g, u = np.split(r(matvec(np.concatenate([gate, up]), xe)), 2, axis=-1)        # [n_e, Ie] each
         if "gate_up" in at.points:
             g, u = np.split(at("gate_up", np.concatenate([g, u], axis=-1)), 2, axis=-1)
         g, u = at("gate", g), at("up", u)
         a = at("act", r(activate(cfg.hidden_act, g, at=at)))                          # act(gate)
-        return at("down", r(linear(at("hidden", r(a * u)), down)))                    # (act * up) W_down^T
+        return at("down", r(matvec(down, at("hidden", r(a * u)))))                    # W_down (act * up)
 
     out = mix_experts(xs, experts, weights, expert, rnd=r, at=at)
     out = tap(p, "experts", quant.output(f"{p}.experts", out.reshape(B, T, H))).reshape(B * T, H)
