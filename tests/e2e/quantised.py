@@ -580,7 +580,8 @@ def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
     tensors: {ONNX tensor name: [refimpl node / point names]} (the placement's `tensors`); peer: {QuantizeLinear
     output: codes} (this module's runs). Returns {ONNX tensor: (identical share, max step)} where refimpl's value
     has the peer's elements in the peer's order (the same shape up to leading 1s, or a transpose of the last two
-    axes); {ONNX tensor: reason} where not (another layout, refimpl's real slots only, ...)."""
+    axes, or of the two before the last: heads and tokens; adjacent axes merged, e.g. refimpl's [kv heads, group]
+    as the device's heads); {ONNX tensor: reason} where not (another layout, refimpl's real slots only, ...)."""
     params = quant_params(qm)
     quantizer = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
     out = {}
@@ -591,9 +592,10 @@ def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
             continue
         have, mine = np.asarray(peer[q]), np.asarray(record[wheres[0]], np.float32)
         scale, zp = params[q]
-        candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else [])
+        candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else []) + \
+            ([np.swapaxes(mine, -2, -3)] if mine.ndim >= 3 else [])           # [B, T, heads, d] / [B, heads, T, d]
         match = next((c.reshape(have.shape) for c in candidates if c.size == have.size and
-                      [d for d in c.shape if d != 1] == [d for d in have.shape if d != 1]), None)
+                      _coarsens(have.shape, c.shape)), None)
         if match is None:
             out[tensor] = f"layout: refimpl {list(mine.shape)}, device {list(have.shape)}"
             continue
@@ -602,3 +604,10 @@ def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
             continue
         out[tensor] = codes_agreement(codes_of(match, scale, zp, have.dtype), have)
     return out
+
+
+def _coarsens(shape, finer) -> bool:
+    """`shape` is `finer` with adjacent axes merged (1s aside): the same elements in the same order."""
+    ends = set(np.cumprod([d for d in finer if d != 1]).tolist())
+    mine = np.cumprod([d for d in shape if d != 1]).tolist()
+    return math.prod(shape) == math.prod(finer) and all(e in ends for e in mine)
