@@ -24,12 +24,19 @@ def matvec(weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     """y_t = W x_t for each row x_t of x: n matrix-vector products, the batched form [n, out, in] @ [n, in, 1] an
     export computes (transformers' batched_mm experts: W first).  weight [out, in], x [n, in] -> [n, out].
 
-    Correctly rounded, each element is what `linear` gives; inside products.onnxruntime_cpu() it is summed as ONNX
-    Runtime sums that form (one column: MLAS's N == 1 kernel, whose order depends on the row of W: the whole W,
-    not a slice of its rows, is the product's A).
+    Correctly rounded, each element is what `linear` gives (and `linear` computes it); inside
+    products.onnxruntime_cpu() it is summed as ONNX Runtime sums that form (one column: MLAS's N == 1 kernel, whose
+    order depends on the row of W: the whole W, not a slice of its rows, is the product's A), a few tokens at a
+    time (the products of a chunk are held: [n, out, in] float32).
     """
-    y = products.matmul(np.broadcast_to(weight, (x.shape[0], *weight.shape)), x[:, :, None])   # [n, out, 1]
-    return y[..., 0]
+    if not products.onnxruntime_cpu_active():
+        return linear(x, weight)
+    step = max(1, _MATVEC_ELEMENTS // max(1, weight.size))
+    return np.concatenate([products.matmul(np.broadcast_to(weight, (len(xs), *weight.shape)), xs[:, :, None])[..., 0]
+                           for xs in (x[i:i + step] for i in range(0, max(1, len(x)), step))])   # [n, out]
+
+
+_MATVEC_ELEMENTS = 1 << 22                  # products held at once by matvec in ONNX Runtime's order (16 MiB)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -93,3 +93,19 @@ def test_each_path_is_taken_where_mlas_takes_it():
     assert np.array_equal(m1, products.matmul_mlas_m1(a1, b1))
     assert [products.mlas_stride_k(n, k) for n, k in ((192, 64), (40, 600), (20, 600), (5, 300), (100, 600))] == \
         [64, 256, 512, 1024, 128]
+
+
+def test_matvec_is_linear_outside_the_runtime_and_one_column_per_token_inside(monkeypatch):
+    """linear.matvec (a device graph's W x per token, the MoE experts): correctly rounded it is `linear`; in ONNX
+    Runtime's order each token is one [out, in] @ [in, 1] product, however many tokens a chunk holds."""
+    from refimpl.kernels import linear
+    rng = np.random.default_rng(9)
+    w, x = rng.standard_normal((12, 40)).astype(np.float32), rng.standard_normal((7, 40)).astype(np.float32)
+    assert np.array_equal(linear.matvec(w, x).view(np.int32), linear.linear(x, w).view(np.int32))
+    with products.onnxruntime_cpu():
+        want = np.stack([products.matmul_mlas_n1(w, x[t][:, None])[:, 0] for t in range(7)])
+        assert np.array_equal(linear.matvec(w, x).view(np.int32), want.view(np.int32))
+        monkeypatch.setattr(linear, "_MATVEC_ELEMENTS", 2 * w.size)          # chunks of two tokens
+        assert np.array_equal(linear.matvec(w, x).view(np.int32), want.view(np.int32))
+        assert np.array_equal(want.view(np.int32), ort_matmul(np.broadcast_to(w, (7, 12, 40)).copy(),
+                                                              x[:, :, None])[..., 0].view(np.int32))
