@@ -2,7 +2,8 @@
 
 router:  p = softmax(float32(logits)) over all E; (w, idx) = top-k(p); w <- w / sum(w) if renormalised;
          w cast back to the logits dtype.
-mix:     out = sum over the chosen experts, in ascending expert id, of w_e * expert_e(x), from zeros.
+mix:     out = sum over the chosen experts, in ascending expert id, of w_e * expert_e(x), from zeros (a device
+         graph's: summed over the k slots, as its ReduceSum).
 shared:  out += sigmoid(x . w_sg) * shared_expert(x)   (the model composes it: a linear, then sigmoid)
 """
 
@@ -29,13 +30,21 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity, at
 
 
 def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=identity,
-                at=unhooked) -> np.ndarray:
+                at=unhooked, by_slot: bool = False) -> np.ndarray:
     """x [N, H], experts/weights [N, k], expert_fn(e, x_e [n_e, H]) -> [n_e, H]  ->  out [N, H].
 
     Each term is weighted after the expert's down projection and added in ascending expert id; in emulated
     bf16 / fp16 the weighted term and the running sum are rounded (transformers' index_add_ in that dtype).
+    by_slot: the terms summed over the k slots instead (an export's ReduceSum of weighted [N, k, H] over k, in the
+    router's order: products.sum, which is ONNX Runtime's order inside products.onnxruntime_cpu()).
     Point: weighted (each weighted term).
     """
+    if by_slot:
+        terms = np.zeros((*experts.shape, x.shape[-1]), x.dtype)                # [N, k, H]
+        for e in np.unique(experts):
+            token, slot = np.nonzero(experts == e)
+            terms[token, slot] = rnd(at("weighted", expert_fn(int(e), x[token]) * weights[token, slot, None]))
+        return rnd(products.sum(terms, axis=1))                                 # sum over the k slots
     out = np.zeros_like(x)
     for e in np.unique(experts):
         token, slot = np.nonzero(experts == e)  # a token picks an expert at most once: no repeated rows

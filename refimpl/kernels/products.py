@@ -305,11 +305,11 @@ def sumprod(a: np.ndarray, b: np.ndarray, axis: int = -1, keepdims: bool = False
 
 def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  # noqa: A001 (the kernel's name)
     """sum_k x_k along `axis`, correctly rounded (float32) or NumPy's float64 sum (float64); inside
-    onnxruntime_cpu(), in ONNX Runtime's order (eigen_sum)."""
+    onnxruntime_cpu(), in ONNX Runtime's ReduceSum order for x's layout (reduce_sum_onnxruntime)."""
     if x.dtype == np.float64 or _plain.get():
         return np.sum(x, axis=axis, keepdims=keepdims)
     if _runtime.get():
-        out = eigen_sum(np.moveaxis(np.asarray(x, np.float32), axis, -1))
+        out = reduce_sum_onnxruntime(x, axis)
         return np.expand_dims(out, axis) if keepdims else out
     return sumprod(x, np.ones((), np.float32), axis=axis, keepdims=keepdims)
 
@@ -475,29 +475,64 @@ def matmul_mlas_n1(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 EIGEN_PACKET = 4                            # float32 lanes of Eigen's packets in ONNX Runtime's CPU build (SSE)
 
 
-def eigen_sum(x: np.ndarray) -> np.ndarray:
-    """float32 sum over the last axis as ONNX Runtime's CPU EP reduces (ReduceSum / ReduceMean: Eigen's vectorised
-    redux, packets of EIGEN_PACKET lanes): two packet accumulators over alternate packets, added; a last odd
-    packet added; the lanes halved pairwise (predux); the tail elements added in order.  [..., n] -> [...]"""
+def eigen_sum(x: np.ndarray, head: int = 0) -> np.ndarray:
+    """float32 sum over the last axis as Eigen's vectorised redux (ONNX Runtime's CPU EP: packets of EIGEN_PACKET
+    lanes) sums a row whose first `head` elements precede its first packet-aligned one: over the whole packets
+    from there, two packet accumulators over alternate packets, added; a last odd packet added; the lanes halved
+    pairwise (predux); then the head elements, then the tail, each added in order. Fewer than one packet after
+    the head: x_0 + x_1 + ... in order.  [..., n] -> [...]"""
     n, w = x.shape[-1], EIGEN_PACKET
-    whole, pairs = n // w * w, n // (2 * w) * 2 * w
+    h = min(head, n)
+    whole = (n - h) // w * w
     if not whole:
         s = x[..., 0] if n else np.zeros(x.shape[:-1], np.float32)
-    else:
-        r0 = x[..., :w]
-        if whole > w:
-            r1 = x[..., w:2 * w]
-            for i in range(2 * w, pairs, 2 * w):
-                r0, r1 = r0 + x[..., i:i + w], r1 + x[..., i + w:i + 2 * w]     # two accumulators
-            r0 = r0 + r1
-            if whole > pairs:
-                r0 = r0 + x[..., pairs:pairs + w]                               # the odd packet
-        while r0.shape[-1] > 1:                                                 # predux: halves added
-            r0 = r0[..., :r0.shape[-1] // 2] + r0[..., r0.shape[-1] // 2:]
-        s = r0[..., 0]
-    for i in range(whole if whole else 1, n):
-        s = s + x[..., i]                                                       # the tail, in order
+        for i in range(1, n):
+            s = s + x[..., i]                                                   # too short: in order
+        return s
+    pairs = h + (n - h) // (2 * w) * 2 * w
+    r0 = x[..., h:h + w]
+    if whole > w:
+        r1 = x[..., h + w:h + 2 * w]
+        for i in range(h + 2 * w, pairs, 2 * w):
+            r0, r1 = r0 + x[..., i:i + w], r1 + x[..., i + w:i + 2 * w]         # two accumulators
+        r0 = r0 + r1
+        if h + whole > pairs:
+            r0 = r0 + x[..., pairs:pairs + w]                                   # the odd packet
+    while r0.shape[-1] > 1:                                                     # predux: halves added
+        r0 = r0[..., :r0.shape[-1] // 2] + r0[..., r0.shape[-1] // 2:]
+    s = r0[..., 0]
+    for i in (*range(h), *range(h + whole, n)):
+        s = s + x[..., i]                                                       # the head, then the tail, in order
     return s
+
+
+def reduce_sum_onnxruntime(x: np.ndarray, axis: int) -> np.ndarray:
+    """float32 sum of x over one axis as ONNX Runtime's CPU EP's ReduceSum sums it (x a C-ordered tensor, its buffer
+    16-byte aligned, one thread). With pre / post the sizes of the axes before / after `axis`, its fast paths:
+      post == 1 (KR): each row of n by Eigen's redux (eigen_sum), row r's head the elements before its first
+        16-byte boundary, (-r n) mod EIGEN_PACKET;
+      pre == 1 (RK): the rows of the axis added in order, x_0 + x_1 + ... (Eigen's += on arrays);
+      else (KRK): per leading index, MatMul(ones [1, n], x [n, post]): MLAS's M == 1 kernel (matmul_mlas_m1).
+    [..., n, ...] -> [..., ...]"""
+    x = np.asarray(x, np.float32)
+    axis = axis % x.ndim
+    pre, n, post = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
+    shape = x.shape[:axis] + x.shape[axis + 1:]
+    if post == 1:
+        rows = x.reshape(pre, n)
+        heads = (-(np.arange(pre) * n)) % EIGEN_PACKET
+        out = np.empty(pre, np.float32)
+        for h in np.unique(heads):
+            out[heads == h] = eigen_sum(rows[heads == h], int(h))
+        return out.reshape(shape)
+    if pre == 1:
+        rows = x.reshape(n, post)
+        s = rows[0]
+        for i in range(1, n):
+            s = s + rows[i]                                                     # row by row
+        return s.reshape(shape)
+    ones = np.ones((pre, 1, n), np.float32)
+    return matmul_mlas_m1(ones, x.reshape(pre, n, post)).reshape(shape)
 
 
 def onnxruntime_cpu_active() -> bool:

@@ -155,7 +155,8 @@ def moe(w, p: str, x: np.ndarray, cfg, ctx) -> np.ndarray:
         a = at("act", r(activate(cfg.hidden_act, g, at=at)))                          # act(gate)
         return at("down", r(matvec(down, at("hidden", r(a * u)))))                    # W_down (act * up)
 
-    out = mix_experts(xs, experts, weights, expert, rnd=r, at=at)
+    # a device graph's point: the weighted terms ReduceSum'd over the k slots (an order of its own for k > 2)
+    out = mix_experts(xs, experts, weights, expert, rnd=r, at=at, by_slot=at is not unhooked)
     out = tap(p, "experts", quant.output(f"{p}.experts", out.reshape(B, T, H))).reshape(B * T, H)
     if cfg.shared_expert_intermediate_size:  # Qwen3-Next, Qwen3.5-MoE
         shared = mlp(w, f"{p}.shared_expert", x, cfg, ctx).reshape(B * T, H)

@@ -6,7 +6,7 @@ implementation we did not write; nothing expected here comes from refimpl.
 
 - placement: every quantiser of the rewritten graph placed (declared forms, reordered twins / chains);
 - teacher-forced, per quantiser: each computing node of the QDQ model evaluated by refimpl's kernels on the CPU EP's
-  own dequantised inputs (products.matmul, elementary.sigmoid, activation.softmax, products.sum inside
+  own dequantised inputs (products.matmul for MatMul / Gemm, elementary.sigmoid, activation.softmax, products.sum inside
   products.onnxruntime_cpu(): the runtime's float32 sums and logistic), quantised by the ONNX encoding refimpl reads
   (Encoding, arithmetic "onnx"): >= 99.9 % of codes identical at every quantiser (measured: 100 % at all);
 - free-running: refimpl's quantised golden's logits within 1 % of max |float - CPU EP| of the CPU EP's, and the
@@ -64,6 +64,9 @@ def refimpl_op(n, ins):
     op = n.op_type
     if op == "MatMul":
         return products.matmul(ins[0], ins[1])
+    if op == "Gemm" and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1 and not _attr(n, "transA", 0):
+        y = products.matmul(ins[0], ins[1].T if _attr(n, "transB", 0) else ins[1])   # the router: x W^T
+        return y + ins[2] if len(ins) > 2 else y           # the bias after the products (one K block: as MLAS)
     if op in ("Mul", "Add", "Sub", "Div"):
         return {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}[op](ins[0], ins[1])
     if op == "Neg":
@@ -74,10 +77,10 @@ def refimpl_op(n, ins):
         return np.float32(1) / ins[0]
     if op == "Pow" and np.all(ins[1] == 2):
         return ins[0] * ins[0]
-    if op == "ReduceMean":
+    if op in ("ReduceMean", "ReduceSum"):
         (axis,) = ins[1] if len(ins) > 1 else _attr(n, "axes")
-        return products.sum(ins[0], axis=int(axis), keepdims=bool(_attr(n, "keepdims", 1))) / np.float32(
-            ins[0].shape[int(axis)])
+        y = products.sum(ins[0], axis=int(axis), keepdims=bool(_attr(n, "keepdims", 1)))
+        return y / np.float32(ins[0].shape[int(axis)]) if op == "ReduceMean" else y
     if op == "Softmax":
         return activation.softmax(ins[0], _attr(n, "axis", -1))
     if op == "Sigmoid":

@@ -109,3 +109,37 @@ def test_matvec_is_linear_outside_the_runtime_and_one_column_per_token_inside(mo
         assert np.array_equal(linear.matvec(w, x).view(np.int32), want.view(np.int32))
         assert np.array_equal(want.view(np.int32), ort_matmul(np.broadcast_to(w, (7, 12, 40)).copy(),
                                                               x[:, :, None])[..., 0].view(np.int32))
+
+
+REDUCTIONS = [((8, 2, 64), 1), ((8, 5, 64), 1), ((16, 8, 2048), 1), ((8, 9, 64), 1), ((4, 13, 3), 1),   # KRK
+              ((1, 8, 64), 2), ((8, 8, 37), 2), ((7, 5), 1), ((3, 6), 1), ((9, 2), 1), ((6,), 0),          # KR
+              ((1, 8, 64), 1), ((5, 7), 0), ((2, 3, 1), 1)]                                               # RK
+
+
+def ort_reduce(op: str, x: np.ndarray, axis: int) -> np.ndarray:
+    h, tp = onnx.helper, onnx.TensorProto
+    g = h.make_graph([h.make_node(op, ["x", "axes"], ["y"], keepdims=0)], op,
+                     [h.make_tensor_value_info("x", tp.FLOAT, list(x.shape))],
+                     [h.make_tensor_value_info("y", tp.FLOAT, None)], [h.make_tensor("axes", tp.INT64, [1], [axis])])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(h.make_model(g, opset_imports=[h.make_opsetid("", 18)]).SerializeToString(),
+                                   options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def test_reduce_sum_and_mean_are_bit_identical_to_onnxruntime_cpu():
+    """products.sum inside onnxruntime_cpu() is ReduceSum's order for each of its fast paths (KR: Eigen's redux with
+    each row's misaligned head; RK: rows in order; KRK: MLAS's M == 1 kernel with ones), and sum / n is ReduceMean."""
+    rng = np.random.default_rng(31)
+    differ = {}
+    for shape, axis in REDUCTIONS:
+        x = (rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, shape))).astype(np.float32)
+        with products.onnxruntime_cpu():
+            got = products.sum(x, axis=axis)
+        for op, mine in (("ReduceSum", got), ("ReduceMean", got / np.float32(shape[axis]))):
+            share = float((mine.view(np.int32) == ort_reduce(op, x, axis).view(np.int32)).mean())
+            if share < 1:
+                differ[(op, shape, axis)] = share
+    assert not differ, differ
