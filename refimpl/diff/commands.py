@@ -24,7 +24,8 @@ from .dump import read_dump, read_json, read_mapping, refuse_renamed_taps
 from .explain import explain, parse
 from .layouts import candidates, conv_kernel
 from .policy import load_policy, make_policy
-from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
+from .quantised import (EXCESS, compare_three_way, decode_codes, device_graph, device_names,
+                        print_three_way, tap_encodings)
 from .replay import device_tensor, replay
 from .report import fault_line, fmt, print_report, print_table, render_html, terminal
 from .saved import load_metrics, rejudge, save_metrics
@@ -113,8 +114,13 @@ def _policy(args):
 
 
 def _dump(args, bundle):
-    return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
-                     dtype=args.dump_dtype)
+    """The dump matched to the bundle: by --mapping, and a quantised device graph's tensor names (the bundle's
+    --encodings a QDQ model or aimet-onnx encodings: its quantisers' ONNX names are its taps') by the bundle."""
+    mapping = read_mapping(args.mapping) if args.mapping else {}
+    if getattr(args, "encodings", None) and device_graph(bundle, args.encodings):
+        tap_encodings(bundle, args.encodings)   # the bundle's own device graph (its sha256), else a one-line error
+        mapping = {**device_names(bundle, args.encodings), **mapping}
+    return read_dump(args.device, bundle, mapping=mapping or None, dtype=args.dump_dtype)
 
 
 def _bundle(path):

@@ -41,6 +41,8 @@ from ..graph import module_taps, modules
 from ..models.model import graph
 from ..models.quantisers import place
 from .compare import compare
+from .divergence import model_config
+from .layouts import candidates, conv_kernel
 from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
@@ -49,7 +51,8 @@ EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of
 def tap_encodings(bundle, encodings=None) -> dict:
     """{tap name: Encoding} of the bundle's output-quantised taps: from its manifest's record, or, given an
     encodings file, placed from that file for the bundle's model (its sha256 must match the bundle's, if it
-    recorded one)."""
+    recorded one). A device graph's encodings (a QDQ .onnx model, aimet-onnx encodings of an ONNX model: the bundle
+    placed them on its graph when it was written) are the record's, once the file is the bundle's."""
     record = bundle.manifest.get("quantisation") or {}
     if encodings is None:
         return {q["tap"]: Encoding.from_record(q) for q in record.get("quantisers", []) if q["io"] == "output"}
@@ -57,11 +60,45 @@ def tap_encodings(bundle, encodings=None) -> dict:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
+    if device_graph(bundle, encodings):
+        if want is None:
+            raise InputError(f"{encodings}: a device graph's encodings, but {bundle.path} was not written with them "
+                             f"(refimpl golden --encodings {Path(encodings).name})")
+        return tap_encodings(bundle)
     cfg = manifest_config(bundle.manifest)
     nodes = graph(cfg)
     placed = place(read_activation_encodings(encodings), modules(nodes), source=str(encodings),
                    taps=module_taps(nodes))
     return placed.output_taps()
+
+
+def device_graph(bundle, encodings) -> bool:
+    """The encodings file is a quantised device graph's: a QDQ .onnx model, or the bundle recorded the ONNX model
+    its aimet-onnx encodings name (precision.Policy.device_graph)."""
+    recorded = (bundle.manifest.get("precision") or {}).get("encodings") or {}
+    return str(encodings).endswith(".onnx") or "onnx" in recorded
+
+
+def device_names(bundle, encodings) -> dict:
+    """{device name: golden tap name} of a dump of the device graph whose encodings the bundle was written with:
+    each tap a quantiser of that graph sits on (the record's "onnx" tensors; the last one's values are the
+    tap's), by its ONNX tensor name and, for a QDQ model, by its QuantizeLinear's output (the codes) and its
+    DequantizeLinears' outputs (refimpl.formats.qdq.qdq_names). Names that are a bundle tensor's own (a graph
+    output a quantiser writes) keep their meaning. The mapping `refimpl diff --encodings` reads a dump by, so a
+    dump named as the device graph names its tensors needs no mapping file."""
+    record = bundle.manifest.get("quantisation") or {}
+    own = {n for s in bundle.manifest.get("steps", []) for role in ("inputs", "outputs", "taps") for n in s[role]}
+    tensor_tap = {}
+    for q in record.get("quantisers", []):
+        if q["io"] == "output" and q.get("onnx"):
+            tensor_tap[q["onnx"][-1]] = q["tap"]
+    aliases = {}
+    if str(encodings).endswith(".onnx"):
+        from ..formats.qdq import qdq_names
+        aliases = qdq_names(encodings)
+    out = dict(tensor_tap)
+    out.update({alias: tensor_tap[t] for alias, t in aliases.items() if t in tensor_tap})
+    return {name: tap for name, tap in out.items() if name not in own}
 
 
 def decode_codes(dump, bundle, encodings: dict) -> list[str]:
@@ -89,8 +126,10 @@ def decode_codes(dump, bundle, encodings: dict) -> list[str]:
             item.array, item.problem = None, (f"{item.source}: integer codes outside [{lo}, {hi}] of the tap's "
                                               f"{enc.bitwidth}-bit encoding")
             continue
-        item.codes = codes.reshape(-1).astype(np.int64)
-        item.array, item.problem = enc.dequantize(codes.reshape(rec["shape"])).reshape(-1), None
+        if codes.ndim <= 1 or (enc.axis is not None and codes.shape != tuple(rec["shape"])):
+            codes = codes.reshape(rec["shape"])  # a raw file's codes (or a per-axis grid): the bundle's shape
+        item.codes = codes.astype(np.int64)     # an array's own shape: the device's layout, read as its floats are
+        item.array, item.problem = enc.dequantize(codes), None
         decoded.append(key)
     return decoded
 
@@ -150,11 +189,12 @@ def _codes(bundle, item, result, enc: Encoding):
     mask = valid_mask(golden.shape, rec["valid"])
     want = enc.codes(golden)[mask]
     have = getattr(item, "codes", None)
-    if have is not None:
+    if have is not None and result.layout is None and have.size == golden.size:
         have = have.reshape(golden.shape)[mask]
-    else:
-        device = item.array.reshape(golden.shape) if item.array.size == golden.size else None
-        if device is None or result.layout is not None:
+    else:   # the device's floats (or its dequantised codes) in the layout the diff read them in: their codes
+        device = dict(candidates(item, rec, result.layout, conv_kernel(model_config(
+            (bundle.manifest.get("model") or {}).get("config"))))).get(result.layout)
+        if device is None:
             return None, None
         have = enc.codes(np.nan_to_num(device.astype(np.float32)))[mask]
     if want.size == 0:
@@ -189,7 +229,8 @@ def print_three_way(report, rows, console=None, top: int = 20) -> None:
             r = by_key[key]
             console.print(f"[bold red]first excess beyond quantisation, step {k}:[/] {r.name}: device SQNR "
                           f"{_db(r.device_sqnr_db)} dB against the quantised golden, quantisation itself "
-                          f"{_db(r.quantisation_sqnr_db)} dB (excess {r.excess:.3g})")
+                          f"{_db(r.quantisation_sqnr_db)} dB (excess "
+                          f"{'none: ' + r.status if r.excess is None else format(r.excess, '.3g')})")
     for note in report.notes:
         console.print(f"note: {note}")
 
