@@ -24,8 +24,15 @@ from .dump import read_dump, read_json, read_mapping, refuse_renamed_taps
 from .explain import explain, parse
 from .layouts import candidates, conv_kernel
 from .policy import load_policy, make_policy
-from .quantised import (EXCESS, compare_three_way, decode_codes, device_graph, device_names,
-                        print_three_way, tap_encodings)
+from .quantised import (
+    EXCESS,
+    compare_three_way,
+    decode_codes,
+    device_graph,
+    device_names,
+    print_three_way,
+    tap_encodings,
+)
 from .replay import device_tensor, replay
 from .report import fault_line, fmt, print_report, print_table, render_html, terminal
 from .saved import load_metrics, rejudge, save_metrics

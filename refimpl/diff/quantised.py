@@ -40,8 +40,10 @@ from ..golden import manifest_config
 from ..graph import module_taps, modules
 from ..models.model import graph
 from ..models.quantisers import place
+from .classify import Fault, classify_divergences
 from .compare import compare
-from .divergence import model_config
+from .curves import report_notes
+from .divergence import localise, model_config
 from .layouts import candidates, conv_kernel
 from .policy import Policy, make_policy
 
@@ -166,7 +168,7 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
     policy.ignore.append(r"\.codes$")        # Q's own code taps: the codes are scored on their tap
     report = compare(quantised_bundle, dump, policy, float_bundle, progress)
     encodings = tap_encodings(quantised_bundle) if encodings is None else encodings
-    rows = []
+    rows, shifted = [], {}
     for r in report.results:
         m, ref = r.metrics or {}, r.reference or {}
         ratio = None
@@ -174,20 +176,60 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
             ratio = math.sqrt(m["nmse"] / ref["nmse"]) if ref["nmse"] > 0 else (0.0 if m["nmse"] == 0 else math.inf)
         row = Row(r.key, r.step, r.name, r.status, ref.get("sqnr_db"), m.get("sqnr_db"), ratio)
         enc = encodings.get(r.name)
-        if enc is not None and enc.float_dtype is None and r.metrics is not None:
-            row.codes_identical, row.codes_max_step = _codes(quantised_bundle, dump.items[r.key], r, enc)
+        codes = _code_arrays(quantised_bundle, dump.items[r.key], r, enc) if (
+            enc is not None and enc.float_dtype is None and r.metrics is not None) else None
+        if codes is not None:
+            want, have = codes
+            step = np.abs(want - have)
+            row.codes_identical, row.codes_max_step = float((step == 0).mean()), int(step.max())
+            shift = code_shift(want, have, getattr(dump.items[r.key], "codes", None) is not None)
+            if shift is not None and r.status == "pass":
+                r.status, row.status = "fail", "fail"
+                r.failures.append(f"codes shifted by {shift[0]:+d} at {100 * shift[1]:.1f} % of elements: the device's "
+                                  f"zero point is not its encoding's (excess {ratio:.3g} alone is within the bar)")
+                shifted[r.key] = offset_fault(*shift, enc).to_dict()
         rows.append(row)
+    if shifted:   # the verdicts changed: each step's first divergence again, and its fault class
+        localise(report)
+        classify_divergences(report, quantised_bundle, dump, policy)
+        for r in report.results:   # a shift of the codes is itself the fault's class
+            if r.key in shifted and r.key in report.first_divergence.values():
+                r.fault = shifted[r.key]
+        report.notes = report_notes(report)
     report.notes.append(f"three-way: {quantised_bundle.path} (quantised golden) against {float_bundle.path} "
                         f"(float golden); excess bar k = {excess:g}")
     return report, rows
 
 
-def _codes(bundle, item, result, enc: Encoding):
-    """(share of identical codes, largest code distance) of the device against Q over the tensor's valid region."""
+def code_shift(want: np.ndarray, have: np.ndarray, integer_dump: bool) -> tuple[int, float] | None:
+    """(c, share) when more than half of a device's integer codes are the quantised golden's shifted by one
+    constant c != 0: a zero point (offset) that is not the encoding's. A one-step offset moves a 16-bit tensor by
+    one step, well under the excess bar wherever quantisation's own error exceeds 100 steps RMS, yet no honest
+    run shifts most of its codes alike (the CPU EP's are identical, QuantSim's 75-100 % identical, an HTP's spread
+    over tens of codes either way). Judged on integer dumps only (codes as the device wrote them)."""
+    if not integer_dump or want.size == 0:
+        return None
+    values, counts = np.unique(have - want, return_counts=True)
+    i = int(np.argmax(counts))
+    share = float(counts[i]) / want.size
+    return (int(values[i]), share) if values[i] != 0 and share > 0.5 else None
+
+
+def offset_fault(codes: int, share: float, enc: Encoding) -> Fault:
+    """The fault class of a code shift (code_shift): an offset of `codes` steps, its zero point and value."""
+    zero_point, step = -int(np.max(enc.offset)), float(np.max(enc.scale))   # per tensor (per axis: the largest)
+    return Fault("offset", f"codes offset by {codes:+d} (zero point {zero_point} run as {zero_point + codes}): every "
+                 f"value {codes * step:+.4g}", {"codes": codes, "share": share, "offset": codes * step}, 0.0, 0.0, 0.0,
+                 "integer codes against the encoding's")
+
+
+def _code_arrays(bundle, item, result, enc: Encoding):
+    """(Q's codes, the device's codes) over the tensor's valid region, int64, in the golden's layout; None when the
+    device's tensor is not read in a layout."""
     rec = bundle.manifest["tensors"][result.key]
     golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
     mask = valid_mask(golden.shape, rec["valid"])
-    want = enc.codes(golden)[mask]
+    want = enc.codes(golden)[mask].astype(np.int64)
     have = getattr(item, "codes", None)
     if have is not None and result.layout is None and have.size == golden.size:
         have = have.reshape(golden.shape)[mask]
@@ -195,12 +237,11 @@ def _codes(bundle, item, result, enc: Encoding):
         device = dict(candidates(item, rec, result.layout, conv_kernel(model_config(
             (bundle.manifest.get("model") or {}).get("config"))))).get(result.layout)
         if device is None:
-            return None, None
+            return None
         have = enc.codes(np.nan_to_num(device.astype(np.float32)))[mask]
     if want.size == 0:
-        return None, None
-    step = np.abs(want.astype(np.int64) - have)
-    return float((step == 0).mean()), int(step.max())
+        return None
+    return want, have.astype(np.int64)
 
 
 def print_three_way(report, rows, console=None, top: int = 20) -> None:

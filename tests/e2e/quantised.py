@@ -545,12 +545,163 @@ def residual_adds(m) -> list[str]:
     return adds
 
 
+# ------------------------------------------------------------------------------------------------ refimpl's diff
+
+def write_dump(qm, values: dict, directory: Path) -> Path:
+    """A run of the QDQ model as its engineer dumps it: each quantiser's integer codes (an ONNX Runtime session's
+    QuantizeLinear output, a device's native output) under that QuantizeLinear's output name, and the graph outputs
+    (float, dequantised) under theirs; .npy files, flat (one call). refimpl maps the names (diff --encodings)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    codes = {n.output[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    outputs = {o.name for o in qm.graph.output}
+    for name, v in values.items():
+        if name in codes or name in outputs:
+            np.save(directory / f"{name.replace('/', '_')}.npy", v)
+    return directory
+
+
+def cli(*args) -> int:
+    """refimpl's command line, in process (as `refimpl ARGS` would run)."""
+    from refimpl.cli import main as refimpl_main
+    return refimpl_main([str(a) for a in args])
+
+
+GOLDEN_ARGS = ("--input-ids", ",".join(map(str, PROMPT)), "--convention", "genie", "--ar", GENIE["ar"], "--cl",
+               GENIE["cl"], "--mask-floor", GENIE["mask_floor"], "-q", "--overwrite")
+
+
+def goldens(case: FloatCase, qdq: Path, root: Path) -> tuple[Path, Path]:
+    """`refimpl golden` of the case's checkpoint: the float golden (once per case) and the quantised golden with the
+    QDQ model's quantisers (--encodings MODEL_QDQ.onnx --codes)."""
+    checkpoint = case.path.parent / "checkpoint"
+    f = case.path.parent / "golden-float"
+    if not (f / "manifest.json").is_file():
+        assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--out", f) == 0
+    q = root / f"golden-{qdq.stem}"
+    assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--encodings", qdq, "--codes", "--out", q) == 0
+    return f, q
+
+
+@dataclasses.dataclass
+class Diffed:
+    exit_code: int
+    verdicts: dict              # tap / output name -> "explained" | "excess" | status (error, missing, ...)
+    first: str | None           # the first excess beyond quantisation (refimpl's first divergence)
+    fault: str | None           # its fault class, if the classifier named one
+    excess: dict                # name -> RMS(D - Q) / RMS(Q - F)
+    codes: dict                 # name -> share of the device's codes identical to the quantised golden's
+    unknown: int                # dump files matching no tensor of the bundle (quantisers at sub-op points)
+
+
+def diff(float_golden: Path, quantised_golden: Path, qdq: Path, dump: Path, out: Path) -> Diffed:
+    """`refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx --json`, read back: per tensor the three-way
+    verdict, the excess ratio and the codes identical."""
+    import json
+    code = cli("diff", quantised_golden, dump, "--float", float_golden, "--encodings", qdq, "--json", out, "-q")
+    report = json.loads(Path(out).read_text())
+    verdicts, excess, codes = {}, {}, {}
+    key_name = {}
+    for r in report["results"]:
+        key_name[r["key"]] = r["name"]
+        m, ref = r.get("metrics") or {}, r.get("reference") or {}
+        verdicts[r["name"]] = {"pass": "explained", "fail": "excess"}.get(r["status"], r["status"])
+        if m.get("nmse") is not None and ref.get("nmse"):
+            excess[r["name"]] = math.sqrt(m["nmse"] / ref["nmse"])
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.dump import read_dump
+    from refimpl.diff.quantised import compare_three_way, decode_codes, device_names, tap_encodings
+    q, f = read_bundle(quantised_golden, verify=False), read_bundle(float_golden, verify=False)
+    d = read_dump(dump, q, mapping=device_names(q, qdq))
+    decode_codes(d, q, tap_encodings(q, qdq))
+    for row in compare_three_way(f, q, d)[1]:
+        if row.codes_identical is not None:
+            codes[row.name] = row.codes_identical
+    first = report["first_divergence"].get("0")
+    hit = next((r for r in report["results"] if r["key"] == first), None)
+    fault = (hit.get("fault") or {}).get("summary") if hit else None
+    return Diffed(code, verdicts, key_name.get(first), fault, excess, codes, len(report["unknown"]))
+
+
+def tap_of(quantised_golden: Path, qdq: Path, onnx_name: str) -> str | None:
+    """The refimpl tap a device graph's tensor (or its QuantizeLinear output) is read as."""
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.quantised import device_names
+    return device_names(read_bundle(quantised_golden, verify=False), qdq).get(onnx_name)
+
+
+def fault_models(qm, qm4) -> dict:
+    """name -> (the honest QDQ model, its faulty copy, the QuantizeLinear output where the fault first shows): a
+    planted wrong per-channel weight scale (one output channel of the first projection x1.02, on W4A16's per-channel
+    int4 weights: the HTP takes no asymmetric per-channel uint8 weight), an activation offset off by one step (the
+    second residual add's zero point + 1) and a saturating residual add (the first one's range halved)."""
+    weights = weight_dequantizers(qm4)
+    proj = next(w for w, n in weights.items() if any(c.op_type == "MatMul" and n.output[0] in c.input
+                                                     for c in qm4.graph.node))
+    matmul = next(c for c in qm4.graph.node if weights[proj].output[0] in c.input)
+    residual, later = residual_adds(qm)[:2]   # a tensor whose consumers compute (RMSNorm, the next residual
+    # add): the HTP requires a data-movement op's (Gather, Reshape) output encoding to be its input's
+    return {"wrong per-channel weight scale": (qm4, wrong_channel_scale(qm4, proj, 3, 1.02),
+                                               activation_quantizer(qm4, matmul.output[0]).output[0]),
+            "activation offset off by one": (qm, offset_off_by_one(qm, later),
+                                             activation_quantizer(qm, later).output[0]),
+            "saturating residual add": (qm, saturating_residual(qm, residual, 0.5),
+                                        activation_quantizer(qm, residual).output[0])}
+
+
+def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp")) -> dict:
+    """The QDQ model run on ONNX Runtime's CPU EP and the HTP simulator, every quantiser's codes a graph output,
+    each run dumped (write_dump): {device: its dump directory}."""
+    taps = quantiser_taps(qm)
+    b = with_outputs(qm, taps)
+    sessions = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}
+    return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d) for d in devices}
+
+
+def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
+    """`python tests/e2e/quantised.py diff [ARCH,...] [MIX,...] [DIR]`: the table of docs/htp.md §9 (refimpl's
+    diff of quantised runs): per model x mix (QNN QDQ config), each device's honest run and the planted faults
+    judged by `refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx`."""
+    import json
+    for arch in archs:
+        case = float_case(arch, root / arch)
+        models = {mix: quantise_qdq(case, mix, root / arch / f"qdq_{mix}.onnx") for mix in MIXES}
+        for mix in mixes:
+            qdq = root / arch / f"qdq_{mix}.onnx"
+            f, q = goldens(case, qdq, root / arch)
+            placed = json.loads((q / "manifest.json").read_text())["quantisation"]
+            for device, dump in device_dumps(case, models[mix], root / arch / f"dump_{mix}").items():
+                d = diff(f, q, qdq, dump, root / arch / f"diff_{mix}_{device}.json")
+                n = len(d.verdicts)
+                explained = sum(v == "explained" for v in d.verdicts.values())
+                identical = sum(c == 1.0 for c in d.codes.values())
+                worst = max(d.excess.items(), key=lambda kv: kv[1], default=None)
+                print(f"{arch} {mix} {device}: placed {placed['placed']}/{placed['total']}; explained {explained} of "
+                      f"{n}; codes identical at {identical} of {len(d.codes)} taps; first excess {d.first} "
+                      f"(excess {d.excess.get(d.first, float('nan')):.3g}); worst {worst}; unknown {d.unknown}",
+                      flush=True)
+            if not faults:
+                continue
+            for name, (honest, faulty, tap) in fault_models(models["w8a16"], models["w4a16"]).items():
+                hmix = "w4a16" if honest is models["w4a16"] else "w8a16"
+                if hmix != mix:
+                    continue
+                want = tap_of(q, qdq, tap)
+                for device, dump in device_dumps(case, faulty, root / arch / f"dump_{mix}_{name[:12]}").items():
+                    d = diff(f, q, qdq, dump, root / arch / f"diff_{mix}_{name[:12]}_{device}.json")
+                    print(f"{arch} {mix} {device} fault {name!r} at {want}: first excess {d.first} (fault "
+                          f"{d.fault}); excess at the tap {d.excess.get(want, float('nan')):.3g}, "
+                          f"{d.verdicts.get(want)}", flush=True)
+
+
 def main(argv=None) -> None:
     """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §9 (QNN QDQ
     and aimet-onnx per model x mix: HTP and CPU EP logits, codes, the first quantiser where they part)."""
     import sys
     import tempfile
-    args = (argv if argv is not None else sys.argv[1:]) + [None] * 3
+    args = (argv if argv is not None else sys.argv[1:]) + [None] * 4
+    if args[0] == "diff":
+        root = Path(args[3] or tempfile.mkdtemp(prefix="quantised-diff-"))
+        return diff_matrix((args[1] or "dense,moe").split(","), (args[2] or ",".join(MIXES)).split(","), root)
     archs = (args[0] or ",".join(ARCHITECTURES)).split(",")
     mixes = (args[1] or ",".join(MIXES)).split(",")
     root = Path(args[2] or tempfile.mkdtemp(prefix="quantised-htp-"))
