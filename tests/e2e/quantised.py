@@ -547,16 +547,24 @@ def residual_adds(m) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ refimpl's diff
 
-def write_dump(qm, values: dict, directory: Path) -> Path:
+def write_dump(qm, values: dict, directory: Path, dequantised: bool = False) -> Path:
     """A run of the QDQ model as its engineer dumps it: each quantiser's integer codes (an ONNX Runtime session's
     QuantizeLinear output, a device's native output) under that QuantizeLinear's output name, and the graph outputs
-    (float, dequantised) under theirs; .npy files, flat (one call). refimpl maps the names (diff --encodings)."""
+    (float, dequantised) under theirs; .npy files, flat (one call). refimpl maps the names (diff --encodings).
+    dequantised: each quantiser's values as float32 instead, dequantised with the run's own scale and zero point
+    (qnn-net-run's default float output), under its DequantizeLinear's output name."""
     directory.mkdir(parents=True, exist_ok=True)
-    codes = {n.output[0] for n in qm.graph.node if n.op_type == "QuantizeLinear"}
+    params = quant_params(qm)
+    dq = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "DequantizeLinear"}
     outputs = {o.name for o in qm.graph.output}
     for name, v in values.items():
-        if name in codes or name in outputs:
-            np.save(directory / f"{name.replace('/', '_')}.npy", v)
+        if name in params and dequantised and name in dq:
+            scale, zp = params[name]
+            zp = np.zeros((), np.int64) if zp is None else zp.astype(np.int64)
+            name, v = dq[name], ((v.astype(np.int64) - zp).astype(np.float32) * scale).astype(np.float32)
+        elif name not in params and name not in outputs:
+            continue
+        np.save(directory / f"{name.replace('/', '_')}.npy", v)
     return directory
 
 
@@ -629,6 +637,85 @@ def tap_of(quantised_golden: Path, qdq: Path, onnx_name: str) -> str | None:
     return device_names(read_bundle(quantised_golden, verify=False), qdq).get(onnx_name)
 
 
+def _attr(n, name, default=None):
+    return next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+
+
+def refimpl_op(n, ins):
+    """A computing node of the QDQ model, evaluated by refimpl's kernels (None: a node that moves data, whose codes
+    are its input's)."""
+    from refimpl.kernels import activation, elementary, products
+    op = n.op_type
+    if op == "MatMul":
+        return products.matmul(ins[0], ins[1])
+    if op in ("Mul", "Add", "Sub", "Div"):
+        return {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}[op](ins[0], ins[1])
+    if op == "Neg":
+        return -ins[0]
+    if op == "Sqrt":
+        return np.sqrt(ins[0])
+    if op == "Reciprocal":
+        return np.float32(1) / ins[0]
+    if op == "Pow" and np.all(ins[1] == 2):
+        return ins[0] * ins[0]
+    if op == "ReduceMean":
+        (axis,) = ins[1] if len(ins) > 1 else _attr(n, "axes")
+        return products.sum(ins[0], axis=int(axis), keepdims=bool(_attr(n, "keepdims", 1))) / np.float32(
+            ins[0].shape[int(axis)])
+    if op == "Softmax":
+        return activation.softmax(ins[0], _attr(n, "axis", -1))
+    if op == "Sigmoid":
+        return elementary.sigmoid(ins[0])
+    return None
+
+
+def replayed(qm, values: dict) -> list[tuple]:
+    """refimpl's kernels on a run's own inputs, quantiser by quantiser (the replay of a quantised device): for each
+    QuantizeLinear after a computing node whose inputs the run's codes give (each a DequantizeLinear of a dumped
+    quantiser, or a constant), the node computed by refimpl (refimpl_op, ONNX Runtime's CPU arithmetic) on the
+    run's dequantised inputs, quantised by the encoding refimpl reads, against the run's codes. values: {name:
+    array} of the run (its QuantizeLinear outputs). Rows in graph order: (QuantizeLinear output, op, node name,
+    identical share, largest step)."""
+    from refimpl.encodings import Encoding
+    from refimpl.kernels import products
+    producer = {o: n for n in qm.graph.node for o in n.output}
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in qm.graph.initializer}
+
+    def value(t):   # a DequantizeLinear of a dumped quantiser or of an initializer, or a constant
+        if t in inits:
+            return inits[t]
+        d = producer.get(t)
+        if d is None or d.op_type != "DequantizeLinear" or (d.input[0] not in values and d.input[0] not in inits):
+            return None
+        codes = values.get(d.input[0], inits.get(d.input[0]))
+        scale, zp = inits[d.input[1]], inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
+        axis = next((a.i for a in d.attribute if a.name == "axis"), 1)
+        if np.ndim(scale):
+            shape = [1] * codes.ndim
+            shape[axis] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        return ((codes.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale).astype(np.float32)
+    rows = []
+    with products.onnxruntime_cpu():
+        for q in qm.graph.node:
+            if q.op_type != "QuantizeLinear" or q.output[0] not in values or q.input[0] not in producer:
+                continue
+            n = producer[q.input[0]]
+            ins = [value(i) for i in n.input if i]
+            if any(x is None for x in ins):
+                continue
+            y = refimpl_op(n, ins)
+            if y is None:
+                continue
+            want = values[q.output[0]]
+            zp = inits[q.input[2]]
+            enc = Encoding(8 * want.dtype.itemsize, inits[q.input[1]], -zp.astype(np.int32),
+                           signed=want.dtype.kind == "i", axis=None, arithmetic="onnx")
+            share, step = codes_agreement(enc.codes(np.asarray(y, np.float32)).reshape(want.shape), want)
+            rows.append((q.output[0], n.op_type, n.name, share, step))
+    return rows
+
+
 def fault_models(qm, qm4) -> dict:
     """name -> (the honest QDQ model, its faulty copy, the QuantizeLinear output where the fault first shows): a
     planted wrong per-channel weight scale (one output channel of the first projection x1.02, on W4A16's per-channel
@@ -648,13 +735,13 @@ def fault_models(qm, qm4) -> dict:
                                         activation_quantizer(qm, residual).output[0])}
 
 
-def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp")) -> dict:
+def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp"), dequantised: bool = False) -> dict:
     """The QDQ model run on ONNX Runtime's CPU EP and the HTP simulator, every quantiser's codes a graph output,
     each run dumped (write_dump): {device: its dump directory}."""
     taps = quantiser_taps(qm)
     b = with_outputs(qm, taps)
     sessions = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}
-    return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d) for d in devices}
+    return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d, dequantised) for d in devices}
 
 
 def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
