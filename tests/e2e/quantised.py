@@ -747,7 +747,9 @@ def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp"), d
 def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
     """`python tests/e2e/quantised.py diff [ARCH,...] [MIX,...] [DIR]`: the table of docs/htp.md §9 (refimpl's
     diff of quantised runs): per model x mix (QNN QDQ config), each device's honest run and the planted faults
-    judged by `refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx`."""
+    judged by `refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx` (integer codes dumped; the saturating
+    residual add's run as floats, dequantised with its own encodings: read with the file's, its codes would be a
+    wrong scale)."""
     import json
     for arch in archs:
         case = float_case(arch, root / arch)
@@ -773,7 +775,9 @@ def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
                 if hmix != mix:
                     continue
                 want = tap_of(q, qdq, tap)
-                for device, dump in device_dumps(case, faulty, root / arch / f"dump_{mix}_{name[:12]}").items():
+                floats = name == "saturating residual add"   # its values as the device dequantises them
+                for device, dump in device_dumps(case, faulty, root / arch / f"dump_{mix}_{name[:12]}",
+                                                 dequantised=floats).items():
                     d = diff(f, q, qdq, dump, root / arch / f"diff_{mix}_{name[:12]}_{device}.json")
                     print(f"{arch} {mix} {device} fault {name!r} at {want}: first excess {d.first} (fault "
                           f"{d.fault}); excess at the tap {d.excess.get(want, float('nan')):.3g}, "
