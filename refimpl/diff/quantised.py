@@ -48,6 +48,7 @@ from .layouts import candidates, conv_kernel
 from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
+SHIFT_MIN_CODES = 64   # code_shift judges tensors of at least this many codes
 
 
 def tap_encodings(bundle, encodings=None) -> dict:
@@ -206,8 +207,9 @@ def code_shift(want: np.ndarray, have: np.ndarray, integer_dump: bool) -> tuple[
     constant c != 0: a zero point (offset) that is not the encoding's. A one-step offset moves a 16-bit tensor by
     one step, well under the excess bar wherever quantisation's own error exceeds 100 steps RMS, yet no honest
     run shifts most of its codes alike (the CPU EP's are identical, QuantSim's 75-100 % identical, an HTP's spread
-    over tens of codes either way). Judged on integer dumps only (codes as the device wrote them)."""
-    if not integer_dump or want.size == 0:
+    over tens of codes either way). Judged on integer dumps only (codes as the device wrote them), of at least
+    SHIFT_MIN_CODES codes (a MoE's 16 routing weights of an honest run: 5 flipped alike by one code)."""
+    if not integer_dump or want.size < SHIFT_MIN_CODES:
         return None
     values, counts = np.unique(have - want, return_counts=True)
     i = int(np.argmax(counts))
