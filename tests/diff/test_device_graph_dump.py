@@ -111,3 +111,13 @@ def test_another_qdq_model_than_the_bundles_is_one_line_error(run, tmp_path, cap
     assert main(["diff", str(q), str(dump), "--float", str(f), "--encodings", str(other), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "differs from the bundle's encodings" in err
+
+
+def test_code_shift_needs_most_codes_shifted_alike_and_enough_codes():
+    from refimpl.diff.quantised import SHIFT_MIN_CODES, code_shift
+    want = np.arange(SHIFT_MIN_CODES, dtype=np.int64)
+    assert code_shift(want, want + 1, True) == (1, 1.0)
+    assert code_shift(want, want - 3, False) is None                          # floats dumped: no codes to judge
+    assert code_shift(want[:-1], want[:-1] + 1, True) is None                 # too few codes to tell
+    half = want + (np.arange(want.size) % 2)                                  # half shifted: not a majority
+    assert code_shift(want, half, True) is None
