@@ -235,3 +235,25 @@ def test_refimpl_diff_names_a_saturating_residual_add_and_a_wrong_channel_scale(
     d = Q.diff(f4, q4, qdq4, dump, root / "channel.json")
     assert d.first == Q.tap_of(q4, qdq4, tap), d.first
     assert "scaled by 1.02" in d.fault, d.fault
+
+
+@pytest.mark.device_matrix
+def test_refimpl_replay_of_the_quantised_runs_on_their_own_inputs(diffed, tmp_path):
+    """`refimpl replay Q DUMP --layer 0 --encodings MODEL_QDQ.onnx`: each op of layer 0 recomputed by refimpl's
+    quantised model on the device's own dequantised codes. The CPU EP's run: every op bit-identical (nothing
+    added, exit 0). The HTP's: the RMSNorms, the projections, the scores and the attention output add error of
+    their own (measured 40-70 dB SQNR added), RoPE, softmax, the residual add and SiLU only inherit it."""
+    import json
+    case, qm, qdq, f, q, dumps, root = diffed
+    checkpoint = case.path.parent / "checkpoint"
+    added = {}
+    for device, dump in dumps.items():
+        out = tmp_path / f"{device}.json"
+        code = Q.cli("replay", q, dump, "--layer", 0, "--encodings", qdq, "--model", checkpoint, "--json", out)
+        added[device] = {r["name"]: r["adds_error"] for r in json.loads(out.read_text())["rows"]}
+        assert code == (0 if device == "cpu" else 1), device
+    assert len(added["cpu"]) > 15 and not any(added["cpu"].values())
+    htp = added["htp"]
+    assert htp["model.layers.0.input_layernorm"] and htp["model.layers.0.self_attn.attn_scores"], htp
+    assert not any(htp[f"model.layers.0.{n}"] for n in ("self_attn.q_rope", "self_attn.attn_probs", "attn_residual",
+                                                         "mlp.act_fn")), htp
