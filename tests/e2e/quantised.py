@@ -12,9 +12,17 @@ Runtime's CPU EP (the QDQ model's reference semantics: QuantizeLinear rounds hal
 
 Calibration: a few short prompts, each the genie prompt call (AR 8, CL 32, empty cache) of the float model.
 
-Planted faults, as edits of the QDQ device graph (each returns a new model): `wrong_channel_scale` (one channel of
-a weight's per-channel DequantizeLinear scale x1.02), `offset_off_by_one` (an activation's zero point + 1: every
-value one step off), `saturating_residual` (a residual add's output scale shrunk so the add clips).
+refimpl's diff of the runs, as a user runs it (`python tests/e2e/quantised.py diff` prints docs/htp.md §9's table):
+
+    f, q = goldens(case, qdq_path, root)                    # refimpl golden (float; --encodings MODEL_QDQ.onnx)
+    dumps = device_dumps(case, qm, root / "dump")           # {cpu, htp}: codes by QuantizeLinear output names
+    d = diff(f, q, qdq_path, dumps["htp"], root / "m.json")  # refimpl diff --float --encodings: verdicts, first
+    replayed(qm, values)                                    # refimpl's kernels on a run's own inputs, per quantiser
+
+Planted faults, as edits of the QDQ device graph (each returns a new model; fault_models picks the three):
+`wrong_channel_scale` (one channel of a weight's per-channel DequantizeLinear scale x1.02), `offset_off_by_one` (an
+activation's zero point + 1: every value one step off), `saturating_residual` (a residual add's output scale shrunk
+so the add clips).
 """
 
 import dataclasses

@@ -4,9 +4,15 @@ QDQ model on the HTP simulator (no CPU fallback) and on ONNX Runtime's CPU EP, e
 output. What is asserted here is measured against implementations we did not write (the CPU EP's QuantizeLinear,
 aimet-onnx); refimpl's quantised golden joins the comparison when its placement (issue 27 items 1-3) lands.
 
+refimpl's diff of those runs (issue 27): `refimpl golden --encodings MODEL_QDQ.onnx`, each run dumped as its engineer
+has it (each quantiser's codes by its QuantizeLinear output's name), `refimpl diff Q DUMP --float F --encodings
+MODEL_QDQ.onnx` and `refimpl replay`: the CPU EP explained, the HTP's departure from its own encodings located,
+the planted faults the first excess at their taps.
+
 Cost: one dense export (~25 s on the shared machine), two quantisations, a handful of HTP compiles (~1 s each);
-the isolated-op tests ~1 s each. MoE and Qwen3.5 are measured by `python tests/e2e/quantised.py` (their exports
-take 1-2 min each), not here."""
+the isolated-op tests ~1 s each; refimpl's diff of the honest runs ~12 s + 18 s, the offset fault ~7 s (measured
+under a load of 18 on 2 cores); under device_matrix the other two faults ~17 s and the replay. MoE and Qwen3.5
+are measured by `python tests/e2e/quantised.py [diff]` (their exports take 1-2 min each), not here."""
 
 import numpy as np
 import pytest
