@@ -187,7 +187,7 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
             if shift is not None and r.status == "pass":
                 r.status, row.status = "fail", "fail"
                 r.failures.append(f"codes shifted by {shift[0]:+d} at {100 * shift[1]:.1f} % of elements: the device's "
-                                  f"zero point is not its encoding's (excess {ratio:.3g} alone is within the bar)")
+                                  f"zero point is not its encoding's (excess {_ratio(ratio)} alone is within the bar)")
                 shifted[r.key] = offset_fault(*shift, enc).to_dict()
         rows.append(row)
     if shifted:   # the verdicts changed: each step's first divergence again, and its fault class
@@ -273,9 +273,13 @@ def print_three_way(report, rows, console=None, top: int = 20) -> None:
             console.print(f"[bold red]first excess beyond quantisation, step {k}:[/] {r.name}: device SQNR "
                           f"{_db(r.device_sqnr_db)} dB against the quantised golden, quantisation itself "
                           f"{_db(r.quantisation_sqnr_db)} dB (excess "
-                          f"{'none: ' + r.status if r.excess is None else format(r.excess, '.3g')})")
+                          f"{'none: ' + r.status if r.excess is None else _ratio(r.excess)})")
     for note in report.notes:
         console.print(f"note: {note}")
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
 
 
 def _db(v) -> str:
