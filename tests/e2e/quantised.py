@@ -766,16 +766,23 @@ def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
             qdq = root / arch / f"qdq_{mix}.onnx"
             f, q = goldens(case, qdq, root / arch)
             placed = json.loads((q / "manifest.json").read_text())["quantisation"]
-            for device, dump in device_dumps(case, models[mix], root / arch / f"dump_{mix}").items():
-                d = diff(f, q, qdq, dump, root / arch / f"diff_{mix}_{device}.json")
-                n = len(d.verdicts)
-                explained = sum(v == "explained" for v in d.verdicts.values())
-                identical = sum(c == 1.0 for c in d.codes.values())
-                worst = max(d.excess.items(), key=lambda kv: kv[1], default=None)
-                print(f"{arch} {mix} {device}: placed {placed['placed']}/{placed['total']}; explained {explained} of "
-                      f"{n}; codes identical at {identical} of {len(d.codes)} taps; first excess {d.first} "
-                      f"(excess {d.excess.get(d.first, float('nan')):.3g}); worst {worst}; unknown {d.unknown}",
-                      flush=True)
+            runs = [("QNN QDQ", qdq, f, q, placed, models[mix])]
+            if aimet_unavailable() is None:   # aimet-onnx's QuantSim of the same float graph, as a QDQ model
+                qdq_a = root / arch / f"aimet_qdq_{mix}.onnx"
+                keep_scopes(onnx.load(case.path), quantise_aimet(case, mix, root / arch / f"aimet_{mix}").qdq, qdq_a)
+                f_a, q_a = goldens(case, qdq_a, root / arch)
+                runs.append(("aimet-onnx", qdq_a, f_a, q_a, json.loads((q_a / "manifest.json").read_text())[
+                    "quantisation"], onnx.load(qdq_a)))
+            for tool, path, fg, qg, record, model in runs:
+                for device, dump in device_dumps(case, model, root / arch / f"dump_{path.stem}").items():
+                    d = diff(fg, qg, path, dump, root / arch / f"diff_{path.stem}_{device}.json")
+                    explained = sum(v == "explained" for v in d.verdicts.values())
+                    identical = sum(c == 1.0 for c in d.codes.values())
+                    worst = max(d.excess.items(), key=lambda kv: kv[1], default=None)
+                    print(f"{arch} {mix} {tool} {device}: placed {record['placed']}/{record['total']}; explained "
+                          f"{explained} of {len(d.verdicts)}; codes identical at {identical} of {len(d.codes)} taps; "
+                          f"first excess {d.first} (excess {d.excess.get(d.first, float('nan')):.3g}); worst {worst}; "
+                          f"unknown {d.unknown}", flush=True)
             if not faults:
                 continue
             for name, (honest, faulty, tap) in fault_models(models["w8a16"], models["w4a16"]).items():
