@@ -121,3 +121,18 @@ def test_code_shift_needs_most_codes_shifted_alike_and_enough_codes():
     assert code_shift(want[:-1], want[:-1] + 1, True) is None                 # too few codes to tell
     half = want + (np.arange(want.size) % 2)                                  # half shifted: not a majority
     assert code_shift(want, half, True) is None
+
+
+def test_an_unreadable_tap_as_first_divergence_is_reported_not_a_crash(run, tmp_path, capsys):
+    """A dumped tap the diff cannot read (here the embedding's codes in a shape of another size) is an error row;
+    as the first divergence the three-way report names it (excess none) instead of failing to print."""
+    f, q, dump, values = run
+    broken = tmp_path / "dump"
+    broken.mkdir()
+    alias = next(a for a, t in qdq_names(FIXTURE).items() if t == "embedding" and a in values)
+    for name, v in values.items():
+        np.save(broken / f"{name}.npy", v[..., :-1] if name == alias else v)
+    code, report = diff(f, q, broken, tmp_path / "m.json", "--top", "3")
+    out = capsys.readouterr().out
+    assert code == 1 and report["first_divergence"]["0"] == "0/tap/model.embed_tokens"
+    assert "first excess beyond quantisation, step 0: model.embed_tokens" in out and "excess none: error" in out
