@@ -10,8 +10,8 @@ MODEL_QDQ.onnx` and `refimpl replay`: the CPU EP explained, the HTP's departure 
 the planted faults the first excess at their taps.
 
 Cost: one dense export (~25 s on the shared machine), two quantisations, a handful of HTP compiles (~1 s each);
-the isolated-op tests ~1 s each; refimpl's diff of the honest runs ~12 s + 18 s, the offset fault ~7 s (measured
-under a load of 18 on 2 cores); under device_matrix the other two faults ~17 s and the replay. MoE and Qwen3.5
+the isolated-op tests ~1 s each; refimpl's diff: its goldens and dumps ~6 s, the honest runs ~8 s, the offset fault
+~2.4 s; under device_matrix the other two faults ~14 s and the replay ~2.3 s (a load of ~8 on 2 cores). MoE and Qwen3.5
 are measured by `python tests/e2e/quantised.py [diff]` (their exports take 1-2 min each), not here."""
 
 import numpy as np
