@@ -24,7 +24,15 @@ from .dump import read_dump, read_json, read_mapping, refuse_renamed_taps
 from .explain import explain, parse
 from .layouts import candidates, conv_kernel
 from .policy import load_policy, make_policy
-from .quantised import EXCESS, compare_three_way, decode_codes, print_three_way, tap_encodings
+from .quantised import (
+    EXCESS,
+    compare_three_way,
+    decode_codes,
+    device_graph,
+    device_names,
+    print_three_way,
+    tap_encodings,
+)
 from .replay import device_tensor, replay
 from .report import fault_line, fmt, print_report, print_table, render_html, terminal
 from .saved import load_metrics, rejudge, save_metrics
@@ -113,8 +121,17 @@ def _policy(args):
 
 
 def _dump(args, bundle):
-    return read_dump(args.device, bundle, mapping=read_mapping(args.mapping) if args.mapping else None,
-                     dtype=args.dump_dtype)
+    """The dump matched to the bundle: by --mapping, and a quantised device graph's tensor names (the bundle's
+    --encodings a QDQ model or aimet-onnx encodings: its quantisers' ONNX names are its taps') by the bundle; with
+    --encodings, integer code files of quantised taps dequantised (diff, replay and explain alike)."""
+    mapping = read_mapping(args.mapping) if args.mapping else {}
+    encodings = tap_encodings(bundle, args.encodings) if getattr(args, "encodings", None) else None
+    if encodings is not None and device_graph(bundle, args.encodings):
+        mapping = {**device_names(bundle, args.encodings), **mapping}
+    dump = read_dump(args.device, bundle, mapping=mapping or None, dtype=args.dump_dtype)
+    if encodings is not None:
+        decode_codes(dump, bundle, encodings)
+    return dump
 
 
 def _bundle(path):
@@ -161,8 +178,6 @@ def cmd_diff(args) -> int:
             raise InputError("--float (a quantised device) and --emulated are two kinds of three-way diff: give one")
         if args.excess is not None and not args.float_bundle:
             raise InputError("--excess applies to --float")
-        if args.encodings:
-            decode_codes(dump, bundle, tap_encodings(bundle, args.encodings))
         with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), transient=True,
                       disable=args.quiet or not sys.stdout.isatty()) as bar:  # a hidden bar still ends with a newline
             task = bar.add_task("", total=len(bundle.manifest["tensors"]))

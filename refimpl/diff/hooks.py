@@ -104,6 +104,9 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
     if a.ndim == 4 and len(shape) == 4 and a.shape == (shape[0], shape[2], shape[1], shape[3]) \
             and (shape[1] != shape[2] or source == "heads_first"):
         out.append(("heads_first", a.swapaxes(1, 2)))
+    if a.ndim == 4 and len(shape) == 3 and a.shape[0] == shape[0] and a.shape[2] == shape[1] \
+            and a.shape[1] * a.shape[3] == shape[2] and (a.shape[1] != a.shape[2] or source == "heads_first"):
+        out.append(("heads_first", a.swapaxes(1, 2).reshape(shape)))   # [B, H, T, D] for [B, T, H*D]
     if a.ndim == 3 and len(shape) == 3 and a.shape[:2] == (shape[0], shape[2]) and a.shape[2] >= shape[1]:
         T, columns = shape[1], a.shape[2]
         if name.endswith("linear_attn.conv1d") and conv_kernel and columns == T + conv_kernel - 1 \

@@ -40,16 +40,22 @@ from ..golden import manifest_config
 from ..graph import module_taps, modules
 from ..models.model import graph
 from ..models.quantisers import place
+from .classify import Fault, classify_divergences
 from .compare import compare
+from .curves import report_notes
+from .divergence import localise, model_config
+from .layouts import candidates, conv_kernel
 from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
+SHIFT_MIN_CODES = 64   # code_shift judges tensors of at least this many codes
 
 
 def tap_encodings(bundle, encodings=None) -> dict:
     """{tap name: Encoding} of the bundle's output-quantised taps: from its manifest's record, or, given an
     encodings file, placed from that file for the bundle's model (its sha256 must match the bundle's, if it
-    recorded one)."""
+    recorded one). A device graph's encodings (a QDQ .onnx model, aimet-onnx encodings of an ONNX model: the bundle
+    placed them on its graph when it was written) are the record's, once the file is the bundle's."""
     record = bundle.manifest.get("quantisation") or {}
     if encodings is None:
         return {q["tap"]: Encoding.from_record(q) for q in record.get("quantisers", []) if q["io"] == "output"}
@@ -57,11 +63,45 @@ def tap_encodings(bundle, encodings=None) -> dict:
     got = sha256_file(encodings, "encodings file", InputError)[0]
     if want is not None and got != want:
         raise InputError(f"{encodings}: sha256 {got[:12]} differs from the bundle's encodings ({want[:12]})")
+    if device_graph(bundle, encodings):
+        if want is None:
+            raise InputError(f"{encodings}: a device graph's encodings, but {bundle.path} was not written with them "
+                             f"(refimpl golden --encodings {Path(encodings).name})")
+        return tap_encodings(bundle)
     cfg = manifest_config(bundle.manifest)
     nodes = graph(cfg)
     placed = place(read_activation_encodings(encodings), modules(nodes), source=str(encodings),
                    taps=module_taps(nodes))
     return placed.output_taps()
+
+
+def device_graph(bundle, encodings) -> bool:
+    """The encodings file is a quantised device graph's: a QDQ .onnx model, or the bundle recorded the ONNX model
+    its aimet-onnx encodings name (precision.Policy.device_graph)."""
+    recorded = (bundle.manifest.get("precision") or {}).get("encodings") or {}
+    return str(encodings).endswith(".onnx") or "onnx" in recorded
+
+
+def device_names(bundle, encodings) -> dict:
+    """{device name: golden tap name} of a dump of the device graph whose encodings the bundle was written with:
+    each tap a quantiser of that graph sits on (the record's "onnx" tensors; the last one's values are the
+    tap's), by its ONNX tensor name and, for a QDQ model, by its QuantizeLinear's output (the codes) and its
+    DequantizeLinears' outputs (refimpl.formats.qdq.qdq_names). Names that are a bundle tensor's own (a graph
+    output a quantiser writes) keep their meaning. The mapping `refimpl diff --encodings` reads a dump by, so a
+    dump named as the device graph names its tensors needs no mapping file."""
+    record = bundle.manifest.get("quantisation") or {}
+    own = {n for s in bundle.manifest.get("steps", []) for role in ("inputs", "outputs", "taps") for n in s[role]}
+    tensor_tap = {}
+    for q in record.get("quantisers", []):
+        if q["io"] == "output" and q.get("onnx"):
+            tensor_tap[q["onnx"][-1]] = q["tap"]
+    aliases = {}
+    if str(encodings).endswith(".onnx"):
+        from ..formats.qdq import qdq_names
+        aliases = qdq_names(encodings)
+    out = dict(tensor_tap)
+    out.update({alias: tensor_tap[t] for alias, t in aliases.items() if t in tensor_tap})
+    return {name: tap for name, tap in out.items() if name not in own}
 
 
 def decode_codes(dump, bundle, encodings: dict) -> list[str]:
@@ -89,8 +129,10 @@ def decode_codes(dump, bundle, encodings: dict) -> list[str]:
             item.array, item.problem = None, (f"{item.source}: integer codes outside [{lo}, {hi}] of the tap's "
                                               f"{enc.bitwidth}-bit encoding")
             continue
-        item.codes = codes.reshape(-1).astype(np.int64)
-        item.array, item.problem = enc.dequantize(codes.reshape(rec["shape"])).reshape(-1), None
+        if codes.ndim <= 1 or (enc.axis is not None and codes.shape != tuple(rec["shape"])):
+            codes = codes.reshape(rec["shape"])  # a raw file's codes (or a per-axis grid): the bundle's shape
+        item.codes = codes.astype(np.int64)     # an array's own shape: the device's layout, read as its floats are
+        item.array, item.problem = enc.dequantize(codes), None
         decoded.append(key)
     return decoded
 
@@ -127,7 +169,7 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
     policy.ignore.append(r"\.codes$")        # Q's own code taps: the codes are scored on their tap
     report = compare(quantised_bundle, dump, policy, float_bundle, progress)
     encodings = tap_encodings(quantised_bundle) if encodings is None else encodings
-    rows = []
+    rows, shifted = [], {}
     for r in report.results:
         m, ref = r.metrics or {}, r.reference or {}
         ratio = None
@@ -135,32 +177,73 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
             ratio = math.sqrt(m["nmse"] / ref["nmse"]) if ref["nmse"] > 0 else (0.0 if m["nmse"] == 0 else math.inf)
         row = Row(r.key, r.step, r.name, r.status, ref.get("sqnr_db"), m.get("sqnr_db"), ratio)
         enc = encodings.get(r.name)
-        if enc is not None and enc.float_dtype is None and r.metrics is not None:
-            row.codes_identical, row.codes_max_step = _codes(quantised_bundle, dump.items[r.key], r, enc)
+        codes = _code_arrays(quantised_bundle, dump.items[r.key], r, enc) if (
+            enc is not None and enc.float_dtype is None and r.metrics is not None) else None
+        if codes is not None:
+            want, have = codes
+            step = np.abs(want - have)
+            row.codes_identical, row.codes_max_step = float((step == 0).mean()), int(step.max())
+            shift = code_shift(want, have, getattr(dump.items[r.key], "codes", None) is not None)
+            if shift is not None and r.status == "pass":
+                r.status, row.status = "fail", "fail"
+                r.failures.append(f"codes shifted by {shift[0]:+d} at {100 * shift[1]:.1f} % of elements: the device's "
+                                  f"zero point is not its encoding's (excess {_ratio(ratio)} alone is within the bar)")
+                shifted[r.key] = offset_fault(*shift, enc).to_dict()
         rows.append(row)
+    if shifted:   # the verdicts changed: each step's first divergence again, and its fault class
+        localise(report)
+        classify_divergences(report, quantised_bundle, dump, policy)
+        for r in report.results:   # a shift of the codes is itself the fault's class
+            if r.key in shifted and r.key in report.first_divergence.values():
+                r.fault = shifted[r.key]
+        report.notes = report_notes(report)
     report.notes.append(f"three-way: {quantised_bundle.path} (quantised golden) against {float_bundle.path} "
                         f"(float golden); excess bar k = {excess:g}")
     return report, rows
 
 
-def _codes(bundle, item, result, enc: Encoding):
-    """(share of identical codes, largest code distance) of the device against Q over the tensor's valid region."""
+def code_shift(want: np.ndarray, have: np.ndarray, integer_dump: bool) -> tuple[int, float] | None:
+    """(c, share) when more than half of a device's integer codes are the quantised golden's shifted by one
+    constant c != 0: a zero point (offset) that is not the encoding's. A one-step offset moves a 16-bit tensor by
+    one step, well under the excess bar wherever quantisation's own error exceeds 100 steps RMS, yet no honest
+    run shifts most of its codes alike (the CPU EP's are identical, QuantSim's 75-100 % identical, an HTP's spread
+    over tens of codes either way). Judged on integer dumps only (codes as the device wrote them), of at least
+    SHIFT_MIN_CODES codes (a MoE's 16 routing weights of an honest run: 5 flipped alike by one code)."""
+    if not integer_dump or want.size < SHIFT_MIN_CODES:
+        return None
+    values, counts = np.unique(have - want, return_counts=True)
+    i = int(np.argmax(counts))
+    share = float(counts[i]) / want.size
+    return (int(values[i]), share) if values[i] != 0 and share > 0.5 else None
+
+
+def offset_fault(codes: int, share: float, enc: Encoding) -> Fault:
+    """The fault class of a code shift (code_shift): an offset of `codes` steps, its zero point and value."""
+    zero_point, step = -int(np.max(enc.offset)), float(np.max(enc.scale))   # per tensor (per axis: the largest)
+    return Fault("offset", f"codes offset by {codes:+d} (zero point {zero_point} run as {zero_point + codes}): every "
+                 f"value {codes * step:+.4g}", {"codes": codes, "share": share, "offset": codes * step}, 0.0, 0.0, 0.0,
+                 "integer codes against the encoding's")
+
+
+def _code_arrays(bundle, item, result, enc: Encoding):
+    """(Q's codes, the device's codes) over the tensor's valid region, int64, in the golden's layout; None when the
+    device's tensor is not read in a layout."""
     rec = bundle.manifest["tensors"][result.key]
     golden = bundle.tensor(rec["step"], rec["role"], rec["name"])
     mask = valid_mask(golden.shape, rec["valid"])
-    want = enc.codes(golden)[mask]
+    want = enc.codes(golden)[mask].astype(np.int64)
     have = getattr(item, "codes", None)
-    if have is not None:
+    if have is not None and result.layout is None and have.size == golden.size:
         have = have.reshape(golden.shape)[mask]
-    else:
-        device = item.array.reshape(golden.shape) if item.array.size == golden.size else None
-        if device is None or result.layout is not None:
-            return None, None
+    else:   # the device's floats (or its dequantised codes) in the layout the diff read them in: their codes
+        device = dict(candidates(item, rec, result.layout, conv_kernel(model_config(
+            (bundle.manifest.get("model") or {}).get("config"))))).get(result.layout)
+        if device is None:
+            return None
         have = enc.codes(np.nan_to_num(device.astype(np.float32)))[mask]
     if want.size == 0:
-        return None, None
-    step = np.abs(want.astype(np.int64) - have)
-    return float((step == 0).mean()), int(step.max())
+        return None
+    return want, have.astype(np.int64)
 
 
 def print_three_way(report, rows, console=None, top: int = 20) -> None:
@@ -189,9 +272,14 @@ def print_three_way(report, rows, console=None, top: int = 20) -> None:
             r = by_key[key]
             console.print(f"[bold red]first excess beyond quantisation, step {k}:[/] {r.name}: device SQNR "
                           f"{_db(r.device_sqnr_db)} dB against the quantised golden, quantisation itself "
-                          f"{_db(r.quantisation_sqnr_db)} dB (excess {r.excess:.3g})")
+                          f"{_db(r.quantisation_sqnr_db)} dB (excess "
+                          f"{'none: ' + r.status if r.excess is None else _ratio(r.excess)})")
     for note in report.notes:
         console.print(f"note: {note}")
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
 
 
 def _db(v) -> str:

@@ -284,3 +284,30 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     graph = OnnxGraph(nodes, tuple(i.name for i in g.input if i.name not in inits),
                       tuple(final(o) for o in outputs), kept + tuple(w for w in weights if w not in kept))
     return graph, encodings
+
+
+def qdq_names(path) -> dict[str, str]:
+    """{name a quantised activation goes by in a QDQ model: the tensor read_qdq keys its Encoding by}: each
+    QuantizeLinear's output (the codes an ONNX Runtime session of the model returns) and its DequantizeLinears'
+    outputs (the dequantised values) -> the tensor quantised, or the graph output a DequantizeLinear writes (the
+    graph keeps its output names, as read_qdq does). The names a dump of the model's run may carry."""
+    g = load_onnx_model(path).graph
+    inits = {t.name for t in g.initializer}
+    outputs = {o.name for o in g.output}
+    names, float_name = {}, {}
+    for n in g.node:   # a DequantizeLinear that writes a graph output: its tensor takes the output's name
+        if n.op_type == "DequantizeLinear" and n.domain in QDQ_DOMAINS and n.output and n.output[0] in outputs:
+            float_name[n.input[0]] = n.output[0]
+    for n in g.node:
+        if n.op_type != "QuantizeLinear" or n.domain not in QDQ_DOMAINS or not n.input or not n.output:
+            continue
+        x = n.input[0]
+        if x in inits:
+            continue
+        names[n.output[0]] = float_name.get(n.output[0], x)
+        if x != names[n.output[0]]:
+            names[x] = names[n.output[0]]
+    for n in g.node:
+        if n.op_type == "DequantizeLinear" and n.input and n.input[0] in names and n.output:
+            names.setdefault(n.output[0], names[n.input[0]])
+    return {k: v for k, v in names.items() if k != v}

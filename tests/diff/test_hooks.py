@@ -133,3 +133,16 @@ def test_rename_table_reads_ai_hubs_function_hooks():
     assert rename(layer + "_conv_with_state") == ([[layer + "conv1d_silu"]], "channels_first")
     assert rename(layer + "_conv_with_state.mixed_qkv") == ([[layer + "mixed_qkv"]], "channels_first")
     assert rename(layer + "_conv_with_state.1") == ([[layer + "conv_state"]], None)
+
+
+def test_heads_first_reads_a_flattened_tap_from_its_heads():
+    """A tap [B, T, H*D] (attn_output) dumped as the attention's [B, H, T, D] (a device graph's tensor before its
+    Transpose / Reshape) is read back in the tap's layout; with T == H the shape is ambiguous and only a hook
+    name that says heads_first reads it so."""
+    from refimpl.diff.hooks import readings
+    x = np.arange(2 * 5 * 4 * 3, dtype=np.float32).reshape(2, 5, 4, 3)          # [B, T, H, D]
+    got = dict(readings(x.swapaxes(1, 2), "model.layers.0.self_attn.attn_output", (2, 5, 12), None))
+    np.testing.assert_array_equal(got["hf-hooks:heads_first"], x.reshape(2, 5, 12))
+    square = np.zeros((1, 4, 4, 3), np.float32)
+    assert "hf-hooks:heads_first" not in dict(readings(square, "attn_output", (1, 4, 12), None))
+    assert "hf-hooks:heads_first" in dict(readings(square, "attn_output", (1, 4, 12), None, "heads_first"))

@@ -12,9 +12,17 @@ Runtime's CPU EP (the QDQ model's reference semantics: QuantizeLinear rounds hal
 
 Calibration: a few short prompts, each the genie prompt call (AR 8, CL 32, empty cache) of the float model.
 
-Planted faults, as edits of the QDQ device graph (each returns a new model): `wrong_channel_scale` (one channel of
-a weight's per-channel DequantizeLinear scale x1.02), `offset_off_by_one` (an activation's zero point + 1: every
-value one step off), `saturating_residual` (a residual add's output scale shrunk so the add clips).
+refimpl's diff of the runs, as a user runs it (`python tests/e2e/quantised.py diff` prints docs/htp.md §9's table):
+
+    f, q = goldens(case, qdq_path, root)                    # refimpl golden (float; --encodings MODEL_QDQ.onnx)
+    dumps = device_dumps(case, qm, root / "dump")           # {cpu, htp}: codes by QuantizeLinear output names
+    d = diff(f, q, qdq_path, dumps["htp"], root / "m.json")  # refimpl diff --float --encodings: verdicts, first
+    replayed(qm, values)                                    # refimpl's kernels on a run's own inputs, per quantiser
+
+Planted faults, as edits of the QDQ device graph (each returns a new model; fault_models picks the three):
+`wrong_channel_scale` (one channel of a weight's per-channel DequantizeLinear scale x1.02), `offset_off_by_one` (an
+activation's zero point + 1: every value one step off), `saturating_residual` (a residual add's output scale shrunk
+so the add clips).
 """
 
 import dataclasses
@@ -545,12 +553,264 @@ def residual_adds(m) -> list[str]:
     return adds
 
 
+# ------------------------------------------------------------------------------------------------ refimpl's diff
+
+def write_dump(qm, values: dict, directory: Path, dequantised: bool = False) -> Path:
+    """A run of the QDQ model as its engineer dumps it: each quantiser's integer codes (an ONNX Runtime session's
+    QuantizeLinear output, a device's native output) under that QuantizeLinear's output name, and the graph outputs
+    (float, dequantised) under theirs; .npy files, flat (one call). refimpl maps the names (diff --encodings).
+    dequantised: each quantiser's values as float32 instead, dequantised with the run's own scale and zero point
+    (qnn-net-run's default float output), under its DequantizeLinear's output name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    params = quant_params(qm)
+    dq = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "DequantizeLinear"}
+    outputs = {o.name for o in qm.graph.output}
+    for name, v in values.items():
+        if name in params and dequantised and name in dq:
+            scale, zp = params[name]
+            zp = np.zeros((), np.int64) if zp is None else zp.astype(np.int64)
+            name, v = dq[name], ((v.astype(np.int64) - zp).astype(np.float32) * scale).astype(np.float32)
+        elif name not in params and name not in outputs:
+            continue
+        np.save(directory / f"{name.replace('/', '_')}.npy", v)
+    return directory
+
+
+def cli(*args) -> int:
+    """refimpl's command line, in process (as `refimpl ARGS` would run)."""
+    from refimpl.cli import main as refimpl_main
+    return refimpl_main([str(a) for a in args])
+
+
+GOLDEN_ARGS = ("--input-ids", ",".join(map(str, PROMPT)), "--convention", "genie", "--ar", GENIE["ar"], "--cl",
+               GENIE["cl"], "--mask-floor", GENIE["mask_floor"], "-q", "--overwrite")
+
+
+def goldens(case: FloatCase, qdq: Path, root: Path) -> tuple[Path, Path]:
+    """`refimpl golden` of the case's checkpoint: the float golden (once per case) and the quantised golden with the
+    QDQ model's quantisers (--encodings MODEL_QDQ.onnx --codes)."""
+    checkpoint = case.path.parent / "checkpoint"
+    f = case.path.parent / "golden-float"
+    if not (f / "manifest.json").is_file():
+        assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--out", f) == 0
+    q = root / f"golden-{qdq.stem}"
+    assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--encodings", qdq, "--codes", "--out", q) == 0
+    return f, q
+
+
+@dataclasses.dataclass
+class Diffed:
+    exit_code: int
+    verdicts: dict              # tap / output name -> "explained" | "excess" | status (error, missing, ...)
+    first: str | None           # the first excess beyond quantisation (refimpl's first divergence)
+    fault: str | None           # its fault class, if the classifier named one
+    excess: dict                # name -> RMS(D - Q) / RMS(Q - F)
+    codes: dict                 # name -> share of the device's codes identical to the quantised golden's
+    unknown: int                # dump files matching no tensor of the bundle (quantisers at sub-op points)
+
+
+def diff(float_golden: Path, quantised_golden: Path, qdq: Path, dump: Path, out: Path) -> Diffed:
+    """`refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx --json`, read back: per tensor the three-way
+    verdict, the excess ratio and the codes identical."""
+    import json
+    code = cli("diff", quantised_golden, dump, "--float", float_golden, "--encodings", qdq, "--json", out, "-q")
+    report = json.loads(Path(out).read_text())
+    verdicts, excess, codes = {}, {}, {}
+    key_name = {}
+    for r in report["results"]:
+        key_name[r["key"]] = r["name"]
+        m, ref = r.get("metrics") or {}, r.get("reference") or {}
+        verdicts[r["name"]] = {"pass": "explained", "fail": "excess"}.get(r["status"], r["status"])
+        if m.get("nmse") is not None and ref.get("nmse"):
+            excess[r["name"]] = math.sqrt(m["nmse"] / ref["nmse"])
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.dump import read_dump
+    from refimpl.diff.quantised import compare_three_way, decode_codes, device_names, tap_encodings
+    q, f = read_bundle(quantised_golden, verify=False), read_bundle(float_golden, verify=False)
+    d = read_dump(dump, q, mapping=device_names(q, qdq))
+    decode_codes(d, q, tap_encodings(q, qdq))
+    for row in compare_three_way(f, q, d)[1]:
+        if row.codes_identical is not None:
+            codes[row.name] = row.codes_identical
+    first = report["first_divergence"].get("0")
+    hit = next((r for r in report["results"] if r["key"] == first), None)
+    fault = (hit.get("fault") or {}).get("summary") if hit else None
+    return Diffed(code, verdicts, key_name.get(first), fault, excess, codes, len(report["unknown"]))
+
+
+def tap_of(quantised_golden: Path, qdq: Path, onnx_name: str) -> str | None:
+    """The refimpl tap a device graph's tensor (or its QuantizeLinear output) is read as."""
+    from refimpl.bundle import read_bundle
+    from refimpl.diff.quantised import device_names
+    return device_names(read_bundle(quantised_golden, verify=False), qdq).get(onnx_name)
+
+
+def _attr(n, name, default=None):
+    return next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+
+
+def refimpl_op(n, ins):
+    """A computing node of the QDQ model, evaluated by refimpl's kernels (None: a node that moves data, whose codes
+    are its input's)."""
+    from refimpl.kernels import activation, elementary, products
+    op = n.op_type
+    if op == "MatMul":
+        return products.matmul(ins[0], ins[1])
+    if op == "Gemm" and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1 and not _attr(n, "transA", 0):
+        y = products.matmul(ins[0], ins[1].T if _attr(n, "transB", 0) else ins[1])   # the router: x W^T
+        return y + ins[2] if len(ins) > 2 else y           # the bias after the products (one K block: as MLAS)
+    if op in ("Mul", "Add", "Sub", "Div"):
+        return {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}[op](ins[0], ins[1])
+    if op == "Neg":
+        return -ins[0]
+    if op == "Sqrt":
+        return np.sqrt(ins[0])
+    if op == "Reciprocal":
+        return np.float32(1) / ins[0]
+    if op == "Pow" and np.all(ins[1] == 2):
+        return ins[0] * ins[0]
+    if op in ("ReduceMean", "ReduceSum"):
+        (axis,) = ins[1] if len(ins) > 1 else _attr(n, "axes")
+        y = products.sum(ins[0], axis=int(axis), keepdims=bool(_attr(n, "keepdims", 1)))
+        return y / np.float32(ins[0].shape[int(axis)]) if op == "ReduceMean" else y
+    if op == "Softmax":
+        return activation.softmax(ins[0], _attr(n, "axis", -1))
+    if op == "Sigmoid":
+        return elementary.sigmoid(ins[0])
+    return None
+
+
+def replayed(qm, values: dict) -> list[tuple]:
+    """refimpl's kernels on a run's own inputs, quantiser by quantiser (the replay of a quantised device): for each
+    QuantizeLinear after a computing node whose inputs the run's codes give (each a DequantizeLinear of a dumped
+    quantiser, or a constant), the node computed by refimpl (refimpl_op, ONNX Runtime's CPU arithmetic) on the
+    run's dequantised inputs, quantised by the encoding refimpl reads, against the run's codes. values: {name:
+    array} of the run (its QuantizeLinear outputs). Rows in graph order: (QuantizeLinear output, op, node name,
+    identical share, largest step)."""
+    from refimpl.encodings import Encoding
+    from refimpl.kernels import products
+    producer = {o: n for n in qm.graph.node for o in n.output}
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in qm.graph.initializer}
+
+    def value(t):   # a DequantizeLinear of a dumped quantiser or of an initializer, or a constant
+        if t in inits:
+            return inits[t]
+        d = producer.get(t)
+        if d is None or d.op_type != "DequantizeLinear" or (d.input[0] not in values and d.input[0] not in inits):
+            return None
+        codes = values.get(d.input[0], inits.get(d.input[0]))
+        scale, zp = inits[d.input[1]], inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
+        axis = next((a.i for a in d.attribute if a.name == "axis"), 1)
+        if np.ndim(scale):
+            shape = [1] * codes.ndim
+            shape[axis] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        return ((codes.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale).astype(np.float32)
+    rows = []
+    with products.onnxruntime_cpu():
+        for q in qm.graph.node:
+            if q.op_type != "QuantizeLinear" or q.output[0] not in values or q.input[0] not in producer:
+                continue
+            n = producer[q.input[0]]
+            ins = [value(i) for i in n.input if i]
+            if any(x is None for x in ins):
+                continue
+            y = refimpl_op(n, ins)
+            if y is None:
+                continue
+            want = values[q.output[0]]
+            zp = inits[q.input[2]]
+            enc = Encoding(8 * want.dtype.itemsize, inits[q.input[1]], -zp.astype(np.int32),
+                           signed=want.dtype.kind == "i", axis=None, arithmetic="onnx")
+            share, step = codes_agreement(enc.codes(np.asarray(y, np.float32)).reshape(want.shape), want)
+            rows.append((q.output[0], n.op_type, n.name, share, step))
+    return rows
+
+
+def fault_models(qm, qm4) -> dict:
+    """name -> (the honest QDQ model, its faulty copy, the QuantizeLinear output where the fault first shows): a
+    planted wrong per-channel weight scale (one output channel of the first projection x1.02, on W4A16's per-channel
+    int4 weights: the HTP takes no asymmetric per-channel uint8 weight), an activation offset off by one step (the
+    second residual add's zero point + 1) and a saturating residual add (the first one's range halved)."""
+    weights = weight_dequantizers(qm4)
+    proj = next(w for w, n in weights.items() if any(c.op_type == "MatMul" and n.output[0] in c.input
+                                                     for c in qm4.graph.node))
+    matmul = next(c for c in qm4.graph.node if weights[proj].output[0] in c.input)
+    residual, later = residual_adds(qm)[:2]   # a tensor whose consumers compute (RMSNorm, the next residual
+    # add): the HTP requires a data-movement op's (Gather, Reshape) output encoding to be its input's
+    return {"wrong per-channel weight scale": (qm4, wrong_channel_scale(qm4, proj, 3, 1.02),
+                                               activation_quantizer(qm4, matmul.output[0]).output[0]),
+            "activation offset off by one": (qm, offset_off_by_one(qm, later),
+                                             activation_quantizer(qm, later).output[0]),
+            "saturating residual add": (qm, saturating_residual(qm, residual, 0.5),
+                                        activation_quantizer(qm, residual).output[0])}
+
+
+def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp"), dequantised: bool = False) -> dict:
+    """The QDQ model run on ONNX Runtime's CPU EP and the HTP simulator, every quantiser's codes a graph output,
+    each run dumped (write_dump): {device: its dump directory}."""
+    taps = quantiser_taps(qm)
+    b = with_outputs(qm, taps)
+    sessions = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}
+    return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d, dequantised) for d in devices}
+
+
+def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
+    """`python tests/e2e/quantised.py diff [ARCH,...] [MIX,...] [DIR]`: the table of docs/htp.md §9 (refimpl's
+    diff of quantised runs): per model x mix (QNN QDQ config), each device's honest run and the planted faults
+    judged by `refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx` (integer codes dumped; the saturating
+    residual add's run as floats, dequantised with its own encodings: read with the file's, its codes would be a
+    wrong scale)."""
+    import json
+    for arch in archs:
+        case = float_case(arch, root / arch)
+        models = {mix: quantise_qdq(case, mix, root / arch / f"qdq_{mix}.onnx") for mix in MIXES}
+        for mix in mixes:
+            qdq = root / arch / f"qdq_{mix}.onnx"
+            f, q = goldens(case, qdq, root / arch)
+            placed = json.loads((q / "manifest.json").read_text())["quantisation"]
+            runs = [("QNN QDQ", qdq, f, q, placed, models[mix])]
+            if aimet_unavailable() is None:   # aimet-onnx's QuantSim of the same float graph, as a QDQ model
+                qdq_a = root / arch / f"aimet_qdq_{mix}.onnx"
+                keep_scopes(onnx.load(case.path), quantise_aimet(case, mix, root / arch / f"aimet_{mix}").qdq, qdq_a)
+                f_a, q_a = goldens(case, qdq_a, root / arch)
+                runs.append(("aimet-onnx", qdq_a, f_a, q_a, json.loads((q_a / "manifest.json").read_text())[
+                    "quantisation"], onnx.load(qdq_a)))
+            for tool, path, fg, qg, record, model in runs:
+                for device, dump in device_dumps(case, model, root / arch / f"dump_{path.stem}").items():
+                    d = diff(fg, qg, path, dump, root / arch / f"diff_{path.stem}_{device}.json")
+                    explained = sum(v == "explained" for v in d.verdicts.values())
+                    identical = sum(c == 1.0 for c in d.codes.values())
+                    worst = max(d.excess.items(), key=lambda kv: kv[1], default=None)
+                    print(f"{arch} {mix} {tool} {device}: placed {record['placed']}/{record['total']}; explained "
+                          f"{explained} of {len(d.verdicts)}; codes identical at {identical} of {len(d.codes)} taps; "
+                          f"first excess {d.first} (excess {d.excess.get(d.first, float('nan')):.3g}); worst {worst}; "
+                          f"unknown {d.unknown}", flush=True)
+            if not faults:
+                continue
+            for name, (honest, faulty, tap) in fault_models(models["w8a16"], models["w4a16"]).items():
+                hmix = "w4a16" if honest is models["w4a16"] else "w8a16"
+                if hmix != mix:
+                    continue
+                want = tap_of(q, qdq, tap)
+                floats = name == "saturating residual add"   # its values as the device dequantises them
+                for device, dump in device_dumps(case, faulty, root / arch / f"dump_{mix}_{name[:12]}",
+                                                 dequantised=floats).items():
+                    d = diff(f, q, qdq, dump, root / arch / f"diff_{mix}_{name[:12]}_{device}.json")
+                    print(f"{arch} {mix} {device} fault {name!r} at {want}: first excess {d.first} (fault "
+                          f"{d.fault}); excess at the tap {d.excess.get(want, float('nan')):.3g}, "
+                          f"{d.verdicts.get(want)}", flush=True)
+
+
 def main(argv=None) -> None:
     """`python tests/e2e/quantised.py [ARCH,...] [MIX,...] [DIR]`: the device-side table of docs/htp.md §9 (QNN QDQ
     and aimet-onnx per model x mix: HTP and CPU EP logits, codes, the first quantiser where they part)."""
     import sys
     import tempfile
-    args = (argv if argv is not None else sys.argv[1:]) + [None] * 3
+    args = (argv if argv is not None else sys.argv[1:]) + [None] * 4
+    if args[0] == "diff":
+        root = Path(args[3] or tempfile.mkdtemp(prefix="quantised-diff-"))
+        return diff_matrix((args[1] or "dense,moe").split(","), (args[2] or ",".join(MIXES)).split(","), root)
     archs = (args[0] or ",".join(ARCHITECTURES)).split(",")
     mixes = (args[1] or ",".join(MIXES)).split(",")
     root = Path(args[2] or tempfile.mkdtemp(prefix="quantised-htp-"))

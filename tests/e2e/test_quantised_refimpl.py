@@ -34,7 +34,7 @@ from refimpl.bundle import read_bundle  # noqa: E402
 from refimpl.encodings import Encoding  # noqa: E402
 from refimpl.formats.device_encodings import read_device_encodings  # noqa: E402
 from refimpl.golden import write_golden  # noqa: E402
-from refimpl.kernels import activation, elementary, products  # noqa: E402
+from refimpl.kernels import products  # noqa: E402
 from refimpl.models.config import config_from_dict  # noqa: E402
 from refimpl.models.model import Model  # noqa: E402
 from refimpl.precision import Policy, policy  # noqa: E402
@@ -54,40 +54,6 @@ def dense(tmp_path_factory):
     return case, paths
 
 
-def _attr(n, name, default=None):
-    return next((onnx.helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
-
-
-def refimpl_op(n, ins):
-    """A computing node of the QDQ model, evaluated by refimpl's kernels (None: a node that moves data, whose codes
-    are its input's)."""
-    op = n.op_type
-    if op == "MatMul":
-        return products.matmul(ins[0], ins[1])
-    if op == "Gemm" and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1 and not _attr(n, "transA", 0):
-        y = products.matmul(ins[0], ins[1].T if _attr(n, "transB", 0) else ins[1])   # the router: x W^T
-        return y + ins[2] if len(ins) > 2 else y           # the bias after the products (one K block: as MLAS)
-    if op in ("Mul", "Add", "Sub", "Div"):
-        return {"Mul": np.multiply, "Add": np.add, "Sub": np.subtract, "Div": np.divide}[op](ins[0], ins[1])
-    if op == "Neg":
-        return -ins[0]
-    if op == "Sqrt":
-        return np.sqrt(ins[0])
-    if op == "Reciprocal":
-        return np.float32(1) / ins[0]
-    if op == "Pow" and np.all(ins[1] == 2):
-        return ins[0] * ins[0]
-    if op in ("ReduceMean", "ReduceSum"):
-        (axis,) = ins[1] if len(ins) > 1 else _attr(n, "axes")
-        y = products.sum(ins[0], axis=int(axis), keepdims=bool(_attr(n, "keepdims", 1)))
-        return y / np.float32(ins[0].shape[int(axis)]) if op == "ReduceMean" else y
-    if op == "Softmax":
-        return activation.softmax(ins[0], _attr(n, "axis", -1))
-    if op == "Sigmoid":
-        return elementary.sigmoid(ins[0])
-    return None
-
-
 def teacher_forced(qm, feed) -> dict:
     """{QuantizeLinear output: (identical share, max step)} of every quantiser after a computing node: refimpl's
     kernel on the CPU EP's own inputs, quantised with the encoding read from the model, against the CPU EP's
@@ -101,7 +67,7 @@ def teacher_forced(qm, feed) -> dict:
     out = {}
     with products.onnxruntime_cpu():
         for q in quantisers:
-            y = refimpl_op(producer[q.input[0]], [values[i] for i in producer[q.input[0]].input if i])
+            y = Q.refimpl_op(producer[q.input[0]], [values[i] for i in producer[q.input[0]].input if i])
             if y is None:
                 continue
             want = values[q.output[0]]
