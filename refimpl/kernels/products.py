@@ -310,7 +310,14 @@ def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  #
     if x.dtype == np.float64 or _plain.get():
         return np.sum(x, axis=axis, keepdims=keepdims)
     if _runtime.get():
-        out = eigen_sum(np.moveaxis(np.asarray(x, np.float32), axis, -1))
+        x = np.asarray(x, np.float32)
+        axis %= x.ndim
+        if axis == x.ndim - 1:                                    # the innermost axis: Eigen's redux
+            out = eigen_sum(x)
+        elif np.prod(x.shape[:axis], dtype=np.int64) == 1:        # rows of a matrix: added one row at a time
+            out = _sequential_sum(np.moveaxis(x, axis, -1))
+        else:                                                     # a middle axis: ones (1 x K) @ x (K x N)
+            out = mlas_m1_sum(np.moveaxis(x, axis, -1))
         return np.expand_dims(out, axis) if keepdims else out
     return sumprod(x, np.ones((), np.float32), axis=axis, keepdims=keepdims)
 
@@ -406,6 +413,31 @@ def eigen_sum(x: np.ndarray) -> np.ndarray:
         s = r0[..., 0]
     for i in range(whole if whole else 1, n):
         s = s + x[..., i]                                                       # the tail, in order
+    return s
+
+
+def _sequential_sum(x: np.ndarray) -> np.ndarray:
+    """float32 sum over the last axis, term after term.  [..., n] -> [...]"""
+    s = x[..., 0] if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    for i in range(1, x.shape[-1]):
+        s = s + x[..., i]
+    return s
+
+
+def mlas_m1_sum(x: np.ndarray) -> np.ndarray:
+    """float32 sum over the last axis as ONNX Runtime's ReduceSum over a middle axis computes it (FastReduceKRK:
+    MatMul of a row of ones, MLAS's MlasSgemmKernelM1Avx): the terms in groups of 4, then one of 2, then 1, each
+    group summed left to right and then added to the running sum.  [..., n] -> [...]"""
+    n = x.shape[-1]
+    s, k = np.zeros(x.shape[:-1], np.float32), 0
+    for size in (4, 2, 1):
+        while n - k >= size:
+            part = x[..., k]
+            for j in range(k + 1, k + size):
+                part = part + x[..., j]                                         # the group, left to right
+            s, k = s + part, k + size                                           # then added to the sum
+            if size < 4:
+                break
     return s
 
 
