@@ -107,23 +107,27 @@ def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(mon
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_the_code_computes_through_exactly_the_declared_points(preset):
     """A quantiser (float16) at every declared point and node output: the forward passes a value through each,
-    a prompt and a cached step (the past keys / values points act from the second call)."""
+    a prompt and a cached step (the past keys / values points act from the second call); a per-token point (the
+    recurrent delta rule's) at each of the prompt's 4 tokens, "point@t"."""
     m = refimpl.load(preset)
     nodes = graph(m.config)
     f16 = Encoding(16, np.float32(1), np.int32(0), float_dtype=np.float16)
-    outputs, pts = {}, {}
+    outputs, pts, want = {}, {}, set()
     for name, (node, pt) in points(nodes).items():
-        if pt.name:
-            pts.setdefault(node, {})[pt.name] = f16
-        else:
-            outputs[nodes[node].module_name or node] = f16
+        names = [f"{pt.name}@{t}" for t in range(4)] if pt.per_token else [pt.name]
+        want.update(f"{node}/{n}" if n else name for n in names)
+        for n in names:
+            if n:
+                pts.setdefault(node, {})[n] = f16
+            else:
+                outputs[nodes[node].module_name or node] = f16
     m.quantisers = Quantisers(outputs=outputs, points=pts, taps={nodes[n].module_name: n for n in nodes
                                                                   if nodes[n].module_name})
     m.quantisers.record = {}
     cache = m.new_cache()
     m.forward(np.array([[1, 2, 3, 4]]), cache=cache)
     m.forward(np.array([[5]]), cache=cache)
-    assert set(m.quantisers.record) == set(points(nodes))
+    assert set(m.quantisers.record) == want
 
 
 def test_float_path_hooks_are_the_identity():
