@@ -469,7 +469,7 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
             if not readers:
                 what = (f"computed from graph inputs only ({derived[root]}: the host's plumbing)" if root in derived
                         else "a constant" if tensor in const else "a graph input")
-                unplaced.append((tensor, f"{what}, read by no matched point"))
+                unplaced.append((tensor, f"{what}, read by no matched point{_read_by(graph, tensor, derived, ginput)}"))
             for where, kind in dict.fromkeys(readers):
                 put(weights if kind == "weight" else activations, where, tensor, enc)
         elif tensor in unmatched:
@@ -480,6 +480,24 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
     if unplaced and strict:
         raise InputError(f"{p.summary()} (--strict-encodings)")
     return p
+
+
+COMPARISONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"}
+
+
+def _read_by(graph, tensor: str, derived: dict, ginput: dict) -> str:
+    """" (read by <op> <node>: what it is)" of a constant / graph input no point reads: a comparison, a shape or
+    mask op, the host's plumbing (a node computed from graph inputs only), a graph input's data movement."""
+    readers = [n for n in graph.nodes if tensor in n.inputs][:2]
+    if not readers:
+        return " (read by no node: a graph output, or unused)"
+    said = []
+    for n in readers:
+        kind = ("a comparison" if n.op_type in COMPARISONS else "a shape / mask op" if n.op_type in CONDITIONS else
+                "the host's plumbing" if any(o in derived for o in n.outputs) else
+                "joined to a graph input" if any(o in ginput for o in n.outputs) else "")
+        said.append(f"{n.op_type} {n.name}" + (f": {kind}" if kind else ""))
+    return f" (read by {', '.join(said)})"
 
 
 def _in_graph_order(graph, encodings) -> list:
