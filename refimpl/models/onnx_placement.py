@@ -196,10 +196,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         are assigned in file order, which an optimizer may reorder; a node that matches only with an input's twin
         in its place decides: the two swap (with their weights)."""
         for j, (k, p) in enumerate(kinds):
-            if k != "v" or p not in found or _unstep(p) != p:   # (a per-token instance has no twin)
-                continue
+            if k != "v" or p not in found or p not in pts or (n.op_type == "Slice" and found[p][1][0] != "Slice"):
+                continue   # (a per-token instance has no twin; a Slice reads a Slice's twin: RoPE's x1 / x2)
             for twin, _ in index.get(found[p][1], ()):
-                if twin == p:
+                if twin == p or twin not in pts:
                     continue
                 tried = [*kinds[:j], ("v", twin), *kinds[j + 1:]]
                 if candidates_of(n, tried):
