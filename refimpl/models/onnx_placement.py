@@ -180,8 +180,9 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
 
     def relabel(pairs: dict) -> None:
         """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
-        def m(name):
-            return _mirror(pairs, name)
+        def m(name):   # (a point only one of the pair declares, in_proj_qkv/masked of in_proj_qkv / in_proj_z, stays)
+            mirror = _mirror(pairs, name)
+            return mirror if "/" not in name or _unstep(mirror) in pts else name
         for t in value:
             value[t] = m(value[t])
         swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
@@ -495,7 +496,7 @@ def _read_by(graph, tensor: str, derived: dict, ginput: dict) -> str:
     for n in readers:
         kind = ("a comparison" if n.op_type in COMPARISONS else "a shape / mask op" if n.op_type in CONDITIONS else
                 "the host's plumbing" if any(o in derived for o in n.outputs) else
-                "joined to a graph input" if any(o in ginput for o in n.outputs) else "")
+                "a graph input's data movement" if any(o in ginput for o in n.outputs) else "")
         said.append(f"{n.op_type} {n.name}" + (f": {kind}" if kind else ""))
     return f" (read by {', '.join(said)})"
 
