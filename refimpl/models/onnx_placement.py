@@ -182,7 +182,7 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
         def m(name):   # (a point only one of the pair declares, in_proj_qkv/masked of in_proj_qkv / in_proj_z, stays)
             mirror = _mirror(pairs, name)
-            return mirror if "/" not in name or _unstep(mirror) in pts else name
+            return name if _unstep(name) in pts and _unstep(mirror) not in pts else mirror
         for t in value:
             value[t] = m(value[t])
         swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
