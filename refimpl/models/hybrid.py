@@ -114,7 +114,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
         t = at("+dt_bias", a + w[f"{p}.dt_bias"])                                     # a + dt_bias
         sp = softplus(t)
         if "softplus_raw" in at.points:   # a device's Softplus, then Where(t > 20, t, .) as torch's threshold
-            sp = np.where(t > 20, t, at("softplus_raw", softplus(np.minimum(t, 20))))
+            sp = np.where(t > at("threshold", t.dtype.type(20)), t, at("softplus_raw", softplus(np.minimum(t, 20))))
         g = at("-exp(A_log)", -exp(w[f"{p}.A_log"])) * at("softplus", sp)
         g = put("g", quant.output(f"{p}.g", g))                                       # [B, T, Hv], < 0
     chunk = ctx.precision.delta_rule_chunk

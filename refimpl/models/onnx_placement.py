@@ -33,6 +33,7 @@ ROLES = ("const:", "weight:", "input:")
 ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
 CONDITIONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "IsNaN", "IsInf",
               "Shape", "Size", "NonZero", "Range", "ConstantOfShape", "EyeLike"}   # shapes, masks, conditions
+COMPARISONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"}
 DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze",
                          "Expand", "SequenceAt",
                          "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
@@ -258,8 +259,12 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
         if n.op_type == "Constant" or n.op_type in CONDITIONS or (ins and all(i in const for i in ins)):
             moved = n.op_type in MOVES and ins and n.op_type not in CONDITIONS
+            # a value compared with a constant (x > 20, Softplus's threshold): the comparison reads that constant
+            compared = [i for i in ins if i in const] if n.op_type in COMPARISONS and any(i in value for i in ins) \
+                else []
             for o in outs:                # a constant moved (a weight transposed, an expert's rows gathered) keeps its
-                const[o], path[o] = (const[ins[0]], path[ins[0]] + (o,)) if moved else (o, (o,))   # root; else its own
+                src = ins[0] if moved else compared[0] if len(compared) == 1 else None   # root; else its own
+                const[o], path[o] = (const[src], path[src] + (o,)) if src else (o, (o,))
             continue
         kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
                  else ("?", i) for i in ins]
@@ -481,9 +486,6 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
     if unplaced and strict:
         raise InputError(f"{p.summary()} (--strict-encodings)")
     return p
-
-
-COMPARISONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"}
 
 
 def _read_by(graph, tensor: str, derived: dict, ginput: dict) -> str:
