@@ -96,7 +96,7 @@ def test_qwen35_everything_outside_the_chunked_delta_rule_is_placed():
 def test_qwen35_htp_qdq_model_places_the_recurrent_delta_rule_token_by_token():
     """Qwen3.5 rewritten for the HTP (the gated delta rule in transformers' recurrent form, one unrolled step per
     token) and quantised W8A16 by the QNN QDQ config (tiny-qwen3.5-htp-qdq-structure.onnx): every quantiser placed
-    but the host's mask plumbing and constants no computed value reads (924 of 932); each step's quantisers at that
+    but the host's mask plumbing and constants no computed value reads (925 of 932); each step's quantisers at that
     token's instance of the rule's points (an Exp's token is its Gather's index, read from the graph)."""
     g, encs = read_qdq(FIXTURES / "tiny-qwen3.5-htp-qdq-structure.onnx")
     cfg = config("tiny-qwen3.5")
