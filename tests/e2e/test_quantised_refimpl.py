@@ -195,7 +195,7 @@ def test_qwen35_quantised_golden_places_99_percent_and_sits_within_1_percent(hyb
     mine = logits(model, "q").reshape(cpu.shape)
     codes = codes_free_running(model, onnx.load(paths[mix]), case.feed)
     compared = {t: r for t, r in codes.items() if isinstance(r, tuple)}
-    assert len(compared) > 350, len(compared)    # measured 395 (the rest: another layout, data movement)
+    assert len(compared) > 350, len(compared)    # measured 397 (the rest: another layout, data movement)
     bad = {t: r for t, r in compared.items() if r[0] < 0.999}
     assert not bad, bad
     flt = logits(Model.from_arrays(cfg, case.arrays, "e2e", policy("float32")), "f").reshape(cpu.shape)
