@@ -27,6 +27,11 @@ class Point:
     also: the same point's other forms, (onnx, inputs) each, declared beside it (a device graph an engineer
     rewrote: Pow(x, 2) as Mul(x, x), Reciprocal as Div(1, x)); the kernel reads a form's constants through the
     hook too ("const:1": at("1", 1)).
+    A point of a per-token loop the device graph unrolls (the recurrent delta rule) reads inputs "x@t" (value x at
+    token t: a per-token slice of a whole value, or that point's instance t) or "x@t-1" (the previous token's);
+    its instances are named "<name>@<t>" (the kernel's hook: at("S@3", ...)); first: its inputs at token 0 where they
+    differ (the state the graph reads in, "input:state", for the previous token's). "x@*": every instance of x in
+    token order (their stack).
     """
     name: str
     onnx: tuple[str, ...]
@@ -34,11 +39,17 @@ class Point:
     formula: str = ""
     more: tuple[str, ...] = ()     # the points of the op's further outputs (Split's second half); "#name": integers
     also: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()   # other (onnx, inputs) forms of the same function
+    first: tuple[str, ...] = ()    # a per-token point's inputs at token 0, where they differ
+
+    @property
+    def per_token(self) -> bool:
+        """A point computed once per token (its inputs name "@t" / "@t-1" values)."""
+        return any(i.endswith(("@t", "@t-1")) for i in self.inputs)
 
     def forms(self) -> tuple["Point", ...]:
         """The point as declared, then each equivalent form a rewritten device graph computes it in (`also`: x^2 as
         Mul(x, x), 1 / s as Div(1, s)): the same real function of the same values, another op."""
-        return (self, *(dataclasses.replace(self, onnx=ops, inputs=ins, also=()) for ops, ins in self.also))
+        return (self, *(dataclasses.replace(self, onnx=ops, inputs=ins, also=(), first=()) for ops, ins in self.also))
 
 
 @dataclasses.dataclass(frozen=True)

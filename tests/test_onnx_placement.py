@@ -93,6 +93,31 @@ def test_qwen35_everything_outside_the_chunked_delta_rule_is_placed():
         assert f"model.layers.3.self_attn.{sub}" in p.activations, sub
 
 
+def test_qwen35_htp_qdq_model_places_the_recurrent_delta_rule_token_by_token():
+    """Qwen3.5 rewritten for the HTP (the gated delta rule in transformers' recurrent form, one unrolled step per
+    token) and quantised W8A16 by the QNN QDQ config (tiny-qwen3.5-htp-qdq-structure.onnx): every quantiser placed
+    but the host's mask plumbing and constants no computed value reads (925 of 932); each step's quantisers at that
+    token's instance of the rule's points (an Exp's token is its Gather's index, read from the graph)."""
+    g, encs = read_qdq(FIXTURES / "tiny-qwen3.5-htp-qdq-structure.onnx")
+    cfg = config("tiny-qwen3.5")
+    p = place_onnx(g, encs, graph(cfg), set(expected_tensors(cfg)) | {"lm_head.weight"})
+    assert p.placed >= 0.99 * p.total and p.total == len(encs), p.summary()
+    assert all("read by no matched point" in r for _, r in p.unplaced), p.unplaced
+    core = "model.layers.0.linear_attn.core"
+    for sub in ("state", "sqrt(Dk)", "q/sqrt(Dk)", "exp(g)@0", "decayed@0", "S*k@3", "S^T k@3", "v-S^T k@3",
+                "delta@3", "k delta^T@3", "S@7", "S*q@7", "o@7"):
+        assert f"{core}/{sub}" in p.activations, sub
+    assert core in p.activations and "model.layers.2.linear_attn.core/o@7" in p.activations
+    assert "model.layers.0.linear_attn.g/+dt_bias" in p.activations   # in_proj_a + dt_bias fused into a Gemm
+    assert p.forms["model.layers.0.linear_attn.g/+dt_bias"] == "Gemm"
+    producers = g.producers()
+    exps = [(t, w) for t, ws in p.tensors.items() for w in ws if "/exp(g)@" in w]
+    assert len(exps) == 3 * 8
+    for tensor, where in exps:
+        gather = producers[producers[tensor].inputs[0]]
+        assert gather.op_type == "Gather" and where.endswith(f"@{g.scalars[gather.inputs[1]]}"), (tensor, where)
+
+
 def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(monkeypatch):
     original = qwen3.norm_points
     monkeypatch.setattr(qwen3, "norm_points", lambda cfg, x, w: tuple(pt for pt in original(cfg, x, w)
@@ -107,23 +132,27 @@ def test_a_point_not_declared_is_unplaced_with_its_reason_and_strict_refuses(mon
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_the_code_computes_through_exactly_the_declared_points(preset):
     """A quantiser (float16) at every declared point and node output: the forward passes a value through each,
-    a prompt and a cached step (the past keys / values points act from the second call)."""
+    a prompt and a cached step (the past keys / values points act from the second call); a per-token point (the
+    recurrent delta rule's) at each of the prompt's 4 tokens, "point@t"."""
     m = refimpl.load(preset)
     nodes = graph(m.config)
     f16 = Encoding(16, np.float32(1), np.int32(0), float_dtype=np.float16)
-    outputs, pts = {}, {}
+    outputs, pts, want = {}, {}, set()
     for name, (node, pt) in points(nodes).items():
-        if pt.name:
-            pts.setdefault(node, {})[pt.name] = f16
-        else:
-            outputs[nodes[node].module_name or node] = f16
+        names = [f"{pt.name}@{t}" for t in range(4)] if pt.per_token else [pt.name]
+        want.update(f"{node}/{n}" if n else name for n in names)
+        for n in names:
+            if n:
+                pts.setdefault(node, {})[n] = f16
+            else:
+                outputs[nodes[node].module_name or node] = f16
     m.quantisers = Quantisers(outputs=outputs, points=pts, taps={nodes[n].module_name: n for n in nodes
                                                                   if nodes[n].module_name})
     m.quantisers.record = {}
     cache = m.new_cache()
     m.forward(np.array([[1, 2, 3, 4]]), cache=cache)
     m.forward(np.array([[5]]), cache=cache)
-    assert set(m.quantisers.record) == set(points(nodes))
+    assert set(m.quantisers.record) == want
 
 
 def test_float_path_hooks_are_the_identity():

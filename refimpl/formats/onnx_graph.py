@@ -41,6 +41,7 @@ class OnnxGraph:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     initializers: tuple[str, ...]
+    scalars: dict = dataclasses.field(default_factory=dict)   # {tensor: int} integer scalar constants (an index)
 
     def producers(self) -> dict[str, OnnxNode]:
         """tensor name -> the node that computes it."""
@@ -53,4 +54,18 @@ def read_onnx(path) -> OnnxGraph:
     g = model.graph
     nodes = tuple(OnnxNode(n.op_type, n.name, tuple(n.input), tuple(n.output), n.domain) for n in g.node)
     return OnnxGraph(nodes, tuple(i.name for i in g.input), tuple(o.name for o in g.output),
-                     tuple(t.name for t in g.initializer))
+                     tuple(t.name for t in g.initializer), integer_scalars(g))
+
+
+def integer_scalars(g) -> dict[str, int]:
+    """{tensor: value} of a graph's integer scalar constants (initializers and Constant nodes): the index of a
+    Gather that picks one token (an unrolled per-token loop, the recurrent delta rule), read as plain data."""
+    from onnx import numpy_helper
+    tensors = [(t.name, t) for t in g.initializer if not t.dims]
+    tensors += [(n.output[0], a.t) for n in g.node if n.op_type == "Constant" and n.output
+                for a in n.attribute if a.name == "value" and not a.t.dims]
+    out = {}
+    for name, t in tensors:
+        if t.data_type in (6, 7):   # int32, int64
+            out[name] = int(numpy_helper.to_array(t))
+    return out

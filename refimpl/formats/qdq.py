@@ -27,11 +27,12 @@ import numpy as np
 from ..encodings import Encoding, load_onnx_model
 from ..errors import FormatError, InputError, brief
 from ..kernels import quant
-from .onnx_graph import OnnxGraph, OnnxNode
+from .onnx_graph import OnnxGraph, OnnxNode, integer_scalars
 
 # ONNX TensorProto data types of the quantised integer types: name, bits, signed
 QTYPES = {2: ("uint8", 8, False), 3: ("int8", 8, True), 4: ("uint16", 16, False), 5: ("int16", 16, True),
           21: ("uint4", 4, False), 22: ("int4", 4, True)}
+BIAS_TYPES = {6: ("int32", 32, True)}   # a weight's only (a Gemm's / Conv's bias: scale = input scale x weight scale)
 SCALE_TYPES = {1: np.float32, 10: np.float16, 16: None}   # float, float16, bfloat16 (read through onnx)
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
@@ -143,16 +144,19 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
             zp = np.zeros(scale.shape, np.int64)
             if n.op_type == "DequantizeLinear" and n.input[0] in inits:
                 dtype = inits[n.input[0]].data_type
-        if dtype not in QTYPES:
+        types = {**QTYPES, **BIAS_TYPES} if n.op_type == "DequantizeLinear" and n.input[0] in inits else QTYPES
+        if dtype not in types:
             raise FormatError(f"{at}: quantised data type {dtype} is not one of "
-                              f"{', '.join(q[0] for q in QTYPES.values())}")
-        name, bits, signed = QTYPES[dtype]
+                              f"{', '.join(q[0] for q in types.values())}")
+        name, bits, signed = types[dtype]
         lo, hi = (-2 ** (bits - 1), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
         if not (scale.size and np.all(np.isfinite(scale)) and np.all(scale > 0)) or \
                 not np.all(np.isfinite(scale.astype(np.float32))) or np.any(scale.astype(np.float32) == 0):
             bad = scale[~(np.isfinite(scale) & (scale > 0))] if scale.size else []
             raise FormatError(f"{at}: scale {brief(bad[0] if len(bad) else scale.tolist())} is not a positive "
                               f"finite float32 number")
+        if zp.size == scale.size == 1 and not block:   # one-element scale / zero point: per tensor (ONNX Runtime)
+            scale, zp = scale.reshape(()), zp.reshape(())
         if zp.shape != scale.shape:
             raise FormatError(f"{at}: zero point of shape {list(zp.shape)} for a scale of shape {list(scale.shape)}")
         if zp.size and (zp.min() < lo or zp.max() > hi):
@@ -216,7 +220,7 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
                 shape = tuple(int(d) for d in inits[src].dims)
                 _, enc = params(n, len(shape))
                 check_shape(n, enc, shape)
-                if inits[src].data_type not in QTYPES:
+                if inits[src].data_type not in {**QTYPES, **BIAS_TYPES}:
                     raise FormatError(f"{where(n)}: weight {brief(src)} of data type {inits[src].data_type} is not a "
                                       f"quantised integer type")
                 zp_t = inits.get(n.input[2]) if len(n.input) == 3 and n.input[2] else None
@@ -282,7 +286,8 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
     kept = tuple(t.name for t in g.initializer if t.name not in dropped_inits or t.name in used)
     encodings = {final(k): v for k, v in encodings.items()}
     graph = OnnxGraph(nodes, tuple(i.name for i in g.input if i.name not in inits),
-                      tuple(final(o) for o in outputs), kept + tuple(w for w in weights if w not in kept))
+                      tuple(final(o) for o in outputs), kept + tuple(w for w in weights if w not in kept),
+                      integer_scalars(g))
     return graph, encodings
 
 

@@ -35,13 +35,16 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-6, at=unhooked) -> np.ndarray:
 
     eps is added to the SUM of squares inside the root (transformers' l2norm, fla's l2norm to rounding); it is
     not rms_norm_eps, and this is not F.normalize's x / max(||x||, eps). A zero vector maps to 0.
-    Points (`at`): x^2 (formed only where a hook acts on it), sum, eps, +eps, sqrt, 1/sqrt.
+    Points (`at`): x^2 (formed only where a hook acts on it), sum, eps, +eps, sqrt, 1/sqrt (or x / sqrt where the
+    device divides: its form of the output point "").
     """
     if "x^2" in at.points:
         total = at("sum", products.sum(at("x^2", x * x), keepdims=True))             # sum_i x_i^2
     else:
         total = at("sum", products.sumprod(x, x, keepdims=True))                     # one correctly rounded sum
     root = at("sqrt", np.sqrt(at("+eps", total + at("eps", x.dtype.type(eps)))))   # sqrt(sum + eps)
+    if at.forms.get("") == "Div":                                                # the device's form: x / sqrt
+        return x / root
     return x * at("1/sqrt", 1 / root)
 
 
@@ -81,7 +84,7 @@ def _vecmat(x: np.ndarray, S: np.ndarray) -> np.ndarray:
     return matmul(x[..., None, :], S)[..., 0, :]
 
 
-def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm=True, scale=None):
+def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm=True, scale=None, at=unhooked):
     """The gated delta rule one token at a time (spec §1.3): the normative reference.
 
     q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; initial_state [B, Hv, Dk, Dv] or None (zeros).
@@ -89,7 +92,11 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm
 
     scale=None divides q by sqrt(Dk), as transformers' torch_recurrent_gated_delta_rule does (its chunked form
     multiplies by Dk^-1/2 instead; the two differ by an ulp). A given scale multiplies q.
+    at: a device graph's quantisers inside the rule (`recurrent_points`); where a hook acts, the rule is computed op
+    by op as the exported graph writes it.
     """
+    if at.points:
+        return _recurrent_points(q, k, v, g, beta, initial_state, use_qk_l2norm, at)
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     B, Hv, T, Dk = k.shape
@@ -100,6 +107,32 @@ def gated_delta_recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm
         u = beta[:, :, t, None] * (v[:, :, t] - _vecmat(k[:, :, t], S))  # u = beta_t (v_t - S^T k_t)
         S += k[:, :, t, :, None] * u[:, :, None, :]  # S <- S + k_t u_t^T
         o[:, :, t] = _vecmat(q[:, :, t], S)  # o_t = S^T q_t
+    return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
+
+
+def _recurrent_points(q, k, v, g, beta, initial_state, use_qk_l2norm, at):
+    """gated_delta_recurrent op by op as transformers' torch_recurrent_gated_delta_rule exports to ONNX (one
+    unrolled step per token), each op's value through the hook at its point (point "name@t": token t's instance;
+    "state" the initial state as the graph reads it, "sqrt(Dk)" the divisor as a constant of the graph). The
+    products S * k_t and S * q_t are formed and summed over Dk (ReduceSum), as the export writes S^T k_t."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    B, Hv, T, Dk = k.shape
+    S = at("state", S) if initial_state is not None else S                       # S0 (zeros: exact on any grid)
+    q = at("q/sqrt(Dk)", q / at("sqrt(Dk)", q.dtype.type(math.sqrt(Dk))))       # q / sqrt(Dk)
+    o = np.empty_like(v)                                                         # [B, Hv, T, Dv]
+    for t in range(T):
+        k_t = k[:, :, t, :, None]                                                # k_t  [B, Hv, Dk, 1]
+        decay = at(f"exp(g)@{t}", exp(g[:, :, t]))                               # exp(g_t)  [B, Hv]
+        S = at(f"decayed@{t}", S * decay[:, :, None, None])                      # S <- exp(g_t) S
+        Sk = at(f"S*k@{t}", S * k_t)                                             # S_ij k_i
+        kv = at(f"S^T k@{t}", products.sum(Sk, axis=-2))                         # S^T k_t  [B, Hv, Dv]
+        err = at(f"v-S^T k@{t}", v[:, :, t] - kv)                                # v_t - S^T k_t
+        delta = at(f"delta@{t}", err * beta[:, :, t, None])                      # delta_t = beta_t (v_t - S^T k_t)
+        update = at(f"k delta^T@{t}", k_t * delta[:, :, None, :])                # k_t delta_t^T
+        S = at(f"S@{t}", S + update)                                             # S <- S + k_t delta_t^T
+        Sq = at(f"S*q@{t}", S * q[:, :, t, :, None])                             # S_ij q_i
+        o[:, :, t] = at(f"o@{t}", products.sum(Sq, axis=-2))                     # o_t = S^T q_t
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 
 
@@ -197,7 +230,7 @@ def gated_delta_chunked_rounded(q, k, v, g, beta, initial_state, rnd, chunk_size
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
 
 
-def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None):
+def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None, at=unhooked):
     """One decode step (spec §4): the recurrent form with T = 1, from a cached state.
 
     q, k [B, 1, Hk, Dk]; v [B, 1, Hv, Dv]; g, beta [B, 1, Hv]; state [B, Hv, Dk, Dv] (None means zeros).
@@ -206,7 +239,7 @@ def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm=True, scale=None)
     """
     if q.ndim != 4 or q.shape[1] != 1:
         raise InputError(f"gated_delta_step: expected one token, q [B, 1, Hk, Dk]; got q {q.shape}")
-    return gated_delta_recurrent(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+    return gated_delta_recurrent(q, k, v, g, beta, state, use_qk_l2norm=use_qk_l2norm, scale=scale, at=at)
 
 
 def _unit_lower_inverse(L: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from ..kernels.elementary import exp
 from ..kernels.gated_delta import (
     gated_delta_chunked,
     gated_delta_chunked_rounded,
+    gated_delta_recurrent,
     gated_delta_rounded,
     gated_delta_step,
     l2_normalize,
@@ -113,7 +114,7 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
         t = at("+dt_bias", a + w[f"{p}.dt_bias"])                                     # a + dt_bias
         sp = softplus(t)
         if "softplus_raw" in at.points:   # a device's Softplus, then Where(t > 20, t, .) as torch's threshold
-            sp = np.where(t > 20, t, at("softplus_raw", softplus(np.minimum(t, 20))))
+            sp = np.where(t > at("threshold", t.dtype.type(20)), t, at("softplus_raw", softplus(np.minimum(t, 20))))
         g = at("-exp(A_log)", -exp(w[f"{p}.A_log"])) * at("softplus", sp)
         g = put("g", quant.output(f"{p}.g", g))                                       # [B, T, Hv], < 0
     chunk = ctx.precision.delta_rule_chunk
@@ -121,6 +122,9 @@ def _gdn(w, p: str, x: np.ndarray, cfg, state: LinearAttentionState | None, put,
         core, S = gated_delta_chunked_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r, chunk)
     elif npu:   # token by token, as a static NPU graph of transformers' recurrent rule runs it
         core, S = gated_delta_rounded(q, k, v, g, beta, None if state is None else state.recurrent, r)
+    elif quant.at(f"{p}.core").points:   # a device graph's quantisers inside the rule: its recurrent form, op by op
+        core, S = gated_delta_recurrent(q, k, v, g, beta, None if state is None else state.recurrent,
+                                        use_qk_l2norm=False, at=quant.at(f"{p}.core"))
     elif state is not None and T == 1:
         core, S = gated_delta_step(q, k, v, g, beta, state.recurrent, use_qk_l2norm=False)
     else:
@@ -243,13 +247,13 @@ def linear_attention_nodes(cfg, i: int) -> dict:
         "beta": Node("sigmoid", "beta = sigmoid(b)", (b_in,), shape="[B, T, Hv]",
                      points=(Point("", ("Sigmoid",), (b_in,)),)),
         "g": Node("gate", "g = -exp(A_log) * softplus(a + dt_bias)", (a_in,), shape="[B, T, Hv]", points=(
-            Point("+dt_bias", ("Add",), (a_in, f"weight:{p}.dt_bias")),
+            Point("+dt_bias", ("Add",), (a_in, f"weight:{p}.dt_bias"),   # or fused with in_proj_a into a Gemm
+                  also=() if fused else ((("Gemm",), (xm, f"weight:{a_in}.weight", f"weight:{p}.dt_bias")),)),
             Point("softplus_raw", ("Softplus",), ("/+dt_bias",)),
             Point("softplus", ("Where",), ("const:threshold", "/+dt_bias", "/softplus_raw")),
             Point("", ("Mul",), ("const:-exp(A_log)", "/softplus")))),
         "core": Node("gated delta rule", "S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)", core_in,
-                     shape="[B, T, Hv, Dv]",
-                     points=(Point("", ("*",), (f"{p}.q", f"{p}.k", f"{silu_out}/split_v", f"{p}.beta", f"{p}.g")),)),
+                     shape="[B, T, Hv, Dv]", points=core_points(p, f"{silu_out}/split_v")),
         "norm": Node("rms_norm_gated", "y = w * x / sqrt(mean(x^2) + eps) * silu(z)", (f"{p}.core", f"{p}.z"),
                      shape="[B, T, Hv, Dv]", module=2, points=(
                          *qwen3.norm_points(cfg, f"{p}.core", None)[:-1],
@@ -265,11 +269,32 @@ def linear_attention_nodes(cfg, i: int) -> dict:
     }, p, i)
 
 
+def core_points(p: str, v: str) -> tuple:
+    """kernels.gated_delta's recurrent rule op by op, as transformers' torch_recurrent_gated_delta_rule exports
+    (one unrolled step per token; graph.Point: "x@t" token t's value, "/S@t-1" the previous token's state, the
+    graph's state input at token 0). Its chunked form (the prompt's in transformers) is another factorisation:
+    found whole ("*", its inputs), no points inside."""
+    q, k, g, beta = f"{p}.q", f"{p}.k", f"{p}.g", f"{p}.beta"
+    return (Point("q/sqrt(Dk)", ("Div",), (q, "const:sqrt(Dk)")),
+            Point("exp(g)", ("Exp",), (f"{g}@t",)),
+            Point("decayed", ("Mul",), ("/S@t-1", "/exp(g)@t"), first=("input:state", "/exp(g)@t")),
+            Point("S*k", ("Mul",), ("/decayed@t", f"{k}@t")),
+            Point("S^T k", ("ReduceSum",), ("/S*k@t",)),
+            Point("v-S^T k", ("Sub",), (f"{v}@t", "/S^T k@t")),
+            Point("delta", ("Mul",), ("/v-S^T k@t", f"{beta}@t")),
+            Point("k delta^T", ("Mul",), (f"{k}@t", "/delta@t")),
+            Point("S", ("Add",), ("/decayed@t", "/k delta^T@t")),
+            Point("S*q", ("Mul",), ("/S@t", "/q/sqrt(Dk)@t")),
+            Point("o", ("ReduceSum",), ("/S*q@t",)),
+            Point("", ("Concat",), ("/o@*",), also=((("*",), (q, k, v, beta, g)),)))
+
+
 def l2_points(x: str) -> tuple:
     """kernels.gated_delta.l2_normalize over value x (its node the normalised value)."""
     return (Point("x^2", ("Mul", "Pow"), (x, x)), Point("sum", ("ReduceSum",), ("/x^2",)),
             Point("+eps", ("Add",), ("/sum", "const:eps")), Point("sqrt", ("Sqrt",), ("/+eps",)),
-            Point("1/sqrt", ("Reciprocal",), ("/sqrt",)), Point("", ("Mul",), (x, "/1/sqrt")))
+            Point("1/sqrt", ("Reciprocal",), ("/sqrt",)),
+            Point("", ("Mul",), (x, "/1/sqrt"), also=((("Div",), (x, "/sqrt")),)))   # x / sqrt folded
 
 
 def layer_nodes(cfg, i: int) -> dict:

@@ -20,6 +20,7 @@ Every encoding is placed or listed with the reason it is not (`unplaced`); stric
 """
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -32,6 +33,7 @@ ROLES = ("const:", "weight:", "input:")
 ORDERED = {"Gather", "MatMul", "Gemm", "Concat", "Sub", "Div", "Pow", "Slice"}   # operands in declared order
 CONDITIONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "IsNaN", "IsInf",
               "Shape", "Size", "NonZero", "Range", "ConstantOfShape", "EyeLike"}   # shapes, masks, conditions
+COMPARISONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"}
 DATA = {op: 1 for op in ("ReduceMean", "ReduceSum", "ReduceMax", "Reshape", "Slice", "Unsqueeze", "Squeeze",
                          "Expand", "SequenceAt",
                          "Split", "Tile", "TopK", "CumSum", "Pad")}   # operands after these: shapes, axes, sizes
@@ -123,10 +125,15 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
     pts = declared_points(nodes)
     forms = {}                            # (point name, k) -> (node, its k-th form: Point.forms)
     index = {}                            # (op type, value inputs) -> [(point name, form)], declaration order
+    initial = set()                       # (point name, k) of per-token points' token-0 forms (Point.first)
     for full, (node, declared) in pts.items():
-        for k, pt in enumerate(declared.forms()):
+        kept = declared.forms()
+        if declared.first:
+            kept += (dataclasses.replace(declared, inputs=declared.first, also=(), first=()),)
+            initial.add((full, len(kept) - 1))
+        for k, pt in enumerate(kept):
             forms[(full, k)] = (node, pt)
-            values = tuple(sorted(_full(node, i) for i in pt.inputs if not i.startswith(ROLES)))
+            values = tuple(sorted(_unstep(_full(node, i)) for i in pt.inputs if not i.startswith(ROLES)))
             for op in pt.onnx:
                 index.setdefault((op, values), []).append((full, k))
     consts = set(graph.initializers)
@@ -140,23 +147,43 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         const[t], path[t] = t, (t,)
     unmatched = {}                        # tensor -> why its node matched nothing
     ancestry = {}                         # an unmatched tensor -> the found values it is computed from
-    opaque = {node: frozenset(_full(node, i) for i in pt.inputs) for _, (node, pt) in pts.items() if "*" in pt.onnx}
+    opaque = {node: frozenset(_full(node, i) for i in f.inputs) for _, (node, pt) in pts.items()
+              for f in pt.forms() if "*" in f.onnx}
 
     def candidates_of(n, kinds):
-        values = tuple(sorted(v for k, v in kinds if k == "v"))
+        """[(point, form)] the node can be, in declaration order; a per-token point's as its instance "point@t"."""
+        stepped = any(k == "v" and _unstep(v) != v for k, v in kinds)
+        out = candidates_in(n, kinds, stepped)
+        if not out and stepped:   # a scalar Gather that was no token's (a batch of one): the value itself
+            out = candidates_in(n, [(k, _unstep(v)) if k == "v" else (k, v) for k, v in kinds], False)
+        return out
+
+    def candidates_in(n, kinds, stepped):
+        values = tuple(sorted(_unstep(v) for k, v in kinds if k == "v"))
         n_const, n_input = sum(k == "c" for k, _ in kinds), sum(k == "i" for k, _ in kinds)
         same = len(set(n.inputs)) < len(n.inputs)          # Mul(x, x): one tensor twice
-        return [c for c in index.get((n.op_type, values), ()) if c[0] not in assigned
-                and _counts(forms[c][1]) == (n_const, n_input) and (same or not _twice(forms[c][1]))
-                and (n.op_type not in ORDERED or _operands(*forms[c]) == _operands(None, None, kinds))]
+        out = []
+        for c in index.get((n.op_type, values), ()):
+            node, pt = forms[c]
+            if (pt.per_token or "@*" in "".join(pt.inputs)) != (stepped or any(v.endswith("@*") for k, v in kinds)):
+                continue
+            t = _token(node, pt, kinds, c in initial) if pt.per_token else None
+            name = c[0] if t is None else f"{c[0]}@{t}"
+            if (t is None and pt.per_token) or name in assigned or _counts(pt) != (n_const, n_input) or (
+                    not same and _twice(pt)) or (n.op_type in ORDERED and
+                                                 _operands(node, pt) != _operands(None, None, kinds)):
+                continue
+            out.append((name, c[1]))
+        return out
 
     found = {}                            # point -> (its tensor, the (op, values) it was matched by)
     forms_found = {}                      # point -> the op of the form (Point.also) it was found in
 
     def relabel(pairs: dict) -> None:
         """Swap the names in `pairs` (points, nodes, weights: {name: its mirror}) wherever found so far."""
-        def m(name):
-            return _mirror(pairs, name)
+        def m(name):   # (a point only one of the pair declares, in_proj_qkv/masked of in_proj_qkv / in_proj_z, stays)
+            mirror = _mirror(pairs, name)
+            return name if _unstep(name) in pts and _unstep(mirror) not in pts else mirror
         for t in value:
             value[t] = m(value[t])
         swapped = {m(a) for a in assigned}, {m(key): f for key, f in found.items()}
@@ -171,10 +198,10 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         are assigned in file order, which an optimizer may reorder; a node that matches only with an input's twin
         in its place decides: the two swap (with their weights)."""
         for j, (k, p) in enumerate(kinds):
-            if k != "v" or p not in found:
-                continue
+            if k != "v" or p not in found or p not in pts or (n.op_type == "Slice" and found[p][1][0] != "Slice"):
+                continue   # (a per-token instance has no twin; a Slice reads a Slice's twin: RoPE's x1 / x2)
             for twin, _ in index.get(found[p][1], ()):
-                if twin == p:
+                if twin == p or twin not in pts:
                     continue
                 tried = [*kinds[:j], ("v", twin), *kinds[j + 1:]]
                 if candidates_of(n, tried):
@@ -232,11 +259,17 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
         ins = [i for i in n.inputs[:DATA.get(n.op_type)] if i]
         if n.op_type == "Constant" or n.op_type in CONDITIONS or (ins and all(i in const for i in ins)):
             moved = n.op_type in MOVES and ins and n.op_type not in CONDITIONS
+            # a value compared with a constant (x > 20, Softplus's threshold): the comparison reads that constant
+            compared = [i for i in ins if i in const] if n.op_type in COMPARISONS and any(i in value for i in ins) \
+                else []
             for o in outs:                # a constant moved (a weight transposed, an expert's rows gathered) keeps its
-                const[o], path[o] = (const[ins[0]], path[ins[0]] + (o,)) if moved else (o, (o,))   # root; else its own
+                src = ins[0] if moved else compared[0] if len(compared) == 1 else None   # root; else its own
+                const[o], path[o] = (const[src], path[src] + (o,)) if src else (o, (o,))
             continue
         kinds = [("v", value[i]) if i in value else ("c", i) if i in const else ("i", i) if i in ginput
                  else ("?", i) for i in ins]
+        if n.op_type == "Concat":   # every token's instance of one per-token point, in order: their stack "x@*"
+            kinds = _stacked(kinds)
         candidates = []
         if any(k == "?" for k, _ in kinds):
             # an opaque node's output (a kernel refimpl computes in another factorisation: the chunked delta rule)
@@ -263,21 +296,21 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                     unmatched[o], ancestry[o] = why, anc | {v for k, v in kinds if k == "v"}
                 continue
         candidates = candidates_of(n, kinds)
-        if not candidates and n.op_type not in MOVES:
+        if not candidates and (n.op_type not in MOVES or n.op_type == "Slice"):   # a Slice: x1 / x2 of RoPE
             kinds, candidates = twin_swapped(n, kinds)
         if not candidates and (n.op_type not in MOVES or n.op_type == "Concat"):
             kinds, candidates = mirror_swapped(n, kinds)
         if candidates and not (n.op_type in MOVES and _moves_only(n.op_type, kinds)):
             named = [c for c in candidates if any(_checkpoint(const[i], weight_names) == w[7:]
-                                                  for k, i in kinds if k == "c" for w in forms[c][1].inputs
+                                                  for k, i in kinds if k == "c" for w in forms[_declared(*c)][1].inputs
                                                   if w.startswith("weight:"))]
             point, form = (named or candidates)[0]
-            if form:
+            if form and _declared(point, form) not in initial:
                 forms_found[point] = n.op_type
             assigned.add(point)
-            node, pt = forms[(point, form)]
+            node, pt = forms[_declared(point, form)]
             value[outs[0]], path[outs[0]] = point, (outs[0],)
-            found[point] = (outs[0], (n.op_type, tuple(sorted(v for k, v in kinds if k == "v"))))
+            found[point] = (outs[0], (n.op_type, tuple(sorted(_unstep(v) for k, v in kinds if k == "v"))))
             for o, more in zip(n.outputs[1:], pt.more):       # a Split's other parts, TopK's indices
                 if o and more.startswith("#"):                 # integers (indices): no values, like a shape
                     const[o], path[o] = o, (o,)
@@ -292,10 +325,11 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
             order = [next((j for j, (k, _) in enumerate(kinds) if k == want), None) for want in "vic"]
             first = next(j for j in order if j is not None) if n.op_type == "Concat" else 0
             data, src = kinds[first], ins[first]
+            token = graph.scalars.get(ins[1]) if n.op_type == "Gather" and len(ins) > 1 else None
             for o in outs:
                 path[o] = path[src] + (o,)
-                if data[0] == "v":
-                    value[o] = data[1]
+                if data[0] == "v":   # a Gather of one index: token t's slice, "x@t" (a per-token point reads it)
+                    value[o] = data[1] if token is None or _unstep(data[1]) != data[1] else f"{data[1]}@{token}"
                 elif data[0] == "i":
                     ginput[o] = ginput[src]
                 else:
@@ -314,7 +348,7 @@ def place_onnx(graph, encodings: dict, nodes: dict, weight_names=(), strict: boo
                             f"{n.op_type} {n.name} matches no declared point (inputs {', '.join(v for _, v in kinds)})")
             ancestry[o] = anc
     placement = _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
-                        weight_names)
+                        weight_names, frozenset(assigned))
     placement.forms.update(forms_found)
     return placement
 
@@ -327,11 +361,12 @@ def _full(node: str, name: str) -> str:
 
 
 def _operands(node, pt, kinds=None) -> tuple:
-    """A point's declared operands, or a node's found ones: values by name, constants "c", graph inputs "i"."""
+    """A point's declared operands, or a node's found ones: values by name (per-token ones without their token),
+    constants "c", graph inputs "i"."""
     if kinds is not None:
-        return tuple(v if k == "v" else k for k, v in kinds)
-    return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else _full(node, i)
-                 for i in pt.inputs)
+        return tuple(_unstep(v) if k == "v" else k for k, v in kinds)
+    return tuple("c" if i.startswith(("const:", "weight:")) else "i" if i.startswith("input:") else
+                 _unstep(_full(node, i)) for i in pt.inputs)
 
 
 def _mirror(pairs: dict, name: str) -> str:
@@ -359,12 +394,61 @@ def _ordered(roles, kinds):
 
 
 def _moves_only(op: str, kinds) -> bool:
-    """A Concat of one value with itself (cat(t, t)) moves data; any other declared op computes."""
-    return op == "Concat" and len({v for _, v in kinds}) == 1
+    """A Concat of one value with itself (cat(t, t)) moves data; any other declared op computes (a stack of every
+    token's instance too)."""
+    return op == "Concat" and len({v for _, v in kinds}) == 1 and not kinds[0][1].endswith("@*")
+
+
+STEP = re.compile(r"@(t|t-1|\d+)$")
+
+
+def _unstep(name: str) -> str:
+    """A per-token value's name without its token ("x@3", "x@t", "x@t-1" -> "x"); "x@*" and others as they are."""
+    return STEP.sub("", name)
+
+
+def _declared(point: str, form: int) -> tuple:
+    """A candidate (point or its instance "point@t", form) -> its key in the declared forms."""
+    return _unstep(point), form
+
+
+def _token(node: str, pt, kinds, initial: bool) -> int | None:
+    """The token t a per-token point's form computes for a node reading `kinds` (its value inputs "x@s"): each
+    declared input "x@t" found as x@s says t = s, "x@t-1" says t = s + 1; None where they disagree or none says
+    (a token-0 form: t must be 0)."""
+    found = [v for k, v in kinds if k == "v"]
+    t = None
+    for declared in (_full(node, i) for i in pt.inputs if not i.startswith(ROLES)):
+        base, tag = _unstep(declared), declared[len(_unstep(declared)) + 1:]
+        match = next((v for v in found if _unstep(v) == base), None)
+        if match is None:
+            return None
+        found.remove(match)
+        if tag not in ("t", "t-1"):
+            continue
+        s = match[len(base) + 1:]
+        if not s.isdigit():
+            return None
+        want = int(s) + (tag == "t-1")
+        if t is not None and want != t:
+            return None
+        t = want
+    return None if t is None or (initial and t != 0) else t
+
+
+def _stacked(kinds) -> list:
+    """A Concat's operands: every instance x@0, x@1, ... of one per-token point, in order -> [("v", "x@*")]."""
+    values = [v for k, v in kinds if k == "v"]
+    if len(values) != len(kinds) or not values:
+        return kinds
+    base = _unstep(values[0])
+    if all(v == f"{base}@{t}" for t, v in enumerate(values)) and base != values[0]:
+        return [("v", f"{base}@*")]
+    return kinds
 
 
 def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
-            weight_names) -> Placement:
+            weight_names, instances=frozenset()) -> Placement:
     activations, weights, tensors, shared, unplaced = {}, {}, {}, {}, []
 
     def put(table, where, tensor, enc):
@@ -378,8 +462,9 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
     known = set(path)
     for tensor in _in_graph_order(graph, encodings):
         enc = encodings[tensor]
-        if tensor in value:
-            put(activations, value[tensor], tensor, enc)
+        if tensor in value:   # (token t's slice of a value, "x@t", no point's instance: the value x)
+            where = value[tensor]
+            put(activations, where if where in instances else _unstep(where), tensor, enc)
         elif tensor in const or tensor in ginput:
             root = path[tensor][0]
             readers = [(w, kind) for t, ws in uses.items() if path.get(t, (None,))[0] == root
@@ -390,7 +475,7 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
             if not readers:
                 what = (f"computed from graph inputs only ({derived[root]}: the host's plumbing)" if root in derived
                         else "a constant" if tensor in const else "a graph input")
-                unplaced.append((tensor, f"{what}, read by no matched point"))
+                unplaced.append((tensor, f"{what}, read by no matched point{_read_by(graph, tensor, derived, ginput)}"))
             for where, kind in dict.fromkeys(readers):
                 put(weights if kind == "weight" else activations, where, tensor, enc)
         elif tensor in unmatched:
@@ -401,6 +486,21 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
     if unplaced and strict:
         raise InputError(f"{p.summary()} (--strict-encodings)")
     return p
+
+
+def _read_by(graph, tensor: str, derived: dict, ginput: dict) -> str:
+    """" (read by <op> <node>: what it is)" of a constant / graph input no point reads: a comparison, a shape or
+    mask op, the host's plumbing (a node computed from graph inputs only), a graph input's data movement."""
+    readers = [n for n in graph.nodes if tensor in n.inputs][:2]
+    if not readers:
+        return " (read by no node: a graph output, or unused)"
+    said = []
+    for n in readers:
+        kind = ("a comparison" if n.op_type in COMPARISONS else "a shape / mask op" if n.op_type in CONDITIONS else
+                "the host's plumbing" if any(o in derived for o in n.outputs) else
+                "a graph input's data movement" if any(o in ginput for o in n.outputs) else "")
+        said.append(f"{n.op_type} {n.name}" + (f": {kind}" if kind else ""))
+    return f" (read by {', '.join(said)})"
 
 
 def _in_graph_order(graph, encodings) -> list:

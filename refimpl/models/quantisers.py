@@ -60,8 +60,9 @@ class Quantisers:
         self.record: dict | None = None
         self._rnd = rnd
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
-        self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}"] for p in encs if f"{node}/{p}" in forms})
-                      for node, encs in self.points.items()}
+        self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
+                                                    if (f"{node}/{p}" if p else node) in forms})
+                      for node, encs in self.points.items()}   # (point "": the node's output, its form too)
 
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.points)

@@ -665,6 +665,8 @@ def refimpl_op(n, ins):
         return -ins[0]
     if op == "Sqrt":
         return np.sqrt(ins[0])
+    if op == "Exp":
+        return elementary.exp(ins[0])
     if op == "Reciprocal":
         return np.float32(1) / ins[0]
     if op == "Pow" and np.all(ins[1] == 2):

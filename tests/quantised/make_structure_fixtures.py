@@ -3,9 +3,12 @@
 onnxruntime.quantization's QNN QDQ config on one calibration input (genie_inputs; tiny-qwen3-qdq-inputs.npz). The
 tiny Qwen3 is kept whole (tiny-qwen3-qdq.onnx, run by onnxruntime in the tests); the others as *-qdq-structure.onnx
 (Qwen3.5: its float graph, *-structure.onnx), every initializer of more than 16 elements but scales / zero points
-emptied (what placement reads).
+emptied (what placement reads). tiny-qwen3.5-htp: tests/e2e/quantised.py's Qwen3.5 (its float case: rewritten for the
+quantised HTP, the gated delta rule in its recurrent form) quantised W8A16 there (QNN QDQ, its four calibration
+prompts), as tiny-qwen3.5-htp-qdq-structure.onnx.
 
-    PYTHONPATH=. python tests/quantised/make_structure_fixtures.py tiny-qwen3 tiny-qwen3-moe tiny-qwen3.5
+    PYTHONPATH=. python tests/quantised/make_structure_fixtures.py tiny-qwen3 tiny-qwen3-moe tiny-qwen3.5 \
+        tiny-qwen3.5-htp
 """
 
 import sys
@@ -98,6 +101,13 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for preset in sys.argv[1:]:
+            if preset == "tiny-qwen3.5-htp":
+                import quantised as Q
+                case = Q.float_case("hybrid", Path(tmp) / "hybrid")
+                qdq_path = Path(tmp) / "htp-qdq.onnx"
+                Q.quantise_qdq(case, "w8a16", qdq_path)
+                structure_only(qdq_path, OUT / "tiny-qwen3.5-htp-qdq-structure.onnx")
+                continue
             f, inputs = export(preset, Path(tmp))
             if preset == "tiny-qwen3":
                 qdq(f, inputs, OUT / f"{preset}-qdq.onnx")
