@@ -49,10 +49,14 @@ def report_notes(report: Report) -> list[str]:
     policy = make_policy(report.policy, where="the report's policy")
     diverged = [r for r in report.results if r.status == "diverged"]
     for r in report.results:
-        if (r.reference or {}).get("tie"):
+        ref = r.reference or {}
+        fork = ref.get("fork") if r.status == "pass" else None   # accepted by divergence.localise
+        if ref.get("tie") or fork:
             after = sum(d.problem.endswith(f"{r.key} (not judged)") for d in diverged)
-            notes.append(f"tie at step {r.step}, {r.name}: {r.reference['tie']}; {after} tensors after it follow "
-                         f"that branch and are not judged (replay them on the device's own inputs: refimpl replay)")
+            what = f"fork at step {r.step}, {r.name}: {fork['rows']}" if fork else \
+                f"tie at step {r.step}, {r.name}: {ref['tie']}"
+            notes.append(f"{what}; {after} tensors after it follow that branch and are not judged (replay them on "
+                         f"the device's own inputs: refimpl replay)")
     series = {}
     for r in report.results:
         if r.role == "output" and r.metrics and r.name != "logits":
