@@ -12,6 +12,7 @@ from refimpl.diff.divergence import localise
 from refimpl.diff.dump import read_dump
 from refimpl.diff.forks import fork
 from refimpl.diff.policy import ROUNDING_NMSE, load_policy
+from refimpl.diff.saved import load_metrics, rejudge, save_metrics
 from refimpl.golden import write_golden
 from refimpl.models.model import Model
 from refimpl.models.weights import Weights
@@ -106,6 +107,9 @@ def test_a_device_that_follows_its_own_router_at_a_near_tie_forks(near_tie):
     assert any(n.startswith("fork at step") for n in report.notes)
     after = localise(report)                                                          # idempotent
     assert report.exit_code == 0 and all(r.key in after and r.status == "pass" for r in forks)
+    save_metrics(report, near_tie[3] / "fork.json")                                   # saved and judged again
+    again = rejudge(load_metrics(near_tie[3] / "fork.json"), load_policy(dtype="fp16"))
+    assert again.exit_code == 0 and again.notes == report.notes
 
 
 def test_a_top_k_inconsistent_with_the_devices_own_router_fails(near_tie):
