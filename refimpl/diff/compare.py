@@ -23,9 +23,10 @@ from .classify import classify_divergences
 from .curves import report_notes
 from .dataflow import producer
 from .divergence import localise, model_config
+from .forks import fork
 from .layouts import ADAPTERS, candidates, conv_kernel
 from .metrics import logits_metrics, tensor_metrics
-from .policy import Policy, bar, judge
+from .policy import ROUNDING_NMSE, Policy, bar, judge
 from .results import Report, Result
 
 
@@ -64,7 +65,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
             r.status, r.problem = "error", item.problem
             continue
         scored.append((r, _score(r, rec, item, golden, bundle, policy, None if rec["step"] in skipped else emulated,
-                                 starts[rec["step"]], conv_kernel(cfg))))
+                                 starts[rec["step"]], conv_kernel(cfg), dump)))
     run_power = _run_power(powers)   # a float tensor's bar depends on its golden power over every step: judge now
     for r, scoring in scored:
         if scoring is not None:
@@ -111,7 +112,7 @@ def _run_power(powers: dict) -> dict:
 
 
 def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated, start: int,
-           kernel: int | None) -> tuple | None:
+           kernel: int | None, dump=None) -> tuple | None:
     """Score the readings of a dumped tensor (layouts.candidates) in order until one may pass: whether it does
     depends on the run's golden power, known once every step is read, and _verdict judges it then. Returns
     (criteria, the readings scored as (adapter, metrics, logits metrics), {adapter: positions} of the first and the
@@ -130,7 +131,7 @@ def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated,
                      + (f" (declared layout {declared})" if declared else ""))
         return None
     if emulated is not None and integer:  # e.g. chosen experts: a near tie the device's precision decides too
-        r.reference = _integer_reference(emulated, rec, golden, found[0][1])
+        r.reference = _integer_reference(emulated, rec, golden, found[0][1], (bundle, dump, policy, kernel))
     criteria = policy.criteria(rec["name"], integer, r.reference)
 
     def score(adapter, device, golden):
@@ -225,11 +226,14 @@ def _emulated_tensor(emulated, rec, golden):
     return e if e.shape == golden.shape else None
 
 
-def _integer_reference(emulated, rec, golden, device) -> dict | None:
+def _integer_reference(emulated, rec, golden, device, router: tuple | None = None) -> dict | None:
     """Three-way for an integer tensor: does the device equal, element by element, the golden or the emulation?
     For chosen experts, a choice between experts the emulation's router gives the same probability (an exact tie
     at the device's precision, broken another way: torch.topk's order is not refimpl's lowest id) counts too, as a
-    tie: the device followed the other branch of a fork, and the tensors after it are not judged (localise)."""
+    tie: the device followed the other branch of a fork, and the tensors after it are not judged (localise). A
+    token routed otherwise is a fork when its choice is the top-k of the device's own router logits at a near tie
+    within the error they carry there (forks.py, checked on router = (bundle, dump, policy, conv kernel)): the
+    reference then records it ("fork"), and localise accepts it only if the device's router logits pass."""
     try:
         e = emulated.tensor(rec["step"], rec["role"], rec["name"])
     except InputError:
@@ -253,7 +257,37 @@ def _integer_reference(emulated, rec, golden, device) -> dict | None:
            "emulation_differs": int((e != golden)[mask].sum())}
     if ties and out["equals_golden_or_emulation"]:
         out["tie"] = "; ".join(ties)
+    elif not out["equals_golden_or_emulation"] and router is not None and rec["name"].endswith("selected_experts"):
+        rows = sorted({tuple(idx[:-1]) for idx in zip(*np.nonzero(mask & ~explained))})
+        out.update(_fork(emulated, rec, golden, e, device, rows, ties, *router))
     return out
+
+
+def _fork(emulated, rec, golden, e, device, rows, ties, bundle, dump, policy: Policy, kernel) -> dict:
+    """{"fork": {logits: the router logits' key, reading: the reading of the device's, rows: what}} when every
+    token of `rows` (the chosen experts' unexplained [B, T] indices) is a fork of the device's own router logits
+    (forks.py), else {"no_fork": why}."""
+    name = rec["name"].removesuffix("selected_experts") + "router_logits"
+    key = f"{rec['step']}/tap/{name}"
+    item, lrec = (dump.items.get(key) if dump is not None else None), bundle.manifest["tensors"].get(key)
+    if item is None or item.problem or lrec is None:
+        return {"no_fork": f"the device's router logits ({name}) are not in the dump"}
+    found = candidates(item, lrec, policy.layout(name), kernel)
+    try:
+        g_logits, e_logits = bundle.tensor(rec["step"], "tap", name), emulated.tensor(rec["step"], "tap", name)
+    except InputError:
+        return {"no_fork": f"no golden or emulated {name}"}
+    if not found or e_logits.shape != g_logits.shape or g_logits.shape[:-1] != golden.shape[:-1]:
+        return {"no_fork": f"the device's router logits ({name}) are not readable in the golden's shape"}
+    reading, d_logits = found[0]
+    said = list(ties)
+    for row in rows:
+        why, what = fork(g_logits[row], e_logits[row], d_logits[row], device[row], (golden[row], e[row]),
+                         policy.three_way_k, ROUNDING_NMSE[policy.dtype])
+        if why is not None:
+            return {"no_fork": f"token {row[-1]}: {why}"}
+        said.append(f"token {row[-1]}: {what}")
+    return {"fork": {"logits": key, "reading": reading, "rows": "; ".join(said)}}
 
 
 def _emulated_router_probs(emulated, rec):

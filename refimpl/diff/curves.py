@@ -18,11 +18,12 @@ def layer_curve(report: Report, step: int | None = None) -> dict:
     return dict(sorted(out.items()))
 
 
-def position_curve(report: Report, name: str) -> list[tuple[int, float]]:
-    """(absolute position, SQNR dB) of tensor `name`'s real rows over all steps."""
+def position_curve(report: Report, name: str, judged: bool = False) -> list[tuple[int, float]]:
+    """(absolute position, SQNR dB) of tensor `name`'s real rows over all steps (judged: not those after a tie or
+    fork, which follow another branch than the golden's)."""
     pts = {}
     for r in report.results:
-        if r.name == name and r.positions:
+        if r.name == name and r.positions and not (judged and r.status == "diverged"):
             pts.update(r.positions)
     return sorted(pts.items())
 
@@ -49,13 +50,17 @@ def report_notes(report: Report) -> list[str]:
     policy = make_policy(report.policy, where="the report's policy")
     diverged = [r for r in report.results if r.status == "diverged"]
     for r in report.results:
-        if (r.reference or {}).get("tie"):
+        ref = r.reference or {}
+        fork = ref.get("fork") if r.status == "pass" else None   # accepted by divergence.localise
+        if ref.get("tie") or fork:
             after = sum(d.problem.endswith(f"{r.key} (not judged)") for d in diverged)
-            notes.append(f"tie at step {r.step}, {r.name}: {r.reference['tie']}; {after} tensors after it follow "
-                         f"that branch and are not judged (replay them on the device's own inputs: refimpl replay)")
+            what = f"fork at step {r.step}, {r.name}: {fork['rows']}" if fork else \
+                f"tie at step {r.step}, {r.name}: {ref['tie']}"
+            notes.append(f"{what}; {after} tensors after it follow that branch and are not judged (replay them on "
+                         f"the device's own inputs: refimpl replay)")
     series = {}
     for r in report.results:
-        if r.role == "output" and r.metrics and r.name != "logits":
+        if r.role == "output" and r.metrics and r.name != "logits" and r.status != "diverged":
             series.setdefault(r.name, []).append(r)
     for name, rs in series.items():
         rs = [r for r in sorted(rs, key=lambda r: r.step) if math.isfinite(r.metrics["sqnr_db"])]
@@ -65,7 +70,7 @@ def report_notes(report: Report) -> list[str]:
             notes.append(f"{name}: SQNR falls every step ({vals[0]:.1f} -> {vals[-1]:.1f} dB), below the bar from "
                          f"step {below}: state drift")
     bars = {p: bar_db(policy, r) for r in report.results if r.name == "logits" and r.positions for p in r.positions}
-    curve = position_curve(report, "logits")
+    curve = position_curve(report, "logits", judged=True)
     for (p0, v0), (p1, v1) in zip(curve, curve[1:]):
         if math.isfinite(v0) and v0 - v1 > 20 and v1 < bars[p1]:
             notes.append(f"logits: SQNR drops {v0 - v1:.0f} dB from position {p0} to {p1}, below the bar")

@@ -20,10 +20,13 @@ def model_config(config: dict | None):
         return None
 
 
-def localise(report: Report) -> None:
+def localise(report: Report) -> dict:
     """Mark each failure added / inherited and pick each step's first divergence. A tensor downstream of a tie
-    (three-way: the device broke an exact tie of its precision the other way) follows another, equally valid
-    path: where it differs it is "diverged", not judged."""
+    (three-way: the device broke an exact tie of its precision the other way) or of a fork (chosen experts that
+    are the top-k of the device's own router logits at a near tie: compare.py, forks.py; accepted here only when
+    those router logits pass) follows another, equally valid path: where it differs it is "diverged", not judged.
+    Returns {key: the tie's or fork's key} of every compared tensor that follows one, passing ones included (their
+    verdicts compare another branch with the golden's). Idempotent: a second call decides the same."""
     cfg = model_config(report.config)
     by_key = {r.key: r for r in report.results if r.status != "missing"}
     report.first_divergence = {k: None for k in report.first_divergence}
@@ -32,7 +35,7 @@ def localise(report: Report) -> None:
         r.origin = None
         if r.status == "diverged":  # judged again (rejudge): decided afresh below
             r.status, r.problem = "fail", None
-        tie = (r.reference or {}).get("tie")
+        tie = (r.reference or {}).get("tie") or _fork(r, by_key)
         deps = (_compared_ancestors(cfg, report.convention, r.step, r.name, by_key, memo)
                 if cfg is not None and (r.status in FAILING or forked or tie) else [])
         fork = next((forked[d] for d in deps if d in forked), r.key if tie else None)
@@ -46,6 +49,29 @@ def localise(report: Report) -> None:
         r.origin = "inherited" if any(by_key[d].status in FAILING for d in deps) else "added"
         if r.origin == "added" and report.first_divergence.get(r.step) is None:
             report.first_divergence[r.step] = r.key
+    return forked
+
+
+FORK = "a fork: "   # the problem of chosen experts localise accepted as a fork (its mark: the verdict it replaced)
+
+
+def _fork(r, by_key: dict) -> str | None:
+    """A fork's account when r's reference records one (compare.py) and the device's router logits it was read
+    from pass: r then passes, as at an exact tie. Else None: r keeps (or gets back) its failing verdict, with why
+    it is no fork."""
+    ref = r.reference or {}
+    fork = ref.get("fork")
+    accepted = r.status == "pass" and (r.problem or "").startswith(FORK)   # by an earlier call
+    if not (r.status == "fail" or accepted) or not (fork or ref.get("no_fork")):
+        return None
+    logits = by_key.get(fork["logits"]) if fork else None
+    if logits is not None and logits.status == "pass" and logits.layout == fork["reading"]:
+        r.status, r.failures, r.problem = "pass", [], FORK + fork["rows"]
+        return fork["rows"]
+    r.status, r.failures = "fail", r.failures or ["exact: values differ"]
+    r.problem = (f"no fork: the device's router logits ({fork['logits']}) do not pass" if fork else
+                 f"no fork: {ref['no_fork']}")
+    return None
 
 
 def _compared_ancestors(cfg, conv, step: int, name: str, by_key: dict, memo: dict, depth: int = 0) -> list[str]:

@@ -160,7 +160,7 @@ def _verdict(report: Report, bad: str, good: str) -> str:
     if report.missing:
         return bad.format(f"INCOMPLETE ({len(report.missing)} graph outputs missing from the dump)")
     diverged = sum(r.status == "diverged" for r in report.results)
-    return good.format(f"PASS ({diverged} tensors after a tie not judged)" if diverged else "PASS")
+    return good.format(f"PASS ({diverged} tensors after a tie or fork not judged)" if diverged else "PASS")
 
 
 # ------------------------------------------------------------------------------------------------ HTML

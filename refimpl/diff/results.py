@@ -2,7 +2,7 @@
 
 Status of a tensor: pass | fail | layout (matches the golden only when read in another layout, e.g. an
 untransposed key cache) | error (unreadable, truncated, wrong shape) | missing (a graph output not dumped) |
-diverged (three-way: downstream of an exact tie the device broke the other way; not judged) | ignored (a
+diverged (three-way: downstream of an exact tie the device broke the other way, or of a fork; not judged) | ignored (a
 policy's ignore, on re-judging saved metrics).
 """
 

@@ -1,8 +1,8 @@
 """End to end on a real NPU's arithmetic: Qualcomm's HTP simulator (tests/e2e/htp.py, docs/htp.md) runs transformers'
 models exported in float16, every node on the HTP; `refimpl diff` judges the dumps three-way against the golden
-and refimpl's htp-fp16 emulation. Honest runs of the dense, MoE, Qwen3-Next and Qwen3.5 presets pass, prompt and
-decode calls (tiny-qwen3.5-moe does not: an ill-conditioned token, docs/htp.md); each planted fault is the first
-divergence at its step, layer and op and replay blames that op, one output channel x1.02 of every projection of
+and refimpl's htp-fp16 emulation. Honest runs of every preset architecture pass, prompt and decode calls
+(tiny-qwen3.5-moe's with its one near tie of a router followed as a fork: docs/htp.md); each planted fault is the
+first divergence at its step, layer and op and replay blames that op, one output channel x1.02 of every projection of
 the dense model included (the diff's gain test); the two HTP compiler bugs the rewrites avoid are reproduced and
 named at their op.
 
@@ -37,9 +37,7 @@ LONG_GENIE = {**GENIE, "ar": 16}
 
 # ------------------------------------------------------------------------------------------------ honest runs
 
-# tiny-qwen3.5-moe ("hybrid-moe") is not among them: its honest run fails at an ill-conditioned token (a
-# near-cancellation in layer 1's delta rule, then a near tie of layer 2's router), no op of the HTP adding error
-# (docs/htp.md, section 7); tests/e2e/htp_table.py prints its row
+# tiny-qwen3.5-moe ("hybrid-moe") has its own test below: its run forks at a near tie of a router
 HONEST = [arch if arch in ("dense", "hybrid") else pytest.param(arch, marks=pytest.mark.device_matrix)
           for arch in ARCHITECTURES if arch != "hybrid-moe"]   # make test: dense and Qwen3.5; test-devices: all
 
@@ -55,6 +53,31 @@ def test_honest_htp_runs_pass_three_way(arch, htp_cases):
     assert sum(r.role == "tap" for r in report.results) > 100
     worst, where = margin(report)
     assert worst > 1.0, (worst, where)                    # every tensor under its bar with margin (docs/htp.md)
+
+
+@pytest.mark.device_matrix   # the export, goldens and HTP compiles of one more architecture: make test-devices
+def test_honest_htp_run_of_qwen3_5_moe_forks_at_a_near_tie(htp_cases):
+    """tiny-qwen3.5-moe: an ill-conditioned token (layer 1's delta rule nearly cancels), then layer 2's router
+    logits there nearly tie (experts 3, 4 at 0.692, 0.659): the HTP's own logits, which pass three-way, put expert
+    4 second and its TopK takes it. That is a fork (docs/diff.md, "Ties and forks"): the run passes, the tensors
+    after it are not judged, and replay, each op on the HTP's own inputs (its routing), finds none adding error."""
+    case = htp_cases("hybrid-moe")
+    dump_path = case.dump()
+    report = case.judge(dump_path)
+    assert report.exit_code == 0, [(r.key, r.failures) for r in report.failed][:4]
+    forks = [r for r in report.results if r.problem and r.problem.startswith("a fork: ")]
+    assert [(r.step, r.name) for r in forks] == [(0, "model.layers.2.mlp.selected_experts")]
+    assert "token 2: experts [4, 5] (golden [3, 5], emulation [3, 5])" in forks[0].problem
+    assert [n[:60] for n in report.notes] == ["fork at step 0, model.layers.2.mlp.selected_experts: token 2"]
+    assert report.missing == [] and {r.step for r in report.results if r.role == "tap"} == set(range(STEPS + 1))
+    worst, where = margin(report)
+    assert worst > 1.0, (worst, where)                    # the tensors before the fork, with margin (docs/htp.md)
+    bundle = case.golden()
+    for step in range(STEPS + 1):
+        for layer in (2, 3):
+            rows = replay(bundle, read_dump(dump_path, bundle), D.reference(case.config, case.arrays, "htp-fp16"),
+                          layer=layer, step=step, policy=make_policy(HTP_POLICY, "fp16"))
+            assert rows and not [(r.name, r.failures) for r in rows if r.adds_error], (step, layer)
 
 
 # ------------------------------------------------------------------------------------------------ faults

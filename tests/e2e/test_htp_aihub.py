@@ -168,7 +168,7 @@ def test_aihub_qwen35_graph_on_the_htp_passes_three_way(cases):
 
 
 @pytest.mark.device_matrix
-@pytest.mark.parametrize("arch", ["dense", "hybrid"])
+@pytest.mark.parametrize("arch", ["dense", "moe", "hybrid"])
 def test_hf_prefill_form_runs_on_the_htp_and_passes(arch, cases):
     """transformers' own prefill forward (mask, positions, RoPE tables and Qwen3.5's M-RoPE ScatterND in the graph)
     compiles on the HTP once exported raw and optimized as htp.rewrite does (onnxscript's optimizer folds the
