@@ -31,8 +31,10 @@ import htp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance"))
 import aihub  # noqa: E402  (tests/conformance/aihub.py: the same module object test_aihub imports)
 
-ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "hybrid": "tiny-qwen3.5"}
-# Qwen3-Next: AI Hub's code has no Qwen3-Next graph. tiny-qwen3.5-moe: see docs/htp.md
+ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "hybrid": "tiny-qwen3.5",
+                 "hybrid-moe": "tiny-qwen3.5-moe"}
+# Qwen3-Next: AI Hub's code has no Qwen3-Next graph. Qwen3-MoE and Qwen3.5-MoE: AI Hub exports neither; its Qwen3
+# and Qwen3.5 code applied to transformers' MoE models (tests/conformance/aihub.py), batched_mm experts (below)
 
 
 class HookRecorder:
