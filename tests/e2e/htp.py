@@ -16,8 +16,9 @@ Where the HTP compiler rejects an op or mis-compiles it, the exported graph is r
     prompt form is the same maths (spec gated_deltanet.md §3.2) and is replaced by it too.
   - GatherND (transformers' expert-weight gather in the batched_mm experts) returns wrong expert rows: replaced by
     Gather on axis 0 with the index column (`gathernd_as_gather`), the same selection.
-  - transformers' own forward (the hf form: causal mask and RoPE tables built in the graph) crashes the HTP
-    compiler (a segmentation fault creating the session, dense and Qwen3.5 alike): the hf form is not run.
+  - transformers' own forward (the hf form: causal mask and RoPE tables built in the graph) needs no rewrite of its
+    own once optimized (tests/e2e/htp_hf.py; a segmentation fault reported for it earlier did not reproduce); its
+    RoPE tables are then the HTP's Cos / Sin kernels', not correctly rounded (docs/htp.md sections 4 and 8).
   - The RMSNorm chain Pow -> ReduceMean -> Add -> Sqrt -> Reciprocal -> Mul -> Mul is fused by the compiler into
     its RmsNorm kernel: `unfused_rms_norm` writes x^2 as Mul(x, x) (the same value: both are one correctly rounded
     product), which the fusion does not match.
