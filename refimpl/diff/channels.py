@@ -277,6 +277,14 @@ def gain_failure(ch: dict, max_nmse: float, reference_power: float | None = None
             f"{max_nmse / CONTRAST:.3g}")
 
 
+def gain_floor(ch: dict, floor: float, nmse: float) -> float:
+    """The NMSE floor a channel the gain test failed is classified against (refimpl.diff.classify): the noise the
+    tensor's channels carry, at the chance level of the worst of C (q(n_c, C) x the tensor's NMSE, nmse), within the
+    gain test's magnitude guard and the tensor's floor (its bar): min(floor, max(floor / CONTRAST, q nmse)). A gain
+    the test finds under the tensor's bar is fitted against the channel's own noise, not against that bar."""
+    return min(floor, max(floor / CONTRAST, q_factor(ch["gain_n"], ch["count"]) * nmse))
+
+
 def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:
     """The worst channel's nmse as judged: its mse over the larger of its power and the tensor's (reference_power:
     the power the tensor's bar divides by, when larger than the step's own, e.g. the run's)."""
