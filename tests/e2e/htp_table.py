@@ -27,21 +27,6 @@ from refimpl.diff.dump import read_dump  # noqa: E402
 from refimpl.diff.policy import make_policy  # noqa: E402
 from refimpl.diff.replay import replay  # noqa: E402
 
-# one output channel x1.02 per projection, per architecture (layers 0 and 1; the hybrids' attention is layer 3)
-ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
-PROJECTIONS = {
-    "dense": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION + MLP],
-    "moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION],
-    "next": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-    "hybrid": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + MLP]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-    "hybrid-moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-}
-
 
 def gain_margin(r) -> float | None:
     """dB by which a tensor's gain-test channel stays under (> 0) or exceeds (< 0) the test (z^2 / s_c against
@@ -92,7 +77,7 @@ def main(argv=None):
         honest = [(m, f"step {r.step} {r.name}") for r in report.results if (m := gain_margin(r)) is not None]
         hm, hwhere = min(honest) if honest else (math.inf, "-")
         planted = []
-        for op in ([] if args.no_faults else PROJECTIONS.get(arch, [])):
+        for op in ([] if args.no_faults else T.PROJECTIONS.get(arch, [])):
             rep = case.judge(case.dump(T.D.Fault(scale_channel=(f"{op}.weight", 5, 1.02)), steps=0), steps=0)
             hit = next((r for r in rep.results if r.step == 0 and r.name == op), None)
             if hit is not None and gain_margin(hit) is not None:
@@ -124,7 +109,7 @@ def main(argv=None):
         where, cls, blamed, _ = fault_row(cases[arch], fault, T.STEPS, layer)
         print(f"| {name} | {where} | {'right' if where == expected else expected} | {cls} | {blamed} |", flush=True)
     if "dense" in cases:
-        for op in PROJECTIONS["dense"]:
+        for op in T.PROJECTIONS["dense"]:
             where, cls, blamed, _ = fault_row(cases["dense"], T.D.Fault(scale_channel=(f"{op}.weight", 5, 1.02)), 0,
                                               int(op.split(".")[2]))
             print(f"| one output channel x1.02 (dense {op[13:]}) | {where} | "
