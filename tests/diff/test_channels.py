@@ -77,7 +77,7 @@ def test_the_emulation_of_a_channel_explains_its_own_error():
 def test_the_gain_test_finds_a_scaled_channel_the_nmse_test_misses():
     """Three-way, 7 tokens x 64 channels: the device's error half shared with the emulation (the arithmetic it
     predicts), half its own. One channel x1.02 stands out of the rest by nmse_c less than CONTRAST q (missed), but
-    along its own values (z^2 ~ 0.02^2 n / 4e-6 = 700 against GAIN_CONTRAST q1 = 150) it is the gain test's; a
+    along its own values (z^2 ~ 0.02^2 n / 4e-6 = 700 against GAIN_CONTRAST q = 88) it is the gain test's; a
     token with 30 x the error on every channel (ill-conditioned for the whole tensor) is no gain of any channel."""
     g = RNG.standard_normal((1, 7, 64))
     shared, own = (0.002 * RNG.standard_normal(g.shape) for _ in range(2))
