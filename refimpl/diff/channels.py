@@ -285,6 +285,26 @@ def gain_floor(ch: dict, floor: float, nmse: float) -> float:
     return min(floor, max(floor / CONTRAST, q_factor(ch["gain_n"], ch["count"]) * nmse))
 
 
+def whitened(golden, device, mask, axes: tuple) -> tuple:
+    """golden and device with each sample (a batch x token index) divided by the RMS error the tensor's channels
+    show there (on their scale w_c, as the gain test weighs samples; its mean over samples kept), and the NMSE of
+    the whole so weighed: a channel the gain test failed is classified on the samples as that test weighed them,
+    not on a few ill-conditioned tokens' error. -> (golden', device', nmse'), float64 of golden's shape"""
+    g, d = np.asarray(golden, np.float64), np.asarray(device, np.float64)
+    feature = tuple(a for a in range(g.ndim) if a not in axes)
+    ok = np.asarray(mask) & np.isfinite(g) & np.isfinite(d)
+    g0, e0 = np.where(ok, g, 0.0), np.where(ok, d - g, 0.0)
+    P = float(np.sum(g0 * g0) / max(int(ok.sum()), 1))                                # the tensor's mean g^2
+    w = np.maximum(np.sum(g0 * g0, axis=axes, keepdims=True) / np.maximum(ok.sum(axis=axes, keepdims=True), 1), P)
+    a = np.sum(e0 * e0 / w, axis=feature, keepdims=True) / np.maximum(ok.sum(axis=feature, keepdims=True), 1)
+    level = float(np.mean(a[a > 0])) if np.any(a > 0) else 1.0                         # a_t: sample t's noise
+    k = 1.0 / np.sqrt(np.maximum(a / level, 1e-12))                                    # 1 / sqrt(a_t / mean a)
+    gw, dw = g * k, d * k
+    power = float(np.sum(np.where(ok, gw, 0.0) ** 2))
+    nmse = float(np.sum(np.where(ok, dw - gw, 0.0) ** 2) / power) if power > 0 else 0.0
+    return gw, dw, nmse
+
+
 def judged_channel_nmse(ch: dict, reference_power: float | None = None) -> float:
     """The worst channel's nmse as judged: its mse over the larger of its power and the tensor's (reference_power:
     the power the tensor's bar divides by, when larger than the step's own, e.g. the run's)."""
