@@ -22,7 +22,7 @@ import htp_bits  # noqa: E402
 import htp_runs as T  # noqa: E402
 import test_htp  # noqa: E402
 
-from refimpl.diff.channels import CONTRAST, GAIN_CONTRAST, judged_channel_nmse  # noqa: E402
+from refimpl.diff.channels import GAIN_CONTRAST, gain_guard, judged_channel_nmse  # noqa: E402
 from refimpl.diff.dump import read_dump  # noqa: E402
 from refimpl.diff.policy import make_policy  # noqa: E402
 from refimpl.diff.replay import replay  # noqa: E402
@@ -30,7 +30,7 @@ from refimpl.diff.replay import replay  # noqa: E402
 
 def gain_margin(r) -> float | None:
     """dB by which a tensor's gain-test channel stays under (> 0) or exceeds (< 0) the test (z^2 / s_c against
-    GAIN_CONTRAST q, and its nmse against the tensor's bar / CONTRAST: both must be exceeded to fail); None: not
+    GAIN_CONTRAST q, and its nmse against channels.gain_guard: both must be exceeded to fail); None: not
     scored."""
     ch = (r.metrics or {}).get("channels") or {}
     if "gain_z2" not in ch or not r.bar or r.bar.get("max_nmse") is None:
@@ -38,7 +38,7 @@ def gain_margin(r) -> float | None:
     power = r.metrics.get("run_power") if r.bar.get("run_power") else None
     nmse = judged_channel_nmse({"mse": ch["gain_mse"], "power": ch["gain_power"], "tensor_power": ch["tensor_power"]},
                                power)
-    over = [ch["gain_z2"] / (GAIN_CONTRAST * ch["gain_q"]), nmse / (r.bar["max_nmse"] / CONTRAST)]
+    over = [ch["gain_z2"] / (GAIN_CONTRAST * ch["gain_q"]), nmse / gain_guard(ch, r.bar["max_nmse"])]
     return -10 * math.log10(max(min(over), 1e-30))
 
 
