@@ -44,7 +44,7 @@ import numpy as np
 from ..bundle import valid_mask
 from ..errors import InputError
 from ..metrics import DTYPE_ALIASES
-from .channels import sample_axes
+from .channels import gain_floor, sample_axes, whitened
 from .divergence import model_config
 from .layouts import candidates, conv_kernel
 from .policy import DEFAULTS
@@ -564,8 +564,12 @@ def classify_divergences(report, bundle, dump, policy) -> None:
         rec = bundle.manifest["tensors"][key]
         channel = _failed_channel(r)
         if channel is not None:   # only one channel fails (the tensor passes its bar): that channel's fault
-            r.fault = classify_channel(golden, device, valid_mask(golden.shape, rec["valid"]), sample_axes(rec),
-                                       channel, policy.dtype, judged_floor(r.metrics, criteria),
+            floor, valid, axes = judged_floor(r.metrics, criteria), valid_mask(golden.shape, rec["valid"]), \
+                sample_axes(rec)
+            if floor is not None and "off the emulation" in r.failures[0]:   # the gain test's: on its weighting,
+                golden, device, nmse = whitened(golden, device, valid, axes)  # against its channel's noise
+                floor = gain_floor(r.metrics["channels"], floor, nmse)
+            r.fault = classify_channel(golden, device, valid, axes, channel, policy.dtype, floor,
                                        1.0 if r.reference else None).to_dict()
             continue
         r.fault = classify(golden, device, rec["valid"], policy.dtype, previous=previous,

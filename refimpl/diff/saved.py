@@ -81,7 +81,7 @@ def _result(r, where: str) -> "Result":
             number(channels.get(k), f"{where}.metrics.channels.{k}", InputError, finite=False)
         for k in ("n", "count"):
             integer(channels[k], f"{where}.metrics.channels.{k}", InputError, lo=1, hi=2 ** 48)
-        for k in ("gain_mse", "gain_power", "gain_offset", "gain_z2", "gain_q"):   # the gain test's, where scored
+        for k in ("gain_mse", "gain_power", "gain_offset", "gain_z2", "gain_scale", "gain_q"):   # the gain test's
             if k in channels:
                 number(channels[k], f"{where}.metrics.channels.{k}", InputError, finite=False)
         if "gain_n" in channels:

@@ -10,7 +10,7 @@ import pytest
 from refimpl.bundle import read_bundle
 from refimpl.cli import main
 from refimpl.diff import channels as C
-from refimpl.diff.channels import channel_bar, channel_scores, chi2_quantile, q_factor
+from refimpl.diff.channels import channel_bar, channel_scores, chi2_quantile, f_quantile, q_factor
 from refimpl.diff.dump import read_dump
 from refimpl.diff.hooks import rename
 from refimpl.diff.policy import judge, make_policy
@@ -26,6 +26,9 @@ def test_chi2_quantiles_and_the_channel_factor():
     assert q_factor(7, 64) == pytest.approx(chi2_quantile(7, 1e-3 / 64) / 7)
     assert 4.8 < q_factor(7, 64) < 5 and 3.6 < q_factor(16, 1024) < 3.7 and 18.6 < q_factor(1, 64) < 18.8
     assert q_factor(1000, 64) < q_factor(100, 64) < q_factor(10, 64)      # more tokens, more evidence per channel
+    assert f_quantile(1, 10, 0.05) == pytest.approx(4.9646, rel=1e-4)    # tables: F(1, 10) at 95 %
+    assert f_quantile(5, 20, 0.01) == pytest.approx(4.1027, rel=1e-4)    # F(5, 20) at 99 %
+    assert f_quantile(1, 10 ** 7, 1e-3 / 64) == pytest.approx(chi2_quantile(1, 1e-3 / 64), rel=1e-4)   # F(1, inf)
 
 
 def _noisy(g, rel=1e-3):
@@ -74,7 +77,7 @@ def test_the_emulation_of_a_channel_explains_its_own_error():
 def test_the_gain_test_finds_a_scaled_channel_the_nmse_test_misses():
     """Three-way, 7 tokens x 64 channels: the device's error half shared with the emulation (the arithmetic it
     predicts), half its own. One channel x1.02 stands out of the rest by nmse_c less than CONTRAST q (missed), but
-    along its own values (z^2 ~ 0.02^2 n / 4e-6 = 700 against GAIN_CONTRAST q1 = 150) it is the gain test's; a
+    along its own values (z^2 ~ 0.02^2 n / 4e-6 = 700 against GAIN_CONTRAST q = 88) it is the gain test's; a
     token with 30 x the error on every channel (ill-conditioned for the whole tensor) is no gain of any channel."""
     g = RNG.standard_normal((1, 7, 64))
     shared, own = (0.002 * RNG.standard_normal(g.shape) for _ in range(2))
@@ -96,6 +99,27 @@ def test_the_gain_test_finds_a_scaled_channel_the_nmse_test_misses():
     emulation_ill[:, 2] = g[:, 2] + 30 * (shared + 2 * RNG.standard_normal(g.shape) * 0.002)[:, 2]
     ch = channel_scores(g, ill, mask, (0, 1), emulation_ill)
     assert C.gain_failure(ch, 5e-5) is None, ch
+
+def test_the_gain_test_takes_the_noise_scale_from_the_other_channels():
+    """64 tokens x 64 channels, every channel's honest error partly along its own values (a small random gain per
+    channel, as a recurrence carries one token's error into the next: z^2 ~ 37 on average where the per-token
+    noise model says 1). Over the other channels' mean z^2 the honest tensor passes (the raw worst z^2 would not);
+    one channel x1.02 stands out of that spread and is still the gain test's."""
+    g = RNG.standard_normal((1, 64, 64))
+    shared, own = (0.002 * RNG.standard_normal(g.shape) for _ in range(2))
+    emulation = g + shared
+    honest = g + shared + own + 0.0015 * RNG.standard_normal(64) * g                 # beta_c g, beta_c ~ N(0, 0.0015^2)
+    faulty = honest.copy()
+    faulty[..., 5] += 0.02 * g[..., 5]                                                # channel 5 x1.02
+    mask = np.ones(g.shape, bool)
+    ch = channel_scores(g, honest, mask, (0, 1), emulation)
+    assert ch["gain_scale"] > 10 and C.gain_failure(ch, 5e-5) is None, ch
+    assert ch["gain_z2"] * ch["gain_scale"] > C.GAIN_CONTRAST * ch["gain_q"]           # unscaled, it would fail
+    ch = channel_scores(g, faulty, mask, (0, 1), emulation)
+    failure = C.gain_failure(ch, 5e-5)
+    assert failure is not None and failure.startswith("channel [5] of 64: gain +"), ch
+    assert ch["gain_offset"] == pytest.approx(0.02, abs=3e-3)
+
 
 @pytest.fixture(scope="module")
 def goldens(tmp_path_factory):

@@ -11,8 +11,10 @@ def htp_cases(tmp_path_factory):
     import htp_runs
     built = {}
 
-    def get(arch: str):
-        if arch not in built:
-            built[arch] = htp_runs.case(arch, tmp_path_factory.mktemp(f"htp-{arch}"))
-        return built[arch]
+    def get(arch: str, ar: int = 8):
+        """ar = 16: the same model on htp_runs.LONG_PROMPT (its own export, goldens and dumps)."""
+        if (arch, ar) not in built:
+            built[(arch, ar)] = (htp_runs.case(arch, tmp_path_factory.mktemp(f"htp-{arch}")) if ar == 8 else
+                                 htp_runs.long_case(get(arch), tmp_path_factory.mktemp(f"htp-{arch}-ar{ar}")))
+        return built[(arch, ar)]
     return get

@@ -24,6 +24,23 @@ STEPS = 2                                         # decode calls after the promp
 ARCHITECTURES = {"dense": "tiny-qwen3", "moe": "tiny-qwen3-moe", "next": "tiny-qwen3-next", "hybrid": "tiny-qwen3.5",
                  "hybrid-moe": "tiny-qwen3.5-moe"}
 HTP_POLICY = {"layouts": {".": "hf-hooks"}}
+LONG_PROMPT = PROMPT + [5, 300, 1200, 64, 8, 777, 31, 1500]   # one chunk of AR = 16: q_norm is [1, 16, H, D]
+LONG_GENIE = {**GENIE, "ar": 16}
+# one output channel x1.02 per projection, per architecture (layers 0 and 1; the hybrids' attention is layer 3):
+# tests/e2e/test_htp.py and htp_table.py
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+PROJECTIONS = {
+    "dense": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION + MLP],
+    "moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION],
+    "next": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
+    + [f"model.layers.3.{p}" for p in ATTENTION],
+    "hybrid": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + MLP]
+    + [f"model.layers.3.{p}" for p in ATTENTION],
+    "hybrid-moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
+    + [f"model.layers.3.{p}" for p in ATTENTION],
+}
 GROUP = pytest.mark.xdist_group("htp")            # every HTP test on one worker: the cases are per process
 
 
@@ -77,6 +94,11 @@ def case(arch: str, root) -> Case:
     config, arrays = D.small_preset(ARCHITECTURES.get(arch, arch))
     model = D.load_hf(D.hf_checkpoint(config, arrays, root / "checkpoint"), "float16", "eager", "batched_mm")
     return Case(config, arrays, model, root)
+
+
+def long_case(short: Case, root) -> Case:
+    """The same model on the 15-token prompt (one genie chunk of AR = 16): its own export, goldens and dumps."""
+    return Case(short.config, short.arrays, short.model, root, prompt=LONG_PROMPT, genie=LONG_GENIE)
 
 
 def margin(report) -> tuple[float, str]:

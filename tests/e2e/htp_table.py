@@ -22,38 +22,24 @@ import htp_bits  # noqa: E402
 import htp_runs as T  # noqa: E402
 import test_htp  # noqa: E402
 
-from refimpl.diff.channels import GAIN_CONTRAST, judged_channel_nmse  # noqa: E402
+from refimpl.diff.channels import GAIN_CONTRAST, gain_guard, judged_channel_nmse  # noqa: E402
 from refimpl.diff.divergence import localise  # noqa: E402
 from refimpl.diff.dump import read_dump  # noqa: E402
 from refimpl.diff.policy import make_policy  # noqa: E402
 from refimpl.diff.replay import replay  # noqa: E402
 
-# one output channel x1.02 per projection, per architecture (layers 0 and 1; the hybrids' attention is layer 3)
-ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-SHARED = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
-PROJECTIONS = {
-    "dense": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION + MLP],
-    "moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ATTENTION],
-    "next": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-    "hybrid": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + MLP]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-    "hybrid-moe": [f"model.layers.{i}.{p}" for i in (0, 1) for p in ("linear_attn.out_proj",) + SHARED]
-    + [f"model.layers.3.{p}" for p in ATTENTION],
-}
-
 
 def gain_margin(r) -> float | None:
-    """dB by which a tensor's gain-test channel stays under (> 0) or exceeds (< 0) the test (z^2 against
-    GAIN_CONTRAST q1, and its nmse against the tensor's bar: both must be exceeded to fail); None: not scored."""
+    """dB by which a tensor's gain-test channel stays under (> 0) or exceeds (< 0) the test (z^2 / s_c against
+    GAIN_CONTRAST q, and its nmse against channels.gain_guard: both must be exceeded to fail); None: not
+    scored."""
     ch = (r.metrics or {}).get("channels") or {}
     if "gain_z2" not in ch or not r.bar or r.bar.get("max_nmse") is None:
         return None
     power = r.metrics.get("run_power") if r.bar.get("run_power") else None
     nmse = judged_channel_nmse({"mse": ch["gain_mse"], "power": ch["gain_power"], "tensor_power": ch["tensor_power"]},
                                power)
-    over = [ch["gain_z2"] / (GAIN_CONTRAST * ch["gain_q"]), nmse / r.bar["max_nmse"]]
+    over = [ch["gain_z2"] / (GAIN_CONTRAST * ch["gain_q"]), nmse / gain_guard(ch, r.bar["max_nmse"])]
     return -10 * math.log10(max(min(over), 1e-30))
 
 
@@ -94,7 +80,7 @@ def main(argv=None):
                   if r.key not in after and (m := gain_margin(r)) is not None]
         hm, hwhere = min(honest) if honest else (math.inf, "-")
         planted, forked = [], []
-        for op in ([] if args.no_faults else PROJECTIONS.get(arch, [])):
+        for op in ([] if args.no_faults else T.PROJECTIONS.get(arch, [])):
             rep = case.judge(case.dump(T.D.Fault(scale_channel=(f"{op}.weight", 5, 1.02)), steps=0), steps=0)
             hit = next((r for r in rep.results if r.step == 0 and r.name == op), None)
             if hit is not None and hit.key in localise(rep):   # after a fork: not judged (replay would be)
@@ -130,7 +116,7 @@ def main(argv=None):
         where, cls, blamed, _ = fault_row(cases[arch], fault, T.STEPS, layer)
         print(f"| {name} | {where} | {'right' if where == expected else expected} | {cls} | {blamed} |", flush=True)
     if "dense" in cases:
-        for op in PROJECTIONS["dense"]:
+        for op in T.PROJECTIONS["dense"]:
             where, cls, blamed, _ = fault_row(cases["dense"], T.D.Fault(scale_channel=(f"{op}.weight", 5, 1.02)), 0,
                                               int(op.split(".")[2]))
             print(f"| one output channel x1.02 (dense {op[13:]}) | {where} | "
