@@ -35,6 +35,7 @@ import contextvars
 import functools
 import math
 import os
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -51,9 +52,10 @@ _runtime = contextvars.ContextVar("onnxruntime_cpu", default=False)
 MLAS_STRIDE_K = 256                         # ONNX Runtime's MLAS SGEMM: K blocks summed from 0, added in order
 
 
-def _bound_factor(K: int) -> float:
-    """e / (||a|| ||b||) for a K-term product computed by _sliced_matmul (step 2 of the module doc)."""
-    s = _slices(K)
+def _bound_factor(K: int, s: int | None = None) -> float:
+    """e / (||a|| ||b||) for a K-term product computed by _sliced_matmul (s = _slices(K) slices), or as s slices
+    otherwise (step 2 of the module doc)."""
+    s = _slices(K) if s is None else s
     n = -(-K // s) + s - 1
     return (n * _U / (1 - n * _U) + 2.0 ** -51) * (1 + 2.0 ** -20)
 
@@ -136,7 +138,11 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     out = np.empty((*batch, a.shape[-2], N), np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         a64 = _to_float64(a)
-        na = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None] * _bound_factor(K)   # [..., M, 1]
+        norm_a = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]           # [..., M, 1]
+        if _streamed(a64, b, batch):
+            out[...] = _few_rows(a64, norm_a, b, const)
+            return out
+        na = norm_a * _bound_factor(K)
         rows, depth = math.prod(batch) * a.shape[-2], math.prod(b.shape[:-2]) * K
         width = _OUT_BLOCK // max(1, rows)                                      # c's block stays in cache
         converting = const is None or const.b64 is None
@@ -170,6 +176,94 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
 
 
 _THREADED_ROWS = 8                          # products with at most this many rows spread their blocks over cores
+_VECTOR_BLOCK = 1 << 18                     # float64 elements of b converted at once by each thread of a few-row
+                                            # product (2 MiB: the block is multiplied while it is in cache)
+_VECTOR_SLICES = 1                          # slices of K in a few-row product's float64 product (step 1)
+
+
+def _streamed(a64: np.ndarray, b: np.ndarray, batch: tuple) -> bool:
+    """Whether a @ b is a few-row product over a weight: b [K, N] 2-D with contiguous columns (W^T of a weight
+    W [N, K]), a [M, K] with M <= _THREADED_ROWS (one token's projections)."""
+    return not batch and b.ndim == 2 and a64.shape[-2] <= _THREADED_ROWS and b.T.flags.c_contiguous
+
+
+def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.ndarray:
+    """RNE32 of a64 @ b for few rows of a (a64 [M, K] float64, its row norms [M, 1]; b [K, N] float32 with
+    contiguous columns, maybe a Constant's, whose norms are then used): the bytes read are b's own. Each thread
+    converts W = b^T [N, K] a block of rows at a time into its buffer (_VECTOR_BLOCK float64 values: in cache),
+    multiplies it there, and moves on; the threads take contiguous parts of N. One float64 product per block
+    (_VECTOR_SLICES slices of K), its bound from the column norms, then the rounding check and the exact fallback
+    on the whole [M, N] result (steps 1-4)."""
+    K, N = b.shape
+    W = b.T                                                                     # [N, K], rows contiguous
+    a64t = np.ascontiguousarray(a64.T)                                          # [K, M]
+    ct = np.empty((N, a64.shape[0]))                                            # c^T [N, M]
+    nb = const.norms[0] if const is not None else np.empty(N)                  # [N]
+    rows = max(1, _VECTOR_BLOCK // K)
+    step = -(-K // _VECTOR_SLICES)
+
+    def part(lo: int, hi: int) -> None:                                         # rows lo .. hi of W
+        with np.errstate(invalid="ignore", over="ignore"):
+            buf = _buffer(rows * K)
+            for r in range(lo, hi, rows):
+                n = min(rows, hi - r)
+                blk = buf[:n * K].reshape(n, K)
+                _convert(blk, W[r:r + n])                                        # exact
+                _vector_product(blk, a64t, ct[r:r + n], step)                    # [n, M]
+                if const is None:
+                    nb[r:r + n] = np.sqrt(np.einsum("nk,nk->n", blk, blk))
+
+    workers = _workers() if N * K >= 2 * _VECTOR_BLOCK else 1
+    bounds = [N * i // workers for i in range(workers + 1)]
+    if workers > 1:
+        with _blas_single():
+            futures = [_pool().submit(part, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+            part(bounds[0], bounds[1])
+            for f in futures:
+                f.result()
+    else:
+        part(0, N)
+    na = norm_a * _bound_factor(K, -(-K // step))
+    return _rounded_product(a64, b, ct.T, na, nb[None, :])
+
+
+def _convert(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst (float64) = src (float32: exact)."""
+    np.copyto(dst, src)
+
+
+def _vector_product(blk: np.ndarray, a64t: np.ndarray, out: np.ndarray, step: int) -> None:
+    """out [n, M] = fl64(blk [n, K] @ a64t [K, M]) as partial products over slices of `step` terms of K, added in
+    order."""
+    K = blk.shape[1]
+    np.matmul(blk[:, :step], a64t[:step], out=out)
+    for k in range(step, K, step):
+        out += np.matmul(blk[:, k:k + step], a64t[k:k + step])
+
+
+_local = threading.local()
+
+
+def _buffer(size: int) -> np.ndarray:
+    """This thread's float64 buffer of at least `size` elements (kept: made once per thread)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _local.buf = np.empty(max(size, _VECTOR_BLOCK))
+    return buf
+
+
+@contextlib.contextmanager
+def _blas_single():
+    """BLAS on one thread inside the block (our threads are the parallelism)."""
+    libs = [lib for lib in _blas_controller().lib_controllers if lib.user_api == "blas"]
+    saved = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in zip(libs, saved):
+            lib.set_num_threads(n)
 
 
 @functools.cache

@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
     products take the threaded path (the same for every generated input: nothing is reset between them)."""
     monkeypatch.setattr(products, "_IN_BLOCK", 64)
     monkeypatch.setattr(products, "_OUT_BLOCK", 64)
+    monkeypatch.setattr(products, "_VECTOR_BLOCK", 64)
 
 
 def serial(a, b):
