@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 import os
 import threading
@@ -191,7 +192,7 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     """RNE32 of a64 @ b for few rows of a (a64 [M, K] float64, its row norms [M, 1]; b [K, N] float32 with
     contiguous columns, maybe a Constant's, whose norms are then used): the bytes read are b's own. Each thread
     converts W = b^T [N, K] a block of rows at a time into its buffer (_VECTOR_BLOCK float64 values: in cache),
-    multiplies it there, and moves on; the threads take contiguous parts of N. One float64 product per block
+    multiplies it there, and takes the next block (_spread). One float64 product per block
     (_VECTOR_SLICES slices of K), its bound from the column norms, then the rounding check and the exact fallback
     on the whole [M, N] result (steps 1-4)."""
     K, N = b.shape
@@ -202,27 +203,16 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     rows = max(1, _VECTOR_BLOCK // K)
     step = -(-K // _VECTOR_SLICES)
 
-    def part(lo: int, hi: int) -> None:                                         # rows lo .. hi of W
-        with np.errstate(invalid="ignore", over="ignore"):
-            buf = _buffer(rows * K)
-            for r in range(lo, hi, rows):
-                n = min(rows, hi - r)
-                blk = buf[:n * K].reshape(n, K)
-                _convert(blk, W[r:r + n])                                        # exact
-                _vector_product(blk, a64t, ct[r:r + n], step)                    # [n, M]
-                if const is None:
-                    nb[r:r + n] = np.sqrt(np.einsum("nk,nk->n", blk, blk))
+    def block(i: int) -> None:                                                  # rows r .. r + n of W
+        r = i * rows
+        n = min(rows, N - r)
+        blk = _buffer(rows * K)[:n * K].reshape(n, K)
+        _convert(blk, W[r:r + n])                                               # exact
+        _vector_product(blk, a64t, ct[r:r + n], step)                           # [n, M]
+        if const is None:
+            nb[r:r + n] = np.sqrt(np.einsum("nk,nk->n", blk, blk))
 
-    workers = _workers() if N * K >= 2 * _VECTOR_BLOCK else 1
-    bounds = [N * i // workers for i in range(workers + 1)]
-    if workers > 1:
-        with _blas_single():
-            futures = [_pool().submit(part, lo, hi) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-            part(bounds[0], bounds[1])
-            for f in futures:
-                f.result()
-    else:
-        part(0, N)
+    _spread(block, -(-N // rows))
     na = norm_a * _bound_factor(K, -(-K // step))
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
 
@@ -239,6 +229,40 @@ def _vector_product(blk: np.ndarray, a64t: np.ndarray, out: np.ndarray, step: in
     np.matmul(blk[:, :step], a64t[:step], out=out)
     for k in range(step, K, step):
         out += np.matmul(blk[:, k:k + step], a64t[k:k + step])
+
+
+def _spread(task, n: int) -> None:
+    """task(0), ..., task(n - 1), taken in turn by this thread and the pool's (BLAS on one thread meanwhile):
+    whoever is free takes the next, so a loaded machine's late thread delays nothing (this thread does not wait
+    for a thread that never started; one that starts late finds nothing left)."""
+    workers = min(_workers(), n)
+    if workers <= 1:
+        for i in range(n):
+            task(i)
+        return
+    turn, done, failed = itertools.count(), [], []
+    finished = threading.Event()
+
+    def work() -> None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            for i in turn:                                                      # atomic under the GIL
+                if i >= n:
+                    break
+                try:
+                    task(i)
+                except BaseException as exc:                                    # noqa: BLE001 (re-raised below)
+                    failed.append(exc)
+                done.append(i)
+                if len(done) == n:
+                    finished.set()
+
+    with _blas_single():
+        for _ in range(workers - 1):
+            _pool().submit(work)
+        work()
+        finished.wait()
+    if failed:
+        raise failed[0]
 
 
 _local = threading.local()
