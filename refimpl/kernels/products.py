@@ -128,7 +128,11 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     b = const.b if const is not None else b
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
-    if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
+    if np.result_type(a.dtype, b.dtype, np.float32) == np.float64:
+        return np.matmul(a, b)
+    if _plain.get():
+        if _PLAIN_SPREAD and a.ndim == 2 and _streamed(a, b, ()) and b.size >= 2 * _PLAIN_BLOCK:
+            return _plain_few_rows(a, b)
         return np.matmul(a, b)
     if _runtime.get():
         return matmul_sequential_fma(a, b)
@@ -215,6 +219,26 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     _spread(block, -(-N // rows))
     na = norm_a * _bound_factor(K, -(-K // step))
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
+
+
+_PLAIN_SPREAD = True                        # plain one-token products: our threads over BLAS on one thread each
+_PLAIN_BLOCK = 1 << 18                      # elements of b per block of a plain one-token product (1 MiB)
+
+
+def _plain_few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b by BLAS (plain), a [M, K] few rows, b [K, N] with contiguous columns: column blocks of _PLAIN_BLOCK
+    elements of b taken in turn by the threads (BLAS on one thread each; OpenBLAS's own spinning threads collapse
+    on a loaded machine: measured 2-10x slower there). The blocks depend on the shapes alone."""
+    K, N = b.shape
+    out = np.empty((a.shape[0], N), np.result_type(a.dtype, b.dtype))
+    width = max(1, _PLAIN_BLOCK // K)
+
+    def block(i: int) -> None:
+        j = i * width
+        np.matmul(a, b[:, j:j + width], out=out[:, j:j + width])
+
+    _spread(block, -(-N // width))
+    return out
 
 
 def _convert(dst: np.ndarray, src: np.ndarray) -> None:
