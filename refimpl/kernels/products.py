@@ -11,7 +11,8 @@ so does everything inside `plain_blas()` (the opt-in fast mode).
 
 Method (verified rounding; docs/numerics.md has the proof):
   1. c = fl64(A B), float64 BLAS in whatever order it likes, as s partial products over slices of K added in
-     order. Each a_k b_k is exact in float64 (24 + 24 <= 53 significand bits), and no product or partial sum can
+     order (one token's products over a weight: s = 1, from cache-sized blocks of the float32 weight, _few_rows).
+     Each a_k b_k is exact in float64 (24 + 24 <= 53 significand bits), and no product or partial sum can
      overflow or become subnormal (2^-298 <= |a_k b_k| <= 2^256 for non-zero finite products, K < 2^40).
   2. A sum of n exact terms in any order and blocking (FMA or not) errs by at most gamma_{n-1} sum |terms|,
      gamma_n = n u / (1 - n u), u = 2^-53 (Higham, Accuracy and Stability of Numerical Algorithms, §3.1, §4.2).
