@@ -190,7 +190,7 @@ _VECTOR_SLICES = 1                          # slices of K in a few-row product's
 def _streamed(a64: np.ndarray, b: np.ndarray, batch: tuple) -> bool:
     """Whether a @ b is a few-row product over a weight: b [K, N] 2-D with contiguous columns (W^T of a weight
     W [N, K]), a [M, K] with M <= _THREADED_ROWS (one token's projections)."""
-    return not batch and b.ndim == 2 and a64.shape[-2] <= _THREADED_ROWS and b.T.flags.c_contiguous
+    return not batch and b.ndim == 2 and a64.shape[-2] <= _THREADED_ROWS and b.shape[0] > 0 and b.T.flags.c_contiguous
 
 
 def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.ndarray:
