@@ -283,11 +283,17 @@ def _spread(task, n: int) -> None:
 
     with _blas_single():
         for _ in range(workers - 1):
-            _pool().submit(work)
+            _helpers().submit(work)
         work()
         finished.wait()
     if failed:
         raise failed[0]
+
+
+@functools.cache
+def _helpers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that work beside the caller's in _spread (so at most _workers() threads hold a _buffer)."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, _workers() - 1), thread_name_prefix="refimpl-spread")
 
 
 _local = threading.local()
