@@ -3,8 +3,9 @@
 `kernel_profile()` wraps the stages of refimpl's kernels (module functions, so every caller goes through the
 wrapper) with timers that count each stage's own time (time in a nested stage is counted there, not twice):
 
-    float64 products (BLAS)      products._sliced_matmul: the float64 product itself, slice by slice
-    float32 -> float64           products._to_float64: converting an operand (weights without a float64 copy)
+    float64 products (BLAS)      products._sliced_matmul / _vector_product: the float64 product itself
+    float32 -> float64           products._to_float64 / _convert: converting an operand (weights without a float64
+                                 copy; one token's products convert a cache-sized block of the weight at a time)
     column norms (error bound)   products.column_norms and products.constant: the bound's per-column quantities
     rounding check               products._rounded_product: both ends of the interval rounded, compared
     exact fallback               products._exact_sums / _exact_sum_rounded: undecided elements summed again
@@ -30,7 +31,9 @@ import time
 
 STAGES = {   # (module, attribute) -> stage
     ("products", "_sliced_matmul"): "float64 products (BLAS)",
+    ("products", "_vector_product"): "float64 products (BLAS)",
     ("products", "_to_float64"): "float32 -> float64 conversion",
+    ("products", "_convert"): "float32 -> float64 conversion",
     ("products", "column_norms"): "column norms (error bound)",
     ("products", "constant"): "column norms (error bound)",
     ("products", "_rounded_product"): "rounding check",

@@ -11,7 +11,8 @@ so does everything inside `plain_blas()` (the opt-in fast mode).
 
 Method (verified rounding; docs/numerics.md has the proof):
   1. c = fl64(A B), float64 BLAS in whatever order it likes, as s partial products over slices of K added in
-     order. Each a_k b_k is exact in float64 (24 + 24 <= 53 significand bits), and no product or partial sum can
+     order (one token's products over a weight: s = 1, from cache-sized blocks of the float32 weight, _few_rows).
+     Each a_k b_k is exact in float64 (24 + 24 <= 53 significand bits), and no product or partial sum can
      overflow or become subnormal (2^-298 <= |a_k b_k| <= 2^256 for non-zero finite products, K < 2^40).
   2. A sum of n exact terms in any order and blocking (FMA or not) errs by at most gamma_{n-1} sum |terms|,
      gamma_n = n u / (1 - n u), u = 2^-53 (Higham, Accuracy and Stability of Numerical Algorithms, §3.1, §4.2).
@@ -33,8 +34,10 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 import os
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -50,9 +53,10 @@ _plain = contextvars.ContextVar("plain_blas", default=False)
 _runtime = contextvars.ContextVar("onnxruntime_cpu", default=False)
 
 
-def _bound_factor(K: int) -> float:
-    """e / (||a|| ||b||) for a K-term product computed by _sliced_matmul (step 2 of the module doc)."""
-    s = _slices(K)
+def _bound_factor(K: int, s: int | None = None) -> float:
+    """e / (||a|| ||b||) for a K-term product computed by _sliced_matmul (s = _slices(K) slices), or as s slices
+    otherwise (step 2 of the module doc)."""
+    s = _slices(K) if s is None else s
     n = -(-K // s) + s - 1
     return (n * _U / (1 - n * _U) + 2.0 ** -51) * (1 + 2.0 ** -20)
 
@@ -124,7 +128,11 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     b = const.b if const is not None else b
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
-    if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
+    if np.result_type(a.dtype, b.dtype, np.float32) == np.float64:
+        return np.matmul(a, b)
+    if _plain.get():
+        if _PLAIN_SPREAD and a.ndim == 2 and _streamed(a, b, ()) and b.size >= 2 * _PLAIN_BLOCK:
+            return _plain_few_rows(a, b)
         return np.matmul(a, b)
     if _runtime.get():
         return mlas_sgemm(a, b)
@@ -135,7 +143,11 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     out = np.empty((*batch, a.shape[-2], N), np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         a64 = _to_float64(a)
-        na = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None] * _bound_factor(K)   # [..., M, 1]
+        norm_a = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]           # [..., M, 1]
+        if _streamed(a64, b, batch):
+            out[...] = _few_rows(a64, norm_a, b, const)
+            return out
+        na = norm_a * _bound_factor(K)
         rows, depth = math.prod(batch) * a.shape[-2], math.prod(b.shape[:-2]) * K
         width = _OUT_BLOCK // max(1, rows)                                      # c's block stays in cache
         converting = const is None or const.b64 is None
@@ -169,6 +181,143 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
 
 
 _THREADED_ROWS = 8                          # products with at most this many rows spread their blocks over cores
+_VECTOR_BLOCK = 1 << 18                     # float64 elements of b converted at once by each thread of a few-row
+                                            # product (2 MiB: the block is multiplied while it is in cache)
+_VECTOR_SLICES = 1                          # slices of K in a few-row product's float64 product (step 1)
+
+
+def _streamed(a64: np.ndarray, b: np.ndarray, batch: tuple) -> bool:
+    """Whether a @ b is a few-row product over a weight: b [K, N] 2-D with contiguous columns (W^T of a weight
+    W [N, K]), a [M, K] with M <= _THREADED_ROWS (one token's projections)."""
+    return not batch and b.ndim == 2 and a64.shape[-2] <= _THREADED_ROWS and b.shape[0] > 0 and b.T.flags.c_contiguous
+
+
+def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.ndarray:
+    """RNE32 of a64 @ b for few rows of a (a64 [M, K] float64, its row norms [M, 1]; b [K, N] float32 with
+    contiguous columns, maybe a Constant's, whose norms are then used): the bytes read are b's own. Each thread
+    converts W = b^T [N, K] a block of rows at a time into its buffer (_VECTOR_BLOCK float64 values: in cache),
+    multiplies it there, and takes the next block (_spread). One float64 product per block
+    (_VECTOR_SLICES slices of K), its bound from the column norms, then the rounding check and the exact fallback
+    on the whole [M, N] result (steps 1-4)."""
+    K, N = b.shape
+    W = b.T                                                                     # [N, K], rows contiguous
+    a64t = np.ascontiguousarray(a64.T)                                          # [K, M]
+    ct = np.empty((N, a64.shape[0]))                                            # c^T [N, M]
+    nb = const.norms[0] if const is not None else np.empty(N)                  # [N]
+    rows = max(1, _VECTOR_BLOCK // K)
+    step = -(-K // _VECTOR_SLICES)
+
+    def block(i: int) -> None:                                                  # rows r .. r + n of W
+        r = i * rows
+        n = min(rows, N - r)
+        blk = _buffer(rows * K)[:n * K].reshape(n, K)
+        _convert(blk, W[r:r + n])                                               # exact
+        _vector_product(blk, a64t, ct[r:r + n], step)                           # [n, M]
+        if const is None:
+            nb[r:r + n] = np.sqrt(np.einsum("nk,nk->n", blk, blk))
+
+    _spread(block, -(-N // rows))
+    na = norm_a * _bound_factor(K, -(-K // step))
+    return _rounded_product(a64, b, ct.T, na, nb[None, :])
+
+
+_PLAIN_SPREAD = True                        # plain one-token products: our threads over BLAS on one thread each
+_PLAIN_BLOCK = 1 << 18                      # elements of b per block of a plain one-token product (1 MiB)
+
+
+def _plain_few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b by BLAS (plain), a [M, K] few rows, b [K, N] with contiguous columns: column blocks of _PLAIN_BLOCK
+    elements of b taken in turn by the threads (BLAS on one thread each; OpenBLAS's own spinning threads collapse
+    on a loaded machine: measured 2-10x slower there). The blocks depend on the shapes alone."""
+    K, N = b.shape
+    out = np.empty((a.shape[0], N), np.result_type(a.dtype, b.dtype))
+    width = max(1, _PLAIN_BLOCK // K)
+
+    def block(i: int) -> None:
+        j = i * width
+        np.matmul(a, b[:, j:j + width], out=out[:, j:j + width])
+
+    _spread(block, -(-N // width))
+    return out
+
+
+def _convert(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst (float64) = src (float32: exact)."""
+    np.copyto(dst, src)
+
+
+def _vector_product(blk: np.ndarray, a64t: np.ndarray, out: np.ndarray, step: int) -> None:
+    """out [n, M] = fl64(blk [n, K] @ a64t [K, M]) as partial products over slices of `step` terms of K, added in
+    order."""
+    K = blk.shape[1]
+    np.matmul(blk[:, :step], a64t[:step], out=out)
+    for k in range(step, K, step):
+        out += np.matmul(blk[:, k:k + step], a64t[k:k + step])
+
+
+def _spread(task, n: int) -> None:
+    """task(0), ..., task(n - 1), taken in turn by this thread and the pool's (BLAS on one thread meanwhile):
+    whoever is free takes the next, so a loaded machine's late thread delays nothing (this thread does not wait
+    for a thread that never started; one that starts late finds nothing left)."""
+    workers = min(_workers(), n)
+    if workers <= 1:
+        for i in range(n):
+            task(i)
+        return
+    turn, done, failed = itertools.count(), [], []
+    finished = threading.Event()
+
+    def work() -> None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            for i in turn:                                                      # atomic under the GIL
+                if i >= n:
+                    break
+                try:
+                    task(i)
+                except BaseException as exc:                                    # noqa: BLE001 (re-raised below)
+                    failed.append(exc)
+                done.append(i)
+                if len(done) == n:
+                    finished.set()
+
+    with _blas_single():
+        for _ in range(workers - 1):
+            _helpers().submit(work)
+        work()
+        finished.wait()
+    if failed:
+        raise failed[0]
+
+
+@functools.cache
+def _helpers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that work beside the caller's in _spread (so at most _workers() threads hold a _buffer)."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, _workers() - 1), thread_name_prefix="refimpl-spread")
+
+
+_local = threading.local()
+
+
+def _buffer(size: int) -> np.ndarray:
+    """This thread's float64 buffer of at least `size` elements (kept: made once per thread)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _local.buf = np.empty(max(size, _VECTOR_BLOCK))
+    return buf
+
+
+@contextlib.contextmanager
+def _blas_single():
+    """BLAS on one thread inside the block (our threads are the parallelism)."""
+    libs = [lib for lib in _blas_controller().lib_controllers if lib.user_api == "blas"]
+    saved = [lib.num_threads for lib in libs]
+    for lib in libs:
+        lib.set_num_threads(1)
+    try:
+        yield
+    finally:
+        for lib, n in zip(libs, saved):
+            lib.set_num_threads(n)
 
 
 @functools.cache

@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
     products take the threaded path (the same for every generated input: nothing is reset between them)."""
     monkeypatch.setattr(products, "_IN_BLOCK", 64)
     monkeypatch.setattr(products, "_OUT_BLOCK", 64)
+    monkeypatch.setattr(products, "_VECTOR_BLOCK", 64)
 
 
 def serial(a, b):
@@ -84,3 +85,28 @@ def test_float64_and_plain_modes_take_the_array():
     a64 = a.astype(np.float64)
     assert np.array_equal(products.matmul(a64, products.constant(w.T.astype(np.float64))),
                           np.matmul(a64, w.T.astype(np.float64)))
+
+
+def test_spread_runs_every_task_once_and_reraises():
+    """products._spread: the threads take tasks in turn; each runs once, and a task's exception reaches the caller."""
+    seen = []
+    products._spread(seen.append, 50)
+    assert sorted(seen) == list(range(50))
+
+    def task(i):
+        if i == 7:
+            raise ZeroDivisionError(i)
+    with pytest.raises(ZeroDivisionError):
+        products._spread(task, 20)
+
+
+def test_plain_one_token_products_are_blas_by_column_blocks(monkeypatch):
+    """Plain BLAS one-token products spread over threads: each column block is NumPy's own product of that block
+    (the blocks depend on the shapes alone, so every run gives the same bits)."""
+    monkeypatch.setattr(products, "_PLAIN_BLOCK", 64)
+    rng = np.random.default_rng(3)
+    a, w = scaled(rng, (1, 16), 4), scaled(rng, (100, 16), 4)
+    with products.plain_blas():
+        got = products.matmul(a, w.T)
+    want = np.concatenate([np.matmul(a, w.T[:, j:j + 4]) for j in range(0, 100, 4)], axis=1)
+    assert np.array_equal(bits(got), bits(want))
