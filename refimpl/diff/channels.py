@@ -87,18 +87,8 @@ def chi2_quantile(n: int, tail: float) -> float:
     if not tail > 0:
         return math.inf
     mpmath.mp.dps = 20
-    lo, hi = 0.0, max(8.0 * n, 16.0)
-    while mpmath.gammainc(n / 2, hi / 2, mpmath.inf, regularized=True) > tail:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if mpmath.gammainc(n / 2, mid / 2, mpmath.inf, regularized=True) > tail:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-7 * hi:
-            break
-    return hi
+    return _upper_quantile(lambda x: mpmath.gammainc(n / 2, x / 2, mpmath.inf, regularized=True), tail,
+                           max(8.0 * n, 16.0))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -108,10 +98,14 @@ def f_quantile(d1: int, d2: int, tail: float) -> float:
     if not tail > 0:
         return math.inf
     mpmath.mp.dps = 20
+    return _upper_quantile(lambda x: mpmath.betainc(d2 / 2, d1 / 2, 0, d2 / (d2 + d1 * x), regularized=True), tail,
+                           16.0)
 
-    def upper(x):
-        return mpmath.betainc(d2 / 2, d1 / 2, 0, d2 / (d2 + d1 * x), regularized=True)
-    lo, hi = 0.0, 16.0
+
+def _upper_quantile(upper, tail: float, hi: float) -> float:
+    """x with upper(x) = tail, upper a decreasing upper-tail probability, by bisection on [0, hi] (hi doubled until
+    upper(hi) <= tail) to a relative width of 1e-7; the upper end, so P(> x) <= tail."""
+    lo = 0.0
     while upper(hi) > tail:
         hi *= 2
     for _ in range(200):

@@ -361,6 +361,16 @@ def top1(ref, x) -> float:
     return float((np.argmax(ref, -1) == np.argmax(x, -1)).mean())
 
 
+def quantised_as(q, inits: dict, y, want) -> np.ndarray:
+    """y quantised by QuantizeLinear node q's encoding (its scale and zero point initializers; ONNX's arithmetic),
+    to codes of want's dtype."""
+    from refimpl.encodings import Encoding
+    zp = inits[q.input[2]]
+    enc = Encoding(8 * want.dtype.itemsize, inits[q.input[1]], -zp.astype(np.int32), signed=want.dtype.kind == "i",
+                   axis=None, arithmetic="onnx")
+    return enc.codes(np.asarray(y, np.float32))
+
+
 def codes_agreement(a, b) -> tuple[float, int]:
     """(share of identical codes, largest code distance) of two integer code arrays of the same quantiser."""
     a, b = np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64)
@@ -689,7 +699,6 @@ def replayed(qm, values: dict) -> list[tuple]:
     run's dequantised inputs, quantised by the encoding refimpl reads, against the run's codes. values: {name:
     array} of the run (its QuantizeLinear outputs). Rows in graph order: (QuantizeLinear output, op, node name,
     identical share, largest step)."""
-    from refimpl.encodings import Encoding
     from refimpl.kernels import products
     producer = {o: n for n in qm.graph.node for o in n.output}
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in qm.graph.initializer}
@@ -721,10 +730,7 @@ def replayed(qm, values: dict) -> list[tuple]:
             if y is None:
                 continue
             want = values[q.output[0]]
-            zp = inits[q.input[2]]
-            enc = Encoding(8 * want.dtype.itemsize, inits[q.input[1]], -zp.astype(np.int32),
-                           signed=want.dtype.kind == "i", axis=None, arithmetic="onnx")
-            share, step = codes_agreement(enc.codes(np.asarray(y, np.float32)).reshape(want.shape), want)
+            share, step = codes_agreement(quantised_as(q, inits, y, want).reshape(want.shape), want)
             rows.append((q.output[0], n.op_type, n.name, share, step))
     return rows
 

@@ -31,7 +31,6 @@ import onnx  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 
 from refimpl.bundle import read_bundle  # noqa: E402
-from refimpl.encodings import Encoding  # noqa: E402
 from refimpl.formats.device_encodings import read_device_encodings  # noqa: E402
 from refimpl.golden import write_golden  # noqa: E402
 from refimpl.kernels import products  # noqa: E402
@@ -81,10 +80,7 @@ def teacher_forced(qm, feed) -> dict:
             if y is None:
                 continue
             want = values[q.output[0]]
-            zp = inits[q.input[2]]
-            enc = Encoding(8 * want.dtype.itemsize, inits[q.input[1]], -zp.astype(np.int32),
-                           signed=want.dtype.kind == "i", axis=None, arithmetic="onnx")
-            out[q.output[0]] = Q.codes_agreement(enc.codes(np.asarray(y, np.float32)), want)
+            out[q.output[0]] = Q.codes_agreement(Q.quantised_as(q, inits, y, want), want)
     return out
 
 
