@@ -221,7 +221,9 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
 
 
-_PLAIN_SPREAD = True                        # plain one-token products: our threads over BLAS on one thread each
+_PLAIN_SPREAD = False                       # plain one-token products: our threads over BLAS on one thread each
+                                            # (off: on a quiet machine OpenBLAS's own threads are faster, decode
+                                            # 110 ms against 196 ms a token at 0.6B; on a loaded one they collapse)
 _PLAIN_BLOCK = 1 << 18                      # elements of b per block of a plain one-token product (1 MiB)
 
 

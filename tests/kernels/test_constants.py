@@ -104,6 +104,7 @@ def test_plain_one_token_products_are_blas_by_column_blocks(monkeypatch):
     """Plain BLAS one-token products spread over threads: each column block is NumPy's own product of that block
     (the blocks depend on the shapes alone, so every run gives the same bits)."""
     monkeypatch.setattr(products, "_PLAIN_BLOCK", 64)
+    monkeypatch.setattr(products, "_PLAIN_SPREAD", True)
     rng = np.random.default_rng(3)
     a, w = scaled(rng, (1, 16), 4), scaled(rng, (100, 16), 4)
     with products.plain_blas():
