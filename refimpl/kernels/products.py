@@ -172,8 +172,7 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
 
         starts = range(0, N, width)
         if threaded and len(starts) > 1:
-            with _blas_controller().limit(limits=1, user_api="blas"):             # no BLAS threads inside ours
-                list(_pool().map(block, starts))
+            _spread(lambda i: block(starts[i]), len(starts))                    # no BLAS threads inside ours
         else:
             for j in starts:
                 block(j)
@@ -330,11 +329,6 @@ def _workers() -> int:
 @functools.cache
 def _blas_controller() -> threadpoolctl.ThreadpoolController:
     return threadpoolctl.ThreadpoolController()
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(_workers(), thread_name_prefix="refimpl-products")
 
 
 def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
