@@ -24,6 +24,7 @@ the model code (refimpl/models/quantisers.py reads those declarations).
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -45,7 +46,13 @@ class Encoding:
     `axis` with scale / offset of x's rank (ONNX's blocked QuantizeLinear: x.shape with axis ceil(n / block_size)).
     on_rows() turns a MatMul weight's encoding into refimpl's (rows of the [out, in] weight).
     arithmetic: whose rounding the codes follow (kernels/quant.py): "aimet-torch" (QuantSim of aimet-torch),
-    "aimet-onnx" (aimet-onnx's QuantSim: ties away from zero) or "onnx" (QuantizeLinear: ties to even)."""
+    "aimet-onnx" (aimet-onnx's QuantSim: ties away from zero) or "onnx" (QuantizeLinear: ties to even).
+    stored: () -> a weight's integer codes as the device graph stores them (a QDQ model's DequantizeLinear of an
+    integer initializer, read when the weight is), or None. fake_quant then returns those codes dequantised, not
+    the checkpoint's weight quantised again: the device graph's own weight, whoever rounded it (aimet-onnx's
+    to_onnx_qdq rounds half to even after adding the zero point, not before as QuantizeLinear: 16-bit asymmetric
+    tables one code apart at ties). Laid out as the tensor `axis` refers to; stored_transposed: that tensor is the
+    weight's transpose (ONNX MatMul's B, [in, out]), which on_rows undoes."""
     bitwidth: int
     scale: np.ndarray
     offset: np.ndarray
@@ -54,6 +61,8 @@ class Encoding:
     float_dtype: object = None
     axis: int | None = None
     arithmetic: str = "aimet-torch"
+    stored: Callable[[], np.ndarray] | None = None
+    stored_transposed: bool = False
 
     @property
     def qrange(self) -> tuple[int, int]:
@@ -67,6 +76,8 @@ class Encoding:
         if self.float_dtype is not None:
             return {"dtype": np.dtype(self.float_dtype).name, "bitwidth": self.bitwidth}
         extra = {} if self.arithmetic == "aimet-torch" else {"arithmetic": self.arithmetic}
+        if self.stored is not None:
+            extra["codes"] = "stored"      # the device graph's own integer weight, not the checkpoint's re-quantised
         if self.axis is not None:
             extra.update(axis=self.axis, block_size=self.block_size)
         return {"dtype": "int", "bitwidth": self.bitwidth, "signed": self.signed,
@@ -85,7 +96,10 @@ class Encoding:
         """An ONNX graph's weight encoding (axis set) in refimpl's convention for the same weight as refimpl holds
         it, [out, in] (ONNX MatMul's [in, out] transposed; Gemm transB / Conv weights already [out, in]): per-channel
         scales [out], block scales [out * blocks] (out-major), axis None. Per-tensor and axis-less encodings as
-        they are."""
+        they are. Stored codes (ONNX MatMul's [in, out]) transposed to [out, in] likewise."""
+        if self.stored is not None and self.stored_transposed:
+            return dataclasses.replace(self, stored=lambda f=self.stored: np.swapaxes(f(), -1, -2),
+                                       stored_transposed=False).on_rows(rank)
         if self.axis is None or not np.ndim(self.scale):
             return dataclasses.replace(self, axis=None)
         axis = self.axis % rank
@@ -109,23 +123,29 @@ class Encoding:
 
     def rows(self, index, shape: tuple) -> "Encoding":
         """The encoding of part `index` of the leading axis of a weight of `shape` (an expert of a fused tensor,
-        rows of lm_head): per-channel and per-block scales / offsets restricted to that part's rows."""
+        rows of lm_head): per-channel and per-block scales / offsets, and stored codes, restricted to that part's
+        rows."""
         def part(a):
             return np.asarray(a).reshape(shape[0], -1)[index].reshape(-1)
-        if self.axis is not None and np.ndim(self.scale):
+        if (self.axis is not None and np.ndim(self.scale)) or self.stored_transposed:
             raise InputError(f"rows() of an encoding laid out on an ONNX tensor (axis {self.axis}): take on_rows() "
                              f"first")
+        stored = None if self.stored is None else lambda f=self.stored: part(f())
         if not np.ndim(self.scale):
-            return self
-        return dataclasses.replace(self, scale=part(self.scale),
+            return dataclasses.replace(self, stored=stored)
+        return dataclasses.replace(self, scale=part(self.scale), stored=stored,
                                    offset=part(self.offset) if np.ndim(self.offset) else self.offset)
 
     def fake_quant(self, w: np.ndarray) -> np.ndarray:
         """A weight w [out, ...] -> (q + offset) * scale as QuantSim computes it: the device's values (an ONNX
-        graph's encoding, axis set: w as that graph holds it)."""
+        graph's encoding, axis set: w as that graph holds it). With stored codes: those codes dequantised, after
+        checking they are w's (each within one code of w quantised by this encoding: the device graph's weight of
+        this checkpoint, in w's layout)."""
         if self.float_dtype is not None:
             return quant.float_fake_cast(w, self.float_dtype)
         if self.axis is not None:
+            if self.stored is not None:
+                return self.dequantize(self._stored_as(self.codes(np.asarray(w, np.float32)))).astype(w.dtype)
             return self.apply(np.asarray(w, np.float32)).astype(w.dtype)
         x = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w   # channels = every output row (fused experts too)
         scale, offset, kw = self.scale, self.offset, {}
@@ -145,7 +165,25 @@ class Encoding:
             offset = np.broadcast_to(offset.reshape(-1, 1) if offset.size in (1, x.shape[0]) else offset.reshape(
                 x.shape[0], blocks), scale.shape)
         q = quant.ARITHMETICS[self.arithmetic](x, scale, offset, *self.qrange, **kw)   # = quantsim_fake_quant
+        if self.stored is not None:
+            q = self._stored_as(q)
         return quant.qnn_dequantize(q, scale, offset, **kw).reshape(w.shape).astype(w.dtype)
+
+    def _stored_as(self, q: np.ndarray) -> np.ndarray:
+        """The stored codes in the layout of q (the checkpoint's weight quantised by this encoding), checked to be
+        its codes: each within one code of q (another rounding of the same weight), else InputError."""
+        stored = np.asarray(self.stored())
+        if stored.size != q.size:
+            raise InputError(f"the device graph stores {stored.size} integer codes for a weight of "
+                             f"{q.size} elements {list(q.shape)}")
+        stored = stored.reshape(q.shape).astype(np.int64)
+        step = np.abs(stored - q)
+        if step.size and step.max() > 1:
+            at = np.unravel_index(int(np.argmax(step)), q.shape)
+            raise InputError(f"the device graph stores another integer weight than this checkpoint's: "
+                             f"{int(step.max())} codes from it at {list(map(int, at))} ({int((step > 1).sum())} of "
+                             f"{step.size} codes more than one apart)")
+        return stored
 
     def _where(self, x: np.ndarray) -> tuple:
         """(axis, block_size) of this encoding on x, checked: an ONNX graph's axis, else the last axis."""

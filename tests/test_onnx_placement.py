@@ -38,6 +38,16 @@ def fixture(preset):
     return FIXTURES / (f"{preset}-qdq.onnx" if preset == "tiny-qwen3" else f"{preset}-qdq-structure.onnx")
 
 
+def fixture_checkpoint():
+    """(config, arrays) of the checkpoint tiny-qwen3-qdq.onnx was made from: devices.small_preset(vocab=256)'s
+    weights (its stored integer weights are these, quantised)."""
+    from refimpl.presets import random_weights
+    cfg = config_from_dict({**PRESETS["tiny-qwen3"], "vocab_size": 256, "eos_token_id": 208, "bos_token_id": 207})
+    arrays = random_weights(cfg, seed=11)
+    arrays["model.embed_tokens.weight"] = arrays["model.embed_tokens.weight"] * np.float32(0.05)
+    return cfg, arrays
+
+
 def placed(preset, strict=False):
     g, encs = read_qdq(fixture(preset))
     cfg = config(preset)
@@ -169,14 +179,15 @@ def test_a_golden_with_a_device_graph_records_every_quantiser_in_its_manifest(tm
     from refimpl.golden import write_golden
     from refimpl.models.model import Model
     from refimpl.precision import Policy
-    from refimpl.presets import random_weights
     f = fixture("tiny-qwen3")
-    cfg = config("tiny-qwen3")
-    m = Model.from_arrays(cfg, random_weights(cfg), "preset", Policy(weights="encodings", encodings=str(f)),
-                          device=read_qdq(f))
+    cfg, arrays = fixture_checkpoint()
+    m = Model.from_arrays(cfg, arrays, "preset", Policy(weights="encodings", encodings=str(f)), device=read_qdq(f))
     out = write_golden(tmp_path / "q", m, np.array([[1, 2, 3, 4]]), source="preset", codes=True)
     q = read_bundle(out).manifest["quantisation"]
     assert (q["placed"], q["total"], q["unplaced"]) == (408, 408, [])
+    weights = [r for r in q["quantisers"] if r["io"] == "weight"]
+    assert q["stored_weights"] == len(weights) == 47   # every weight read from the graph's own integer codes
+    assert {r.get("codes") for r in weights} == {"stored"}
     assert q["encodings"]["file"] == f.name
     rows = {r["at"]: r for r in q["quantisers"]}
     assert rows["model.layers.0.input_layernorm/x^2"]["io"] == "point"
@@ -218,8 +229,16 @@ def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatc
     import json
 
     from refimpl.cli import main
+    from refimpl.formats.safetensors import write_safetensors
+    from refimpl.presets import checkpoint_layout
     f = fixture("tiny-qwen3")
-    args = ["golden", "--model", "tiny-qwen3", "--input-ids", "1,2,3", "-q"]
+    cfg, arrays = fixture_checkpoint()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**PRESETS["tiny-qwen3"], "vocab_size": 256, "eos_token_id": 208,
+                                                  "bos_token_id": 207}))
+    write_safetensors(ckpt / "model.safetensors", checkpoint_layout(cfg, arrays))
+    args = ["golden", "--model", str(ckpt), "--input-ids", "1,2,3", "-q"]
     assert main([*args, "--out", str(tmp_path / "q"), "--encodings", str(f)]) == 0
     q = json.loads((tmp_path / "q" / "manifest.json").read_text())["quantisation"]
     assert (q["placed"], q["total"]) == (408, 408)
@@ -231,6 +250,13 @@ def test_cli_golden_with_a_qdq_model_and_its_errors(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "of 408 quantisers placed" in err and "--strict-encodings" in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # another checkpoint (the preset's own weights) than the one whose quantised weights the QDQ model stores
+    args[2] = "tiny-qwen3"
+    assert main([*args, "--out", str(tmp_path / "c"), "--encodings", str(f)]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("refimpl: error:")]
+    assert len(errors) == 1 and "the device graph stores" in errors[0], err
+    assert not (tmp_path / "c").exists()
 
 
 def test_stored_weights_lays_a_device_graphs_weight_encodings_out_as_the_checkpoint_stores_them():

@@ -9,7 +9,10 @@ quantised initializer (a weight stored as integers):
 
 read_qdq returns the float graph (the pairs removed, their consumers reading T; a weight's DequantizeLinear
 removed, its output Wd standing as an initializer holding the dequantised weight) and {float tensor name: Encoding}:
-T for an activation (Td when Td is a graph output: the graph keeps its output names), Wd for a weight. Each Encoding
+T for an activation (Td when Td is a graph output: the graph keeps its output names), Wd for a weight, whose Encoding
+keeps W_q itself (Encoding.stored) where the ops reading Wd say its layout: refimpl's quantised weight is then the
+graph's own codes dequantised, not the checkpoint's weight quantised again (aimet-onnx's to_onnx_qdq rounds its
+stored codes another way: half to even after adding the zero point). Each Encoding
 is QuantizeLinear's (arithmetic "onnx": q = saturate(round_half_even(fl32(x / s)) + zp), kernels/quant.py) in QNN's
 terms: offset = -zero_point, signed for the int types, bitwidth of the type (int4 / uint4 / int8 / uint8 / int16 /
 uint16), per tensor, per axis (Encoding.axis) or blocked (ONNX's block_size along axis).
@@ -20,6 +23,8 @@ DequantizeLinear with the same parameters, a DequantizeLinear of an activation f
 FormatError naming the file and the node.
 """
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +41,9 @@ BIAS_TYPES = {6: ("int32", 32, True)}   # a weight's only (a Gemm's / Conv's bia
 SCALE_TYPES = {1: np.float32, 10: np.float16, 16: None}   # float, float16, bfloat16 (read through onnx)
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 QDQ_DOMAINS = ("", "ai.onnx", "com.microsoft")
+# ops that read a weight in the layout refimpl holds it (Gather's table [V, H], a Conv's [out, in, k], elementwise
+# operands: norm weights, biases); MatMul / Gemm are read by their operand (weight_layout in read_qdq)
+LAID_AS_IS = ("Gather", "Conv", "Mul", "Add", "Sub", "Div")
 
 
 def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
@@ -199,6 +207,35 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
             raise FormatError(f"{where(n)}: blocked scale of shape {list(enc.scale.shape)} for a tensor of shape "
                               f"{list(shape)} (block {enc.block_size} on axis {enc.axis}: {list(want)})")
 
+    def weight_layout(t: str, depth: int = 0) -> bool | None:
+        """How the weight DequantizeLinear output t holds its weight, from the ops that read it: True where it is the
+        weight's transpose (MatMul's B, a Gemm's B without transB: [in, out]), False where it is the weight as
+        refimpl holds it (a Gemm's B with transB, a Gather's table, a MatMul's A, an elementwise operand or a
+        bias); through a Transpose of the last two axes (the other way round) and a QuantizeLinear / its
+        DequantizeLinear (a tied lm_head: the table transposed, quantised again, MatMul's B). None where its
+        readers disagree or are other ops (its codes then not read: the checkpoint's weight is quantised by its
+        encoding)."""
+        roles = set()
+        for c in consumers.get(t, ()):
+            attrs = {a.name: a for a in c.attribute}
+            for k, x in enumerate(c.input):
+                if x != t:
+                    continue
+                if c.op_type == "MatMul" or (c.op_type == "Gemm" and k == 1):
+                    roles.add(k == 1 and not (c.op_type == "Gemm" and "transB" in attrs and attrs["transB"].i))
+                elif c.op_type in LAID_AS_IS or c.op_type == "Gemm":
+                    roles.add(False)
+                elif c.op_type == "Transpose" and "perm" in attrs and depth < 4 and len(attrs["perm"].ints) >= 2 and \
+                        list(attrs["perm"].ints) == [*range(len(attrs["perm"].ints) - 2), len(attrs["perm"].ints) - 1,
+                                                     len(attrs["perm"].ints) - 2]:
+                    inner = weight_layout(c.output[0], depth + 1)
+                    roles.add(None if inner is None else not inner)
+                elif c.op_type in QDQ_OPS and k == 0 and depth < 4:
+                    roles.add(weight_layout(c.output[0], depth + 1))
+                else:
+                    roles.add(None)
+        return roles.pop() if len(roles) == 1 else None
+
     encodings: dict[str, Encoding] = {}
     rename: dict[str, str] = {}      # a removed tensor -> the float tensor that replaces it
     removed: set[int] = set()
@@ -230,6 +267,10 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
                 out = n.output[0]
                 if out in encodings:
                     raise FormatError(f"{where(n)}: {brief(out)} is produced twice")
+                transposed = weight_layout(out)
+                if transposed is not None:   # the device graph's own codes, in a layout refimpl knows
+                    enc = dataclasses.replace(enc, stored=functools.partial(array, src, where(n)),
+                                              stored_transposed=transposed)
                 encodings[out] = enc
                 weights.append(out)
                 dropped_inits.update(x for x in n.input if x)

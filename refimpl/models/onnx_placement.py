@@ -91,7 +91,14 @@ class Placement:
                 placed.append({"at": where, "io": kind, **({"tap": where} if kind == "output" else {}),
                                "onnx": by_place.get(where, []), **chain[-1].describe()})
         return {"source": self.source, "placed": self.placed, "total": self.total, "quantisers": placed,
-                "shared": dict(self.shared), "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
+                "stored_weights": self.stored_weights, "shared": dict(self.shared),
+                "unplaced": [{"onnx": t, "reason": r} for t, r in self.unplaced]}
+
+    @property
+    def stored_weights(self) -> int:
+        """Weights whose values are the device graph's own stored integer codes (a QDQ model's integer initializer,
+        Encoding.stored), not the checkpoint's weight quantised by the encoding."""
+        return sum(chain[0].stored is not None for chain in self.weights.values())
 
     def summary(self) -> str:
         return f"{self.source}: {self.placed} of {self.total} quantisers placed" + (

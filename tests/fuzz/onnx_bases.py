@@ -151,6 +151,8 @@ def exercise(enc) -> None:
     enc.describe()
     if enc.axis is not None and len(shape) == 2:
         enc.on_rows()
+    if enc.stored is not None:   # a QDQ model's stored integer weight, read when the weight is
+        enc.stored()
 
 
 # ---------------------------------------------------------------------------------------------------- base models
