@@ -282,3 +282,50 @@ def test_stored_weights_lays_a_device_graphs_weight_encodings_out_as_the_checkpo
     assert out["m.experts.1.gate_proj.weight"][0].scale.tolist() == [7, 8, 9]
     assert out["m.experts.1.up_proj.weight"][0].scale.tolist() == [10, 11, 12]
     assert out["m.experts.0.down_proj.weight"][0].scale == flat.scale
+
+
+def test_a_qdq_models_stored_integer_weights_are_the_quantised_weights(tmp_path):
+    """A QDQ model's weights stored as integers (DequantizeLinear of an integer initializer) are refimpl's quantised
+    weights, dequantised with their scale / zero point, not the checkpoint's weight quantised again: a uint16 table
+    rounded as aimet-onnx's to_onnx_qdq rounds (half to even after adding the zero point: one code off
+    QuantizeLinear at a tie) read by a Gather as stored; a MatMul's B [in, out] transposed to [out, in]; a fused
+    expert tensor's codes split per expert; codes of another checkpoint's weight a one-line error."""
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    from refimpl.models.onnx_placement import stored_weights
+    s_t, z_t = np.float32(0.5), np.uint16(3)
+    table = np.array([[0.25, 1.0, -0.5], [2.0, 0.75, -1.25]], np.float32)   # 0.25 / 0.5 = 0.5: a tie
+    aimet = np.rint((table / s_t).astype(np.float64) + z_t).astype(np.uint16)  # rint(0.5 + 3) = 4
+    onnx_q = (np.rint(table / s_t) + z_t).astype(np.uint16)                    # rint(0.5) + 3 = 3
+    assert aimet[0, 0] == 4 and onnx_q[0, 0] == 3
+    s_w = np.float32(0.1)
+    w = np.array([[0.31, -0.2, 0.05], [0.4, 0.12, -0.33]], np.float32)        # refimpl's [out 2, in 3]
+    w_q = np.rint(w.T / s_w).astype(np.int8)                                   # MatMul B: [in 3, out 2]
+    inits = [numpy_helper.from_array(aimet, "t_q"), numpy_helper.from_array(s_t, "t_s"),
+             numpy_helper.from_array(z_t, "t_z"), numpy_helper.from_array(w_q, "w_q"),
+             numpy_helper.from_array(s_w, "w_s"), numpy_helper.from_array(np.int8(0), "w_z")]
+    nodes = [helper.make_node("DequantizeLinear", ["t_q", "t_s", "t_z"], ["t"]),
+             helper.make_node("Gather", ["t", "ids"], ["x"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["wt"]),
+             helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])], inits)
+    path = tmp_path / "qdq.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    _, encs = read_qdq(path)
+    assert (encs["t"].stored_transposed, encs["wt"].stored_transposed) == (False, True)
+    got = encs["t"].on_rows().fake_quant(table)
+    assert np.array_equal(got, (aimet.astype(np.float32) - 3) * s_t) and got[0, 0] == 0.5   # stored: not 0.0
+    assert encs["t"].describe()["codes"] == "stored"
+    assert np.array_equal(encs["wt"].on_rows().fake_quant(w), w_q.T.astype(np.float32) * s_w)
+    with pytest.raises(InputError, match="another integer weight than this checkpoint's"):
+        encs["wt"].on_rows().fake_quant(w + np.float32(0.5))
+    with pytest.raises(InputError, match="stores 6 integer codes for a weight of 4 elements"):
+        encs["wt"].on_rows().fake_quant(w[:, :2])
+    E, Ie, H = 2, 2, 3                                                         # experts.gate_up_proj [E, 2Ie, H]
+    codes = np.arange(E * 2 * Ie * H, dtype=np.int64).reshape(E, 2 * Ie, H) % 7
+    fused = Encoding(8, np.float32(1), np.int32(0), signed=True, arithmetic="onnx", stored=lambda: codes)
+    names = {f"m.experts.{e}.{p}_proj.weight" for e in range(E) for p in ("gate", "up", "down")}
+    out = stored_weights({"m.experts.gate_up_proj": (fused,)}, names)
+    assert np.array_equal(out["m.experts.1.up_proj.weight"][0].fake_quant(codes[1, Ie:].astype(np.float32)),
+                          codes[1, Ie:])

@@ -311,6 +311,25 @@ def quantise_aimet(case: FloatCase, mix: str, out: Path | None = None) -> AimetQ
     return AimetQuantised(sim, out / "model.encodings", out / "model.onnx", qdq)
 
 
+def quantsim_values(a: AimetQuantised, feed: dict) -> dict:
+    """{ONNX tensor: QuantSim's quantised-dequantised value} of every enabled activation quantiser of its session
+    (a QcQuantizeOp of a tensor that is no initializer: its output made a graph output), on a feed."""
+    from aimet_onnx.utils import build_session
+    m = onnx.ModelProto()
+    m.CopyFrom(a.sim.model.model)
+    inits = {i.name for i in m.graph.initializer}
+    ops = {n.input[0]: n.output[0] for n in m.graph.node if n.op_type == "QcQuantizeOp" and n.input[0] not in inits
+           and a.sim.qc_quantize_op_dict[n.input[0]].enabled}
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(o) for o in ops.values() if o not in have)
+    sess = build_session(m, ["CPUExecutionProvider"])
+    want = {i.name for i in sess.get_inputs()}
+    outs = dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {k: v for k, v in feed.items() if k in want})))
+    del sess   # aimet's session finalizer logs: not at interpreter exit
+    return {t: outs[o] for t, o in ops.items()}
+
+
 def quantiser_taps(m) -> list[str]:
     """The output (codes) of every QuantizeLinear in graph order: each quantiser of an activation (weights are
     stored quantised, initializer -> DequantizeLinear, and compared by their initializers); but those on the
@@ -860,10 +879,7 @@ def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
             continue
         have, mine = np.asarray(peer[q]), np.asarray(record[wheres[0]], np.float32)
         scale, zp = params[q]
-        candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else []) + \
-            ([np.swapaxes(mine, -2, -3)] if mine.ndim >= 3 else [])           # [B, T, heads, d] / [B, heads, T, d]
-        match = next((c.reshape(have.shape) for c in candidates if c.size == have.size and
-                      _coarsens(have.shape, c.shape)), None)
+        match = in_layout(mine, have.shape)                                   # [B, T, heads, d] / [B, heads, T, d]
         if match is None:
             out[tensor] = f"layout: refimpl {list(mine.shape)}, device {list(have.shape)}"
             continue
@@ -871,6 +887,39 @@ def codes_against(record: dict, tensors: dict, qm, peer: dict) -> dict:
             out[tensor] = "per-axis activation encoding"
             continue
         out[tensor] = codes_agreement(codes_of(match, scale, zp, have.dtype), have)
+    return out
+
+
+def in_layout(mine: np.ndarray, shape: tuple) -> np.ndarray | None:
+    """refimpl's value with a peer's elements in the peer's `shape` (the same up to leading 1s, a transpose of the
+    last two axes or of the two before the last, adjacent axes merged), or None."""
+    candidates = [mine] + ([np.swapaxes(mine, -1, -2)] if mine.ndim >= 2 else []) + \
+        ([np.swapaxes(mine, -2, -3)] if mine.ndim >= 3 else [])
+    return next((c.reshape(shape) for c in candidates if c.size == math.prod(shape) and _coarsens(shape, c.shape)),
+                None)
+
+
+def codes_against_quantsim(record: dict, tensors: dict, encodings: dict, peer: dict) -> dict:
+    """codes_against for aimet-onnx's QuantSim: refimpl's values at its quantisers as codes of the encoding refimpl
+    read for the tensor (its exported encodings: aimet-onnx's arithmetic), against QuantSim's codes (its
+    quantised-dequantised values, quantsim_values, mapped back to codes by the same encoding: (q + offset) * s in
+    float32 is within 0.01 of a code). {ONNX tensor: (identical share, max step) or the reason not compared}."""
+    out = {}
+    for tensor, wheres in tensors.items():
+        if tensor not in peer or not wheres or wheres[0] not in record:
+            out[tensor] = "no QuantSim value" if tensor not in peer else "no recorded value"
+            continue
+        enc, have = encodings[tensor], np.asarray(peer[tensor], np.float32)
+        mine = np.asarray(record[wheres[0]], np.float32)
+        match = in_layout(mine, have.shape)
+        if match is None:
+            out[tensor] = f"layout: refimpl {list(mine.shape)}, QuantSim {list(have.shape)}"
+            continue
+        if enc.float_dtype is not None or np.ndim(enc.scale) != 0:
+            out[tensor] = "float or per-axis activation encoding"
+            continue
+        theirs = np.rint(have.astype(np.float64) / np.float64(enc.scale)) - np.asarray(enc.offset, np.int64)
+        out[tensor] = codes_agreement(enc.codes(match), theirs)
     return out
 
 
