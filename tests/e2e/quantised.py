@@ -314,7 +314,7 @@ def quantise_aimet(case: FloatCase, mix: str, out: Path | None = None) -> AimetQ
 def quantsim_values(a: AimetQuantised, feed: dict) -> dict:
     """{ONNX tensor: QuantSim's quantised-dequantised value} of every enabled activation quantiser of its session
     (a QcQuantizeOp of a tensor that is no initializer: its output made a graph output), on a feed."""
-    from aimet_onnx.utils import build_session
+    from aimet_onnx.utils import OrtInferenceSession
     m = onnx.ModelProto()
     m.CopyFrom(a.sim.model.model)
     inits = {i.name for i in m.graph.initializer}
@@ -322,7 +322,7 @@ def quantsim_values(a: AimetQuantised, feed: dict) -> dict:
            and a.sim.qc_quantize_op_dict[n.input[0]].enabled}
     have = {o.name for o in m.graph.output}
     m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(o) for o in ops.values() if o not in have)
-    sess = build_session(m, ["CPUExecutionProvider"])
+    sess = OrtInferenceSession(m, ["CPUExecutionProvider"])
     want = {i.name for i in sess.get_inputs()}
     outs = dict(zip([o.name for o in sess.get_outputs()],
                     sess.run(None, {k: v for k, v in feed.items() if k in want})))

@@ -16,8 +16,15 @@ implementation we did not write; nothing expected here comes from refimpl.
   checks (measured: 100 % teacher-forced, logits bit-identical; its experts' W x per token are MLAS's N == 1 kernel,
   products.matmul_mlas_n1; before that order was emulated: 99.6-99.8 % at those MatMuls, 0.06-0.18 % on logits).
 
-Cost: the dense export (~40 s on the shared machine) and two quantisations; refimpl's runs ~2 s each. The MoE
-(device_matrix): its export and four quantisations ~66 s, its eight tests ~20 s.
+- aimet-onnx 2.42 (its QuantSim, default config; W4A16 per channel): its QDQ export (to_onnx_qdq, the weights
+  stored as integer codes aimet rounds itself, which refimpl reads) against the CPU EP, teacher-forced and
+  free-running as above; and its QuantSim session quantiser by quantiser (codes_against_quantsim) and on logits
+  (measured: 100 % at every compared quantiser, logits bit-identical, dense and MoE, W8A16 and W4A16); the MoE's
+  `refimpl diff` of the CPU EP's run: every tensor explained.
+
+Cost: the dense export (~40 s on the shared machine) and two quantisations; refimpl's runs ~2 s each; the dense
+aimet-onnx tests ~7 s (two QuantSim calibrations and exports, four tests). The MoE (device_matrix): its export and
+four quantisations ~66 s, its eight tests ~20 s, its six aimet-onnx tests ~25 s.
 """
 
 import dataclasses
@@ -261,6 +268,26 @@ def test_moe_aimet_qdq_export_agrees_with_the_cpu_ep(moe, mix, tmp_path_factory,
 def test_moe_aimet_quantsim_agrees_quantiser_by_quantiser(moe, mix, tmp_path_factory, tmp_path):
     assert_quantsim_agrees(moe[0], mix, tmp_path_factory, tmp_path, 222)   # measured 222 of its 252 (the rest:
     # the attention output and the 26 inside the experts, per token and slot there, per expert in refimpl)
+
+
+@pytest.mark.device_matrix
+@pytest.mark.parametrize("mix", Q.MIXES)
+def test_moe_aimet_qdq_diff_explains_the_cpu_eps_run(moe, mix, tmp_path_factory, tmp_path):
+    """`refimpl diff` of the CPU EP's run of aimet-onnx's MoE QDQ export (its codes dumped by the device graph's
+    names) against refimpl's goldens (`refimpl golden --encodings MODEL_QDQ.onnx --codes`: the graph's stored weight
+    codes, every weight): every tensor explained by quantisation, every tap's codes identical (measured: 87 of 87,
+    78 of 78; re-quantising the checkpoint's weights instead: 48 / 85 of 87, the first excess model.embed_tokens)."""
+    import json
+    case = moe[0]
+    _, path = aimet_case(case, mix, tmp_path_factory)
+    f, q = Q.goldens(case, path, tmp_path)
+    record = json.loads((q / "manifest.json").read_text())["quantisation"]
+    assert record["stored_weights"] == sum(r["io"] == "weight" for r in record["quantisers"]) > 40
+    dump = Q.device_dumps(case, onnx.load(path), tmp_path / "dump", devices=("cpu",))["cpu"]
+    d = Q.diff(f, q, path, dump, tmp_path / "diff.json")
+    assert len(d.verdicts) > 80 and d.first is None, (d.first, d.excess.get(d.first))
+    assert all(v == "explained" for v in d.verdicts.values()), {k: v for k, v in d.verdicts.items() if v != "explained"}
+    assert len(d.codes) > 70 and all(c == 1.0 for c in d.codes.values()), d.codes
 
 
 # --- Qwen3.5: the recurrent delta rule (the HTP rewrite), token by token; make test-devices ----------------------
