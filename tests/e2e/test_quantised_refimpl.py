@@ -187,7 +187,9 @@ def assert_quantsim_agrees(case, mix, tmp_path_factory, tmp_path, compared: int)
     device = read_device_encodings(p)
     model = Model.from_arrays(cfg, case.arrays, "e2e", p, device=device)
     placement = model.quantisers.placement
-    assert placement.placed == placement.total and not placement.unplaced, placement.summary()
+    assert placement.placed >= 0.99 * placement.total, placement.summary()   # Qwen3.5: 542 / 547
+    assert all(any(h in reason for h in HOST) for _, reason in placement.unplaced), placement.unplaced
+    assert case.arch == "hybrid" or not placement.unplaced, placement.unplaced   # dense, MoE: every one
     model.quantisers.record = {}
 
     def logits(m, name):
@@ -322,8 +324,12 @@ def test_qwen35_quantised_golden_places_99_percent_and_sits_within_1_percent(hyb
     host's mask plumbing and constants no computed value reads; refimpl's codes free-running at every placed
     quantiser >= 99.9 % the CPU EP's; logits within 1 % of max |float - CPU EP|."""
     case, paths = hybrid
+    assert_qwen35_golden_agrees(case, paths[mix], tmp_path)
+
+
+def assert_qwen35_golden_agrees(case, path, tmp_path):
     cfg = config_from_dict(case.config)
-    p = Policy(weights="encodings", encodings=str(paths[mix]))
+    p = Policy(weights="encodings", encodings=str(path))
     model = Model.from_arrays(cfg, case.arrays, "e2e", p, device=read_device_encodings(p))
     placement = model.quantisers.placement
     assert placement.placed >= 0.99 * placement.total, placement.summary()
@@ -334,9 +340,9 @@ def test_qwen35_quantised_golden_places_99_percent_and_sits_within_1_percent(hyb
         b = read_bundle(write_golden(tmp_path / name, m, Q.PROMPT, source="e2e", convention="genie",
                                      params=Q.GENIE, decode_steps=0))
         return b.tensor(0, "outputs", "logits")
-    cpu = Q.run(Q.cpu_session(paths[mix].read_bytes()), case.feed)["logits"]
+    cpu = Q.run(Q.cpu_session(path.read_bytes()), case.feed)["logits"]
     mine = logits(model, "q").reshape(cpu.shape)
-    codes = codes_free_running(model, onnx.load(paths[mix]), case.feed)
+    codes = codes_free_running(model, onnx.load(path), case.feed)
     compared = {t: r for t, r in codes.items() if isinstance(r, tuple)}
     assert len(compared) > 350, len(compared)    # measured 397 (the rest: another layout, data movement)
     bad = {t: r for t, r in compared.items() if r[0] < 0.999}
@@ -348,29 +354,27 @@ def test_qwen35_quantised_golden_places_99_percent_and_sits_within_1_percent(hyb
 
 @pytest.mark.device_matrix   # aimet-onnx's QuantSim of Qwen3.5: ~20 s a mix (make test-devices)
 @pytest.mark.parametrize("mix", Q.MIXES)
-def test_qwen35_aimet_quantsim_encodings_place_99_percent_and_sit_within_1_percent(hybrid, mix, tmp_path):
+def test_qwen35_aimet_quantsim_encodings_place_99_percent_and_sit_within_1_percent(hybrid, mix, tmp_path_factory,
+                                                                                   tmp_path):
     """aimet-onnx 2.42's QuantSim of the same graph (its default config; W4A16 per channel), its exported
     encodings read with its exported model: >= 99 % placed (the rest: the host's plumbing, constants a comparison
-    or a zero pad reads); refimpl's quantised golden's logits within 1 % of max |float - QuantSim| of QuantSim's own
-    session's (measured: bit-identical, W8A16 and W4A16)."""
-    why = Q.aimet_unavailable()
-    if why:
-        pytest.skip(why)
-    case, _ = hybrid
-    a = Q.quantise_aimet(case, mix, tmp_path / f"aimet_{mix}")
-    cfg = config_from_dict(case.config)
-    p = Policy(weights="encodings", encodings=str(a.encodings), onnx=str(a.model))
-    model = Model.from_arrays(cfg, case.arrays, "e2e", p, device=read_device_encodings(p))
-    placement = model.quantisers.placement
-    assert placement.placed >= 0.99 * placement.total, placement.summary()
-    assert all(any(h in reason for h in HOST) for _, reason in placement.unplaced), placement.unplaced
+    or a zero pad reads); refimpl's codes at every quantiser compared >= 99.9 % QuantSim's (measured: 437 of its 487
+    activation quantisers compared, all identical; the rest: GDN internals in another layout) and its logits within
+    1 % of max |float - QuantSim| of QuantSim's own session's (measured: bit-identical, W8A16 and W4A16)."""
+    assert_quantsim_agrees(hybrid[0], mix, tmp_path_factory, tmp_path, 437)
 
-    def logits(m, name):
-        b = read_bundle(write_golden(tmp_path / name, m, Q.PROMPT, source="e2e", convention="genie",
-                                     params=Q.GENIE, decode_steps=0))
-        return b.tensor(0, "outputs", "logits")
-    peer = a.session_run(case.feed, case.outs)["logits"]
-    mine = logits(model, "q").reshape(peer.shape)
-    flt = logits(Model.from_arrays(cfg, case.arrays, "e2e", policy("float32")), "f").reshape(peer.shape)
-    ratio = np.abs(mine - peer).max() / np.abs(flt - peer).max()
-    assert ratio <= 0.01, ratio
+
+@pytest.mark.device_matrix
+@pytest.mark.parametrize("mix", Q.MIXES)
+def test_qwen35_aimet_qdq_export_agrees_with_the_cpu_ep(hybrid, mix, tmp_path_factory, tmp_path):
+    """aimet-onnx's QDQ export of Qwen3.5 on the CPU EP: every quantiser teacher-forced >= 99.9 % identical, and
+    refimpl's golden (the graph's stored weight codes) as the Qwen3.5 test above (measured: 450 of 450
+    teacher-forced, 448 of 448 free-running, logits bit-identical; re-quantising the checkpoint's weights instead:
+    one int8 / int4 code of one weight aimet rounds its own way, 366 / 242 of 448, 0.24 % / 0.31 % on logits)."""
+    case = hybrid[0]
+    _, path = aimet_case(case, mix, tmp_path_factory)
+    rows = teacher_forced(onnx.load(path), case.feed)
+    assert len(rows) > 400, len(rows)
+    bad = {t: r for t, r in rows.items() if r[0] < 0.999}
+    assert not bad, bad
+    assert_qwen35_golden_agrees(case, path, tmp_path)
