@@ -269,7 +269,7 @@ def test_moe_aimet_qdq_export_agrees_with_the_cpu_ep(moe, mix, tmp_path_factory,
 @pytest.mark.parametrize("mix", Q.MIXES)
 def test_moe_aimet_quantsim_agrees_quantiser_by_quantiser(moe, mix, tmp_path_factory, tmp_path):
     assert_quantsim_agrees(moe[0], mix, tmp_path_factory, tmp_path, 222)   # measured 222 of its 252 (the rest:
-    # the attention output and the 26 inside the experts, per token and slot there, per expert in refimpl)
+    # the attention output and the 24 inside the experts, per token and slot there, per expert in refimpl)
 
 
 @pytest.mark.device_matrix
