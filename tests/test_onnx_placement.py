@@ -290,6 +290,7 @@ def test_a_qdq_models_stored_integer_weights_are_the_quantised_weights(tmp_path)
     rounded as aimet-onnx's to_onnx_qdq rounds (half to even after adding the zero point: one code off
     QuantizeLinear at a tie) read by a Gather as stored; a MatMul's B [in, out] transposed to [out, in]; a fused
     expert tensor's codes split per expert; codes of another checkpoint's weight a one-line error."""
+    import onnx
     from onnx import TensorProto, helper, numpy_helper, save
 
     from refimpl.models.onnx_placement import stored_weights
@@ -329,3 +330,11 @@ def test_a_qdq_models_stored_integer_weights_are_the_quantised_weights(tmp_path)
     out = stored_weights({"m.experts.gate_up_proj": (fused,)}, names)
     assert np.array_equal(out["m.experts.1.up_proj.weight"][0].fake_quant(codes[1, Ie:].astype(np.float32)),
                           codes[1, Ie:])
+    model = onnx.load(path)                       # codes in external data (not read): the checkpoint's re-quantised
+    t = next(t for t in model.graph.initializer if t.name == "t_q")
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value="t_q.bin")
+    save(model, path)
+    _, encs = read_qdq(path)
+    assert encs["t"].stored is None and encs["wt"].stored is not None
+    assert encs["t"].on_rows().fake_quant(table)[0, 0] == 0.0

@@ -268,7 +268,10 @@ def read_qdq(path) -> tuple[OnnxGraph, dict[str, Encoding]]:
                 if out in encodings:
                     raise FormatError(f"{where(n)}: {brief(out)} is produced twice")
                 transposed = weight_layout(out)
-                if transposed is not None:   # the device graph's own codes, in a layout refimpl knows
+                if transposed is not None and inits[src].data_location != onnx.TensorProto.EXTERNAL:
+                    # the device graph's own codes, in a layout refimpl knows (external data is not read: the
+                    # checkpoint's weight quantised instead); held with the model file's initializers (inline data:
+                    # at most protobuf's 2 GB) while the model lives, read when the weight is
                     enc = dataclasses.replace(enc, stored=functools.partial(array, src, where(n)),
                                               stored_transposed=transposed)
                 encodings[out] = enc
