@@ -68,23 +68,39 @@ def correctly_rounded(x, float64_fn, mp_fn, *, trig: bool = False, float32_resul
             return float64_fn(x.astype(np.float32, copy=False)).astype(np.float32)
     if x.dtype != np.float64:
         x = x.astype(np.float32, copy=False)
+    flat = x.reshape(-1)
+    out, undecided = np.empty(flat.shape, np.float32), np.empty(flat.shape, bool)
+
+    def chunk(i: int) -> None:                  # a cache-sized chunk: its float64 temporaries stay in cache
+        s = slice(i * _CHUNK, (i + 1) * _CHUNK)
+        out[s], undecided[s] = _decided(flat[s], float64_fn, trig)
+
+    products.spread(chunk, -(-flat.size // _CHUNK))  # elementwise: the bits do not depend on the chunks
+    if undecided.any():                         # mpmath in this thread alone (its precision is a global)
+        with mpmath.workprec(_PREC):
+            for i in np.flatnonzero(undecided):
+                out[i] = to_float32(mp_fn(mpmath.mpf(float(flat[i]))))
+    return out.reshape(x.shape)
+
+
+_CHUNK = 1 << 14            # elements per chunk of correctly_rounded (its float64 temporaries: 128 KiB each)
+
+
+def _decided(x: np.ndarray, float64_fn, trig: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(RNE32 where [y - err, y + err] rounds to one float32, the mask of the undecided elements) for x (float32,
+    or float64 arguments of float32_result), y = float64_fn(x)."""
     with np.errstate(all="ignore"):
         y = float64_fn(x.astype(np.float64))
         err = np.abs(y) * _REL
         if trig:
             err += _ABS_TRIG
         lo, hi = (y - err).astype(np.float32), (y + err).astype(np.float32)
-    out = lo
     undecided = lo.view(np.int32) != hi.view(np.int32)
     undecided |= np.isnan(y) & ~np.isnan(x)                      # a NaN from a number: mpmath says what it is
     if trig:
         undecided |= np.abs(x) > 2.0 ** 20
-    out[np.isnan(x)] = _QNAN32
-    if undecided.any():
-        with mpmath.workprec(_PREC):
-            for i in zip(*np.nonzero(undecided)):
-                out[i] = to_float32(mp_fn(mpmath.mpf(float(x[i]))))
-    return out
+    lo[np.isnan(x)] = _QNAN32
+    return lo, undecided
 
 
 def exp(x, float32_result: bool = False):

@@ -153,9 +153,9 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         converting = const is None or const.b64 is None
         if converting:
             width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
-        threaded = converting and rows <= _THREADED_ROWS and _workers() > 1    # (else BLAS's threads)
-        if threaded:                                                            # at least a block per core
-            width = min(width, -(-N // _workers()))
+        threaded = _workers() > 1            # blocks over our threads, BLAS on one each: the rounding check,
+        if threaded and converting and rows <= _THREADED_ROWS:     # conversion and norms run on every core too
+            width = min(width, -(-N // _workers()))                             # at least a block per core
         width = max(64, width)
 
         def block(j: int) -> None:                                              # columns j .. j + width of b
@@ -172,7 +172,7 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
 
         starts = range(0, N, width)
         if threaded and len(starts) > 1:
-            _spread(lambda i: block(starts[i]), len(starts))                    # no BLAS threads inside ours
+            spread(lambda i: block(starts[i]), len(starts))                    # no BLAS threads inside ours
         else:
             for j in starts:
                 block(j)
@@ -195,7 +195,7 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     """RNE32 of a64 @ b for few rows of a (a64 [M, K] float64, its row norms [M, 1]; b [K, N] float32 with
     contiguous columns, maybe a Constant's, whose norms are then used): the bytes read are b's own. Each thread
     converts W = b^T [N, K] a block of rows at a time into its buffer (_VECTOR_BLOCK float64 values: in cache),
-    multiplies it there, and takes the next block (_spread). One float64 product per block
+    multiplies it there, and takes the next block (spread). One float64 product per block
     (_VECTOR_SLICES slices of K), its bound from the column norms, then the rounding check and the exact fallback
     on the whole [M, N] result (steps 1-4)."""
     K, N = b.shape
@@ -215,7 +215,7 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
         if const is None:
             nb[r:r + n] = np.sqrt(np.einsum("nk,nk->n", blk, blk))
 
-    _spread(block, -(-N // rows))
+    spread(block, -(-N // rows))
     na = norm_a * _bound_factor(K, -(-K // step))
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
 
@@ -238,7 +238,7 @@ def _plain_few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         j = i * width
         np.matmul(a, b[:, j:j + width], out=out[:, j:j + width])
 
-    _spread(block, -(-N // width))
+    spread(block, -(-N // width))
     return out
 
 
@@ -256,7 +256,7 @@ def _vector_product(blk: np.ndarray, a64t: np.ndarray, out: np.ndarray, step: in
         out += np.matmul(blk[:, k:k + step], a64t[k:k + step])
 
 
-def _spread(task, n: int) -> None:
+def spread(task, n: int) -> None:
     """task(0), ..., task(n - 1), taken in turn by this thread and the pool's (BLAS on one thread meanwhile):
     whoever is free takes the next, so a loaded machine's late thread delays nothing (this thread does not wait
     for a thread that never started; one that starts late finds nothing left)."""
@@ -292,7 +292,7 @@ def _spread(task, n: int) -> None:
 
 @functools.cache
 def _helpers() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that work beside the caller's in _spread (so at most _workers() threads hold a _buffer)."""
+    """The threads that work beside the caller's in spread (so at most _workers() threads hold a _buffer)."""
     return concurrent.futures.ThreadPoolExecutor(max(1, _workers() - 1), thread_name_prefix="refimpl-spread")
 
 

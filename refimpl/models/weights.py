@@ -156,13 +156,16 @@ class Weights:
 
     def row_blocks(self, name: str, tokens: int = 2) -> list[slice]:
         """The row blocks in which a [rows, in] matrix multiplies `tokens` rows of activations: for one token,
-        VECTOR_BLOCK_BYTES converted each (a block is converted and multiplied while in cache); for several,
-        lm_head / a tied embedding in ROW_BLOCK_BYTES blocks and any other matrix whole. They depend on shapes
-        alone, never on the budget: kept and streamed tensors compute the same products."""
+        VECTOR_BLOCK_BYTES converted each when it is converted as read (a block is converted and multiplied while
+        in cache); for several, or a matrix used in place (stored in the compute dtype: nothing to convert, and
+        one BLAS call over the whole reads it fastest), lm_head / a tied embedding in ROW_BLOCK_BYTES blocks and any
+        other matrix whole. They depend on shapes and the stored dtype alone, never on the budget: kept and
+        streamed tensors compute the same products."""
         shape = self.shape(name)
-        if tokens > 1 and name not in _ROW_READ:
+        in_place = self.converted_size(name) == 0
+        if (tokens > 1 or in_place) and name not in _ROW_READ:
             return [slice(0, shape[0])]
-        size = VECTOR_BLOCK_BYTES if tokens == 1 else ROW_BLOCK_BYTES
+        size = VECTOR_BLOCK_BYTES if tokens == 1 and not in_place else ROW_BLOCK_BYTES
         step = max(1, size // (math.prod(shape[1:]) * self.dtype.itemsize))
         return [slice(r, min(r + step, shape[0])) for r in range(0, shape[0], step)]
 

@@ -88,16 +88,16 @@ def test_float64_and_plain_modes_take_the_array():
 
 
 def test_spread_runs_every_task_once_and_reraises():
-    """products._spread: the threads take tasks in turn; each runs once, and a task's exception reaches the caller."""
+    """products.spread: the threads take tasks in turn; each runs once, and a task's exception reaches the caller."""
     seen = []
-    products._spread(seen.append, 50)
+    products.spread(seen.append, 50)
     assert sorted(seen) == list(range(50))
 
     def task(i):
         if i == 7:
             raise ZeroDivisionError(i)
     with pytest.raises(ZeroDivisionError):
-        products._spread(task, 20)
+        products.spread(task, 20)
 
 
 def test_plain_one_token_products_are_blas_by_column_blocks(monkeypatch):

@@ -414,8 +414,8 @@ def test_blocked_products_are_the_kernel_on_the_whole_matrix(tokens, monkeypatch
     monkeypatch.setattr(W, "ROW_BLOCK_BYTES", 2**20)
     monkeypatch.setattr(W, "VECTOR_BLOCK_BYTES", 2**12)
     cfg = {**PRESETS["tiny-qwen3"], "attention_bias": True}
-    model = refimpl.models.model.Model.from_arrays(config_from_dict(cfg), random_weights(config_from_dict(cfg), 3),
-                                                   "test", refimpl.Policy())
+    arrays = {k: v.astype(np.float64) for k, v in random_weights(config_from_dict(cfg), 3).items()}  # converted
+    model = refimpl.models.model.Model.from_arrays(config_from_dict(cfg), arrays, "test", refimpl.Policy())
     w = model.weights
     x = np.random.default_rng(0).standard_normal((1, tokens, 64), dtype=np.float32)
     for name, bias in (("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.bias"),
