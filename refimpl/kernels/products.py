@@ -153,8 +153,10 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         converting = const is None or const.b64 is None
         if converting:
             width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
-        threaded = _workers() > 1            # blocks over our threads, BLAS on one each: the rounding check,
-        if threaded:                         # conversion and norms run on every core too; at least two blocks a core
+        # a large product's blocks over our threads, BLAS on one each (its rounding check, conversion and norms run
+        # on every core too), at least two blocks a core; a small one (a decode step's attention) in this thread
+        threaded = _workers() > 1 and rows * depth * N >= _SPREAD_WORK
+        if threaded:
             width = min(width, -(-N // (2 * _workers())))                       # (whoever is free takes the next)
         width = max(64, width)
 
@@ -179,7 +181,8 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     return out
 
 
-_THREADED_ROWS = 8                          # products with at most this many rows spread their blocks over cores
+_THREADED_ROWS = 8                          # products over a weight with at most this many rows: _few_rows
+_SPREAD_WORK = 1 << 22                      # multiply-adds from which a product's column blocks are spread
 _VECTOR_BLOCK = 1 << 18                     # float64 elements of b converted at once by each thread of a few-row
                                             # product (2 MiB: the block is multiplied while it is in cache)
 _VECTOR_SLICES = 1                          # slices of K in a few-row product's float64 product (step 1)
@@ -335,7 +338,7 @@ def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
     """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e = na nb (step 3, then 4;
     na [..., M, 1] and nb [..., 1, N]: e is finite iff both are, zero where either is)."""
     if np.isfinite(na).all() and np.isfinite(nb).all():
-        block, undecided = _checked(c, na, nb, maybe_zero=not (na.all() and nb.all()))
+        block, undecided = _round_verified(c, na * nb, maybe_zero=not (na.all() and nb.all()))
     else:                                                                       # an inf / NaN operand
         e = na * nb
         finite = np.isfinite(e)
@@ -349,27 +352,6 @@ def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
         cols = np.broadcast_to(b64, (*batch, *b64.shape[-2:])).swapaxes(-1, -2)[(*idx[:-2], idx[-1])]
         block[idx] = _exact_sums(rows, cols)
     return block
-
-
-_CHECK_CHUNK = 1 << 15                      # elements of c checked at once by _checked (its temporaries in cache)
-
-
-def _checked(c: np.ndarray, na: np.ndarray, nb: np.ndarray, maybe_zero: bool) -> tuple[np.ndarray, np.ndarray]:
-    """_round_verified(c, na nb) a chunk of at most _CHECK_CHUNK elements at a time (c [..., M, N], na [..., M, 1],
-    nb [..., 1, N], broadcasting): the float64 bound and both ends stay in cache (measured 4-5x faster than one
-    pass over a 2 MiB block, whose temporaries are allocated and travel through memory)."""
-    block, undecided = np.empty(c.shape, np.float32), np.empty(c.shape, bool)
-    batch, (M, N) = c.shape[:-2], c.shape[-2:]
-    na, nb = np.broadcast_to(na, (*batch, M, 1)), np.broadcast_to(nb, (*batch, 1, N))
-    cols = max(1, min(N, _CHECK_CHUNK))
-    rows = max(1, _CHECK_CHUNK // max(1, cols))
-    for b in np.ndindex(batch):
-        for i in range(0, M, rows):
-            for j in range(0, N, cols):
-                at = (*b, slice(i, i + rows), slice(j, j + cols))
-                block[at], undecided[at] = _round_verified(c[at], na[(*b, slice(i, i + rows))] *
-                                                           nb[(*b, slice(None), slice(j, j + cols))], maybe_zero)
-    return block, undecided
 
 
 def _round_verified(c: np.ndarray, e: np.ndarray, maybe_zero: bool = True) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,9 @@ def scaled(rng, shape, spread: int) -> np.ndarray:
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 64 columns (the kernel's smallest), so a few hundred columns are several blocks and one-row
-    products take the threaded path (the same for every generated input: nothing is reset between them)."""
+    products take the threaded path, and every product spreads its blocks (the same for every generated input:
+    nothing is reset between them)."""
+    monkeypatch.setattr(products, "_SPREAD_WORK", 0)
     monkeypatch.setattr(products, "_IN_BLOCK", 64)
     monkeypatch.setattr(products, "_OUT_BLOCK", 64)
     monkeypatch.setattr(products, "_VECTOR_BLOCK", 64)
@@ -33,12 +35,12 @@ def small_blocks(monkeypatch):
 
 def serial(a, b):
     """The product of the bare array, every block in this thread (the path before constants and threads)."""
-    saved = products._THREADED_ROWS
-    products._THREADED_ROWS = -1
+    saved = products._THREADED_ROWS, products._SPREAD_WORK
+    products._THREADED_ROWS, products._SPREAD_WORK = -1, float("inf")
     try:
         return products.matmul(a, b)
     finally:
-        products._THREADED_ROWS = saved
+        products._THREADED_ROWS, products._SPREAD_WORK = saved
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
