@@ -163,6 +163,9 @@ def cmd_diff(args) -> int:
         saved = load_metrics(args.rejudge)
         if args.dtype is None and args.policy is None:  # judge at the dtype it was measured for
             args.dtype = saved.policy.get("dtype")
+        if getattr(args, "k", None) is None and args.policy is None:   # and at its three-way k (--float: EXCESS)
+            args.k = make_policy({"three_way_k": saved.policy.get("three_way_k", 4.0)}, None,
+                                 f"{args.rejudge}: policy").three_way_k
         report = rejudge(saved, _policy(args))
         first_error = None
     else:

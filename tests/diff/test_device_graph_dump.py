@@ -114,13 +114,26 @@ def test_another_qdq_model_than_the_bundles_is_one_line_error(run, tmp_path, cap
 
 
 def test_code_shift_needs_most_codes_shifted_alike_and_enough_codes():
-    from refimpl.diff.quantised import SHIFT_MIN_CODES, code_shift
-    want = np.arange(SHIFT_MIN_CODES, dtype=np.int64)
-    assert code_shift(want, want + 1, True) == (1, 1.0)
-    assert code_shift(want, want - 3, False) is None                          # floats dumped: no codes to judge
-    assert code_shift(want[:-1], want[:-1] + 1, True) is None                 # too few codes to tell
+    from refimpl.diff.metrics import code_shift
+    from refimpl.diff.policy import CODE_SHIFT, judge, make_policy, shifted_codes
+    n = CODE_SHIFT["min_codes"]
+    want = np.arange(n, dtype=np.int64)
+    on = make_policy().criteria("t", False, {"nmse": 1.0})                    # three-way: the criterion is on
+    assert on["code_shift"] == CODE_SHIFT and "code_shift" not in make_policy().criteria("t", False)
+    assert code_shift(want, want + 1) == {"codes": 1, "share": 1.0, "n": n}
+    assert shifted_codes({"code_shift": code_shift(want, want + 1)}, on)["codes"] == 1
+    assert code_shift(want, want) == {"codes": 0, "share": 0.0, "n": n}       # every code agrees
+    assert shifted_codes({"code_shift": code_shift(want[:-1], want[:-1] + 1)}, on) is None   # too few codes to tell
     half = want + (np.arange(want.size) % 2)                                  # half shifted: not a majority
-    assert code_shift(want, half, True) is None
+    assert code_shift(want, half)["share"] == 0.5 and shifted_codes({"code_shift": code_shift(want, half)}, on) is None
+    assert shifted_codes({}, on) is None                                      # floats dumped: no codes to judge
+    metrics = {"n": n, "max_abs": 0.1, "n_nan": 0, "n_inf": 0, "nmse": 1e-6, "code_shift": code_shift(want, want - 3)}
+    assert judge(metrics, None, on, {"nmse": 1e-4}) == [
+        "codes shifted by -3 at 100.0 % of elements: the device's zero point is not its encoding's (excess 0.1 alone "
+        "is within the bar)"]
+    off = make_policy({"tensors": [{"match": ".", "code_shift": False}]}).criteria("t", False, {"nmse": 1e-4})
+    loose = make_policy({"tensors": [{"match": ".", "code_shift": {"min_codes": n + 1}}]})
+    assert judge(metrics, None, off) == [] and judge(metrics, None, loose.criteria("t", False, {"nmse": 1e-4})) == []
 
 
 def test_an_unreadable_tap_as_first_divergence_is_reported_not_a_crash(run, tmp_path, capsys):
