@@ -576,7 +576,7 @@ def classify_divergences(report, bundle, dump, policy) -> None:
     by_key = {r.key: r for r in report.results}
     for key in {k for k in report.first_divergence.values() if k}:
         r = by_key[key]
-        criteria = policy.criteria(r.name, False, r.reference)
+        criteria = policy.criteria(r.name, bool((r.metrics or {}).get("integer")), r.reference)
         shifted = offset_fault(r.metrics, criteria)
         if shifted is not None:
             r.fault = shifted.to_dict()

@@ -72,7 +72,8 @@ class Policy:
     def criteria(self, name: str, integer: bool, reference: dict | None = None) -> dict:
         """The criteria for tensor `name`. reference: the emulated run's metrics on it (three-way judging):
         max_nmse becomes k^2 x its NMSE, at least k^2 x one rounding to the device dtype (ROUNDING_NMSE), unless
-        a policy rule sets max_nmse itself; an integer tensor passes where it equals the golden or the emulation."""
+        a policy rule sets max_nmse itself, and the code_shift criterion (CODE_SHIFT) is on; an integer tensor passes
+        where it equals the golden or the emulation."""
         c = {"exact": True} if integer else {**DEFAULTS[self.dtype], "run_power": True, "channels": True}
         c.update({"max_n_nan": 0, "max_n_inf": 0})
         if reference is not None and not integer:
