@@ -47,7 +47,7 @@ from ..metrics import DTYPE_ALIASES
 from .channels import gain_floor, sample_axes, whitened
 from .divergence import model_config
 from .layouts import candidates, conv_kernel
-from .policy import DEFAULTS
+from .policy import DEFAULTS, shifted_codes
 
 CLASSES = ("gain", "offset", "permutation", "shift", "stale state", "precision", "saturation", "non-finite",
            "masked region", "sign/swap", "unexplained")
@@ -549,18 +549,42 @@ def _alternatives(bundle, r, golden, cfg) -> dict | None:
     return rope_alternatives(x, golden, cfg.rotary_dim) if x.shape == golden.shape else None
 
 
+SHIFT_CRITERION = ("code_shift (policy.CODE_SHIFT): most of the device's integer codes are the quantised golden's "
+                   "shifted by one constant, an exact test on the codes")
+
+
+def offset_fault(metrics: dict | None, criteria: dict) -> Fault | None:
+    """The fault of a tensor the code_shift criterion fails (policy.shifted_codes: its metrics' code shift), an
+    offset of c codes: its zero point run as another and every value moved by c steps; None when it does not."""
+    shift = shifted_codes(metrics, criteria)
+    if shift is None:
+        return None
+    codes, zero_point, step = shift["codes"], shift.get("zero_point"), shift.get("scale")
+    what = "" if zero_point is None else f" (zero point {zero_point} run as {zero_point + codes})"
+    value = "" if step is None else f": every value {codes * step:+.4g}"
+    return Fault("offset", f"codes offset by {codes:+d}{what}{value}",
+                 {"codes": codes, "share": shift["share"], **({} if step is None else {"offset": codes * step})},
+                 0.0, 0.0, 0.0, SHIFT_CRITERION)
+
+
 def classify_divergences(report, bundle, dump, policy) -> None:
-    """Set `fault` (Fault.to_dict()) on each first divergence of `report` (refimpl.diff.compare's last step)."""
+    """Set `fault` (Fault.to_dict()) on each first divergence of `report` (refimpl.diff.compare's last step): an
+    offset where the code_shift criterion fails it (offset_fault: the codes say so exactly), else the fault model
+    classify fits."""
     cfg = model_config((bundle.manifest.get("model") or {}).get("config"))
     kernel = conv_kernel(cfg)
     by_key = {r.key: r for r in report.results}
     for key in {k for k in report.first_divergence.values() if k}:
         r = by_key[key]
+        criteria = policy.criteria(r.name, bool((r.metrics or {}).get("integer")), r.reference)
+        shifted = offset_fault(r.metrics, criteria)
+        if shifted is not None:
+            r.fault = shifted.to_dict()
+            continue
         arrays = divergence_arrays(bundle, dump, r, kernel)
         if arrays is None:
             continue
         golden, device, previous = arrays
-        criteria = policy.criteria(r.name, False, r.reference)
         rec = bundle.manifest["tensors"][key]
         channel = _failed_channel(r)
         if channel is not None:   # only one channel fails (the tensor passes its bar): that channel's fault

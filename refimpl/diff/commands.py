@@ -64,7 +64,8 @@ def add_commands(sub) -> None:
                                        "integer codes (uint8 / uint16), dequantised with the tap's encoding")
     d.add_argument("--json", help="write raw metrics (re-judge later with --rejudge)")
     d.add_argument("--html", help="write the HTML report with plots")
-    d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype")
+    d.add_argument("--rejudge", metavar="METRICS_JSON", help="judge saved metrics again under --policy / --dtype / --k "
+                                                          "(default: the dtype and k they were judged at)")
     d.add_argument("--top", type=nonnegative, default=20, help="rows of the terminal table (0: all)")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_diff)
@@ -163,6 +164,9 @@ def cmd_diff(args) -> int:
         saved = load_metrics(args.rejudge)
         if args.dtype is None and args.policy is None:  # judge at the dtype it was measured for
             args.dtype = saved.policy.get("dtype")
+        if getattr(args, "k", None) is None and args.policy is None:   # and at its three-way k (--float: EXCESS)
+            args.k = make_policy({"three_way_k": saved.policy.get("three_way_k", 4.0)}, None,
+                                 f"{args.rejudge}: policy").three_way_k
         report = rejudge(saved, _policy(args))
         first_error = None
     else:

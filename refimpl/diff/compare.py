@@ -25,15 +25,17 @@ from .dataflow import producer
 from .divergence import localise, model_config
 from .forks import fork
 from .layouts import ADAPTERS, candidates, conv_kernel
-from .metrics import logits_metrics, tensor_metrics
+from .metrics import code_shift, logits_metrics, tensor_metrics
 from .policy import ROUNDING_NMSE, Policy, bar, judge
 from .results import Report, Result
 
 
-def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=None) -> Report:
+def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=None, encodings=None) -> Report:
     """Score every dumped tensor of `bundle` (refimpl.bundle.Bundle) against `dump` (refimpl.diff.dump.Dump).
     emulated: an optional Bundle of the same case run at the device's precision (three-way judging).
-    progress(i, total): called after each of the bundle's tensors."""
+    progress(i, total): called after each of the bundle's tensors. encodings: {tap: refimpl.encodings.Encoding}
+    of the bundle's quantised taps: a tap the dump holds as integer codes (refimpl.diff.quantised.decode_codes)
+    gets metrics["code_shift"] (metrics.code_shift), which the code_shift criterion judges."""
     policy = policy or Policy()
     cfg = model_config((bundle.manifest.get("model") or {}).get("config"))
     conv = bundle.manifest.get("convention")
@@ -65,7 +67,7 @@ def compare(bundle, dump, policy: Policy | None = None, emulated=None, progress=
             r.status, r.problem = "error", item.problem
             continue
         scored.append((r, _score(r, rec, item, golden, bundle, policy, None if rec["step"] in skipped else emulated,
-                                 starts[rec["step"]], conv_kernel(cfg), dump)))
+                                 starts[rec["step"]], conv_kernel(cfg), dump, (encodings or {}).get(rec["name"]))))
     run_power = _run_power(powers)   # a float tensor's bar depends on its golden power over every step: judge now
     for r, scoring in scored:
         if scoring is not None:
@@ -112,12 +114,12 @@ def _run_power(powers: dict) -> dict:
 
 
 def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated, start: int,
-           kernel: int | None, dump=None) -> tuple | None:
+           kernel: int | None, dump=None, encoding=None) -> tuple | None:
     """Score the readings of a dumped tensor (layouts.candidates) in order until one may pass: whether it does
     depends on the run's golden power, known once every step is read, and _verdict judges it then. Returns
     (criteria, the readings scored as (adapter, metrics, logits metrics), {adapter: positions} of the first and the
     last, rest), rest(run_power) scoring the readings after them (it reads the golden again); None when no reading
-    fits (r is then an error)."""
+    fits (r is then an error). encoding: the tap's (refimpl.encodings.Encoding), for a dump of its integer codes."""
     integer = is_integer(golden.dtype)
     emulation = None   # the emulated run's tensor (three-way): its channels' errors are the channels' references
     if emulated is not None and not integer:
@@ -134,17 +136,21 @@ def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated,
         r.reference = _integer_reference(emulated, rec, golden, found[0][1], (bundle, dump, policy, kernel))
     criteria = policy.criteria(rec["name"], integer, r.reference)
 
+    codes = getattr(item, "codes", None) if encoding is not None and encoding.float_dtype is None else None
+
     def score(adapter, device, golden):
         m, lm = _metrics(golden, device, rec, policy.dtype, emulation)
         if integer:
             m["integer"] = True
+        elif codes is not None:   # the device's integer codes against the quantised golden's
+            m["code_shift"] = _code_shift(golden, device, codes if adapter is None else None, rec, encoding)
         return adapter, m, lm
 
     readings = []
     for adapter, device in found:
         readings.append(score(adapter, device, golden))
         # the nmse judged is lowest when the run's golden power is largest (policy.judged_nmse)
-        if not judge({**readings[-1][1], "run_power": math.inf}, readings[-1][2], criteria):
+        if not judge({**readings[-1][1], "run_power": math.inf}, readings[-1][2], criteria, r.reference):
             break
     kept = dict((found[0], found[len(readings) - 1]))   # the readings _verdict may keep
     positions = {a: _positions(rec, golden, d, bundle, start) for a, d in kept.items()}
@@ -158,7 +164,7 @@ def _score(r: Result, rec: dict, item, golden, bundle, policy: Policy, emulated,
             _, m, lm = score(adapter, device, golden)
             if run_power is not None:
                 m["run_power"] = run_power
-            if not judge(m, lm, criteria):
+            if not judge(m, lm, criteria, r.reference):
                 return adapter, m, lm, _positions(rec, golden, device, bundle, start)
         return None
     return criteria, readings, positions, rest
@@ -173,11 +179,11 @@ def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | 
         if run_power is not None:
             m["run_power"] = run_power
     adapter, m, lm = readings[-1]
-    passing = rest(run_power) if judge(m, lm, criteria) else (adapter, m, lm, positions[adapter])
+    passing = rest(run_power) if judge(m, lm, criteria, r.reference) else (adapter, m, lm, positions[adapter])
     if passing is None:
         adapter, m, lm = readings[0]
         r.layout, r.metrics, r.logits, r.positions = adapter, m, lm, positions[adapter]
-        r.failures, r.status, r.bar = judge(m, lm, criteria), "fail", bar(criteria, m)
+        r.failures, r.status, r.bar = judge(m, lm, criteria, r.reference), "fail", bar(criteria, m)
         return
     r.layout, r.metrics, r.logits, r.positions = passing
     r.failures, r.bar = [], bar(criteria, r.metrics)
@@ -186,6 +192,16 @@ def _verdict(r: Result, scored: tuple, declared: str | None, run_power: float | 
         r.problem = f"matches the golden only when read as '{r.layout}': {ADAPTERS[r.layout][2]}"
     else:
         r.status = "pass"
+
+
+def _code_shift(golden, device, codes, rec, encoding) -> dict:
+    """metrics.code_shift of a quantised tap over its valid region: the golden's codes against the device's as
+    dumped (`codes`, in the golden's reading; reshaped, as that reading reshapes them) or, in another reading, the
+    codes of the device's dequantised values read so (encoding.codes of them: the same codes)."""
+    mask = valid_mask(golden.shape, rec["valid"])
+    if codes is None or codes.size != golden.size:
+        codes = encoding.codes(np.nan_to_num(np.asarray(device, np.float32)))
+    return code_shift(encoding.codes(golden)[mask], codes.reshape(golden.shape)[mask], encoding)
 
 
 def _metrics(golden, device, rec, dtype, emulation=None):

@@ -232,3 +232,19 @@ def logits_metrics(golden_logits, device_logits, valid_rows=None, k=5) -> dict:
         dp_top_max=float(np.max(dp)),
     )
     return out
+
+
+def code_shift(want, have, encoding=None) -> dict:
+    """Integer codes of a quantised tap, the quantised golden's `want` against the device's `have` (int64, one
+    shape): {"codes": c, "share": s, "n": n} with c != 0 the commonest difference have - want other than 0 and s the
+    share of the n codes it shifts (c = 0, s = 0 when every code agrees); given the tap's encoding (refimpl.encodings
+    .Encoding), also its zero point and step (per axis: the largest) for the fault's words. policy.CODE_SHIFT judges
+    it: a zero point the device runs that is not its encoding's shifts most codes alike."""
+    d = (np.asarray(have, np.int64) - np.asarray(want, np.int64)).ravel()
+    values, counts = np.unique(d[d != 0], return_counts=True)
+    i = int(np.argmax(counts)) if counts.size else None
+    out = {"codes": 0 if i is None else int(values[i]), "share": 0.0 if i is None else float(counts[i]) / d.size,
+           "n": int(d.size)}
+    if encoding is not None:
+        out.update(zero_point=-int(np.max(encoding.offset)), scale=float(np.max(encoding.scale)))
+    return out

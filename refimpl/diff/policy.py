@@ -20,6 +20,10 @@ A policy file overrides any of these per tensor (regex) with max_<metric> / min_
 metrics of refimpl.diff.metrics; three-way judging replaces max_nmse by k^2 times the error an emulated-
 precision run of the reference shows on the same tensor, at least k^2 times one rounding to the device dtype
 (error within k x the emulation's, in RMS), and lets an integer tensor equal the golden or the emulation.
+Three-way judging also applies the code_shift criterion (CODE_SHIFT): a quantised tap dumped as integer codes
+fails when more than max_share of its codes (of min_codes or more) are the quantised golden's shifted by one
+constant c != 0 (metrics["code_shift"], refimpl.diff.metrics.code_shift): a zero point that is not the encoding's.
+A policy rule switches it off ("code_shift": false) or sets its parameters ({"max_share": .., "min_codes": ..}).
 """
 
 import dataclasses
@@ -47,6 +51,11 @@ METRIC_NAMES = {"n_nan", "n_inf", "max_abs", "max_rel", "max_rel_polygraphy", "r
                 "sqnr_qairt_db", "nmse", "psnr_db", "std_ratio", "not_close", "not_close_frac", "matched_ratio",
                 "ulp_max", "ulp_mean", "top1_agreement", "top1_flips", "topk_overlap_mean", "kl_over_lnv_mean",
                 "kl_over_lnv_max", "kl_over_lnv_p99", "kl_over_lnv_last", "dp_top_mean", "dp_top_max"}
+# the code_shift criterion's parameters (on by default under three-way judging): a one-step offset moves a 16-bit tensor
+# by one step, well under the excess bar wherever quantisation's own error exceeds 100 steps RMS, yet no honest run
+# shifts most of its codes alike (the CPU EP's are identical, QuantSim's 75-100 % identical, an HTP's spread over tens
+# of codes either way: docs/diff.md); min_codes: a MoE's 16 routing weights of an honest run had 5 flipped alike
+CODE_SHIFT = {"max_share": 0.5, "min_codes": 64}
 
 
 @dataclasses.dataclass
@@ -63,13 +72,15 @@ class Policy:
     def criteria(self, name: str, integer: bool, reference: dict | None = None) -> dict:
         """The criteria for tensor `name`. reference: the emulated run's metrics on it (three-way judging):
         max_nmse becomes k^2 x its NMSE, at least k^2 x one rounding to the device dtype (ROUNDING_NMSE), unless
-        a policy rule sets max_nmse itself; an integer tensor passes where it equals the golden or the emulation."""
+        a policy rule sets max_nmse itself, and the code_shift criterion (CODE_SHIFT) is on; an integer tensor passes
+        where it equals the golden or the emulation."""
         c = {"exact": True} if integer else {**DEFAULTS[self.dtype], "run_power": True, "channels": True}
         c.update({"max_n_nan": 0, "max_n_inf": 0})
         if reference is not None and not integer:
             c["max_nmse"] = (self.three_way_k ** 2 * max(reference["nmse"], ROUNDING_NMSE[self.dtype])
                              * small_sample(reference.get("n_compared", reference.get("n", 0))))
             c.pop("run_power")   # the emulation's nmse is per step: so is the device's
+            c["code_shift"] = dict(CODE_SHIFT)   # judged where the metrics carry a code shift (an integer dump)
         if reference is not None and integer and reference.get("equals_golden_or_emulation"):
             del c["exact"]
         for pattern, rule in self.rules:
@@ -109,7 +120,8 @@ def small_sample(n: int, z: float = 3.09) -> float:
 def make_policy(spec: dict | None = None, dtype: str | None = None, where: str = "policy") -> Policy:
     """A Policy from a JSON-style dict:
         {"dtype": "float16", "three_way_k": 4,
-         "tensors": [{"match": "mlp\\\\.down_proj$", "max_nmse": 1e-4, "min_cosine": 0.999}, ...],
+         "tensors": [{"match": "mlp\\\\.down_proj$", "max_nmse": 1e-4, "min_cosine": 0.999},
+                     {"match": "residual$", "code_shift": false}, ...],
          "layouts": {"past_key_.*_out": "transposed"}, "ignore": ["attn_scores$"]}"""
     spec = dict(spec or {})
     ignore = spec.get("ignore", [])
@@ -135,10 +147,13 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
         crit = {k: v for k, v in r.items() if k != "match"}
         for k, v in crit.items():
             named = re.fullmatch(r"(max|min)_\w+", k) and k[4:] in METRIC_NAMES
-            if not (k in ("exact", "atol", "channels") or named):
+            if not (k in ("exact", "atol", "channels", "code_shift") or named):
                 raise InputError(f"{where}: tensors[{i}]: criterion {brief(k)} is not max_<metric> / min_<metric> of a "
-                                 f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol, exact or channels")
-            if k in ("exact", "channels"):
+                                 f"known metric ({', '.join(sorted(METRIC_NAMES))}), atol, exact, channels or "
+                                 f"code_shift")
+            if k == "code_shift":
+                crit[k] = code_shift_criterion(v, f"{where}: tensors[{i}].code_shift")
+            elif k in ("exact", "channels"):
                 expect(v, bool, f"{where}: tensors[{i}].{k}", InputError)
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise InputError(f"{where}: tensors[{i}]: {k} must be a number, got {brief(v)}")
@@ -148,6 +163,34 @@ def make_policy(spec: dict | None = None, dtype: str | None = None, where: str =
         if not isinstance(a, str) or (a not in ADAPTERS and a != hooks.DECLARED):
             raise InputError(f"{where}: layout {brief(a)} is not one of {', '.join([*ADAPTERS, hooks.DECLARED])}")
     return Policy(d, rules, layouts, [_regex(p, where) for p in spec.get("ignore", [])], float(three_way_k))
+
+
+def code_shift_criterion(v, where: str):
+    """A policy's code_shift: false (off), true (CODE_SHIFT) or {"max_share": 0 <= s < 1, "min_codes": n >= 1}
+    (either omitted: CODE_SHIFT's)."""
+    if isinstance(v, bool):
+        return dict(CODE_SHIFT) if v else False
+    expect(v, dict, where, InputError)
+    if set(v) - set(CODE_SHIFT):
+        raise InputError(f"{where}: unknown key(s) {brief(sorted(v, key=str))}; expected {', '.join(CODE_SHIFT)}")
+    out = {**CODE_SHIFT, **v}
+    share, least = out["max_share"], out["min_codes"]
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise InputError(f"{where}: max_share must be a number in [0, 1), got {brief(share)}")
+    if isinstance(least, bool) or not isinstance(least, int) or least < 1:
+        raise InputError(f"{where}: min_codes must be a positive integer, got {brief(least)}")
+    return out
+
+
+def shifted_codes(metrics: dict | None, criteria: dict) -> dict | None:
+    """The tensor's code shift (metrics["code_shift"]: {"codes": c, "share": s, "n": n, ...}) when the code_shift
+    criterion fails it: c != 0 at more than max_share of n >= min_codes codes; else None."""
+    crit, shift = criteria.get("code_shift"), (metrics or {}).get("code_shift")
+    if not crit or shift is None:
+        return None
+    crit = crit if isinstance(crit, dict) else CODE_SHIFT
+    ok = shift["codes"] == 0 or shift["n"] < crit["min_codes"] or not shift["share"] > crit["max_share"]
+    return None if ok else shift
 
 
 def _regex(p, where):
@@ -187,8 +230,9 @@ def bar(criteria: dict, metrics: dict | None) -> dict:
     return out
 
 
-def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str]:
-    """The criteria a tensor fails (empty: it passes). metrics / logits: refimpl.diff.metrics dicts."""
+def judge(metrics: dict | None, logits: dict | None, criteria: dict, reference: dict | None = None) -> list[str]:
+    """The criteria a tensor fails (empty: it passes). metrics / logits: refimpl.diff.metrics dicts; reference: the
+    emulated run's metrics (three-way), for the excess a code shift's failure quotes."""
     if metrics is None:
         return ["not compared"]
     if metrics["n"] == 0:  # nothing valid to score (e.g. an empty cache window)
@@ -206,7 +250,7 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
                     and metrics.get("golden_max_abs", math.inf) <= floor
                     and not metrics["n_nan"] and not metrics["n_inf"])
     for key, limit in criteria.items():
-        if key in ("exact", "atol", "run_power", "channels"):
+        if key in ("exact", "atol", "run_power", "channels", "code_shift"):
             continue
         kind, metric = key.split("_", 1)
         value = values.get(metric)
@@ -227,4 +271,17 @@ def judge(metrics: dict | None, logits: dict | None, criteria: dict) -> list[str
                           f"(gain {100 * ch['gain']:+.2f} %)")
         elif gain is not None:   # the gain test (channels.py): one channel scaled, beyond the other channels' noise
             failed.append(gain)
+    shift = shifted_codes(metrics, criteria)
+    if shift is not None:   # a zero point that is not the encoding's, whatever the excess (CODE_SHIFT)
+        within = "" if failed else f" (excess {_excess(metrics, reference)} alone is within the bar)"
+        failed.append(f"codes shifted by {shift['codes']:+d} at {100 * shift['share']:.1f} % of elements: the device's "
+                      f"zero point is not its encoding's{within}")
     return failed
+
+
+def _excess(metrics: dict, reference: dict | None) -> str:
+    """RMS(D - Q) / RMS(Q - F) of three-way judging, as the report prints it ("n/a" without a reference)."""
+    mine, ref = metrics.get("nmse"), (reference or {}).get("nmse")
+    if mine is None or ref is None:
+        return "n/a"
+    return f"{math.sqrt(mine / ref) if ref > 0 else (0.0 if mine == 0 else math.inf):.3g}"

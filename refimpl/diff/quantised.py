@@ -16,7 +16,10 @@ bar); above it the device departs from its own encodings by more than k times wh
 The first tensor with significant excess whose inputs have none is the first divergence (the layer DAG of
 refimpl.diff.dataflow, as `refimpl diff` localises). Quantised taps also get code metrics: the share of the
 device's codes equal to Q's, and the largest code distance (a device that computes its ops in another float order
-differs by one code at ~0.1 % of the elements of a 16-bit tensor; docs/numerics.md).
+differs by one code at ~0.1 % of the elements of a 16-bit tensor; docs/numerics.md). A tap dumped as integer codes
+also carries its code shift in its metrics (refimpl.diff.metrics.code_shift), which the policy's code_shift
+criterion judges (on by default here: most codes shifted alike is a zero point that is not the encoding's) and
+the fault classifier names an offset, in compare's own judging, so `refimpl diff --rejudge` reproduces both.
 
 The machinery is refimpl.diff.compare's three-way judging with the roles of the bundles as above (Q is the golden
 the device is scored against, F the reference whose distance sets the bar); steps where F decoded other tokens than
@@ -40,15 +43,12 @@ from ..golden import manifest_config
 from ..graph import module_taps, modules
 from ..models.model import graph
 from ..models.quantisers import place
-from .classify import Fault, classify_divergences
 from .compare import compare
-from .curves import report_notes
-from .divergence import localise, model_config
+from .divergence import model_config
 from .layouts import candidates, conv_kernel
 from .policy import Policy, make_policy
 
 EXCESS = 0.01  # k: measured (docs/diff.md): QuantSim itself stays below 1e-3 of its own quantisation error
-SHIFT_MIN_CODES = 64   # code_shift judges tensors of at least this many codes
 
 
 def tap_encodings(bundle, encodings=None) -> dict:
@@ -167,9 +167,9 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
     policy = make_policy(policy.to_dict() if policy is not None else None)
     policy.three_way_k = excess
     policy.ignore.append(r"\.codes$")        # Q's own code taps: the codes are scored on their tap
-    report = compare(quantised_bundle, dump, policy, float_bundle, progress)
     encodings = tap_encodings(quantised_bundle) if encodings is None else encodings
-    rows, shifted = [], {}
+    report = compare(quantised_bundle, dump, policy, float_bundle, progress, encodings)   # code shifts judged there
+    rows = []
     for r in report.results:
         m, ref = r.metrics or {}, r.reference or {}
         ratio = None
@@ -183,46 +183,10 @@ def compare_three_way(float_bundle, quantised_bundle, dump, policy: Policy | Non
             want, have = codes
             step = np.abs(want - have)
             row.codes_identical, row.codes_max_step = float((step == 0).mean()), int(step.max())
-            shift = code_shift(want, have, getattr(dump.items[r.key], "codes", None) is not None)
-            if shift is not None and r.status == "pass":
-                r.status, row.status = "fail", "fail"
-                r.failures.append(f"codes shifted by {shift[0]:+d} at {100 * shift[1]:.1f} % of elements: the device's "
-                                  f"zero point is not its encoding's (excess {_ratio(ratio)} alone is within the bar)")
-                shifted[r.key] = offset_fault(*shift, enc).to_dict()
         rows.append(row)
-    if shifted:   # the verdicts changed: each step's first divergence again, and its fault class
-        localise(report)
-        classify_divergences(report, quantised_bundle, dump, policy)
-        for r in report.results:   # a shift of the codes is itself the fault's class
-            if r.key in shifted and r.key in report.first_divergence.values():
-                r.fault = shifted[r.key]
-        report.notes = report_notes(report)
     report.notes.append(f"three-way: {quantised_bundle.path} (quantised golden) against {float_bundle.path} "
                         f"(float golden); excess bar k = {excess:g}")
     return report, rows
-
-
-def code_shift(want: np.ndarray, have: np.ndarray, integer_dump: bool) -> tuple[int, float] | None:
-    """(c, share) when more than half of a device's integer codes are the quantised golden's shifted by one
-    constant c != 0: a zero point (offset) that is not the encoding's. A one-step offset moves a 16-bit tensor by
-    one step, well under the excess bar wherever quantisation's own error exceeds 100 steps RMS, yet no honest
-    run shifts most of its codes alike (the CPU EP's are identical, QuantSim's 75-100 % identical, an HTP's spread
-    over tens of codes either way). Judged on integer dumps only (codes as the device wrote them), of at least
-    SHIFT_MIN_CODES codes (a MoE's 16 routing weights of an honest run: 5 flipped alike by one code)."""
-    if not integer_dump or want.size < SHIFT_MIN_CODES:
-        return None
-    values, counts = np.unique(have - want, return_counts=True)
-    i = int(np.argmax(counts))
-    share = float(counts[i]) / want.size
-    return (int(values[i]), share) if values[i] != 0 and share > 0.5 else None
-
-
-def offset_fault(codes: int, share: float, enc: Encoding) -> Fault:
-    """The fault class of a code shift (code_shift): an offset of `codes` steps, its zero point and value."""
-    zero_point, step = -int(np.max(enc.offset)), float(np.max(enc.scale))   # per tensor (per axis: the largest)
-    return Fault("offset", f"codes offset by {codes:+d} (zero point {zero_point} run as {zero_point + codes}): every "
-                 f"value {codes * step:+.4g}", {"codes": codes, "share": share, "offset": codes * step}, 0.0, 0.0, 0.0,
-                 "integer codes against the encoding's")
 
 
 def _code_arrays(bundle, item, result, enc: Encoding):

@@ -11,7 +11,7 @@ import json
 from ..bundle import ROLES
 from ..errors import InputError, brief
 from ..files import expect, integer, load_json, number, write_atomic
-from .classify import CLASSES
+from .classify import CLASSES, SHIFT_CRITERION, offset_fault
 from .curves import report_notes
 from .divergence import localise
 from .policy import METRIC_NAMES, Policy, bar, judge
@@ -88,6 +88,17 @@ def _result(r, where: str) -> "Result":
             integer(channels["gain_n"], f"{where}.metrics.channels.gain_n", InputError, lo=1, hi=2 ** 48)
         if channels.get("emulated_nmse") is not None:
             number(channels["emulated_nmse"], f"{where}.metrics.channels.emulated_nmse", InputError, finite=False)
+    shift = (r.get("metrics") or {}).get("code_shift")
+    if shift is not None:   # a quantised tap's integer codes (refimpl.diff.metrics.code_shift), judged by code_shift
+        expect(shift, dict, f"{where}.metrics.code_shift", InputError)
+        integer(shift.get("codes"), f"{where}.metrics.code_shift.codes", InputError, lo=-2 ** 32, hi=2 ** 32)
+        integer(shift.get("n"), f"{where}.metrics.code_shift.n", InputError, lo=0, hi=2 ** 48)
+        if not 0 <= number(shift.get("share"), f"{where}.metrics.code_shift.share", InputError) <= 1:
+            raise InputError(f"{where}.metrics.code_shift.share: {brief(shift['share'])} is not a share in [0, 1]")
+        if "zero_point" in shift or "scale" in shift:
+            integer(shift.get("zero_point"), f"{where}.metrics.code_shift.zero_point", InputError, lo=-2 ** 32,
+                    hi=2 ** 32)
+            number(shift.get("scale"), f"{where}.metrics.code_shift.scale", InputError)
     for key, needed in (("metrics", ("n", "max_abs", "n_nan", "n_inf", "sqnr_db")), ("reference", ("nmse",))):
         if key == "reference" and "equals_golden_or_emulation" in (r.get(key) or {}):
             continue   # an integer tensor's three-way reference (compare._integer_reference): no nmse
@@ -113,17 +124,27 @@ def _result(r, where: str) -> "Result":
 
 def rejudge(report: Report, policy: Policy) -> Report:
     """Judge saved metrics again under `policy` (no dump or bundle needed: the saved report carries the model
-    config for the layer DAG). Layout, error and missing statuses stay."""
+    config for the layer DAG). Layout, error and missing statuses stay. Faults: a first divergence the code_shift
+    criterion fails is an offset (classify.offset_fault, from its metrics); one that was a first divergence before
+    keeps the fault classified then (the fit needs the arrays), unless that was a code shift's; the others have none."""
+    criteria = {}
     for r in report.results:
         if r.metrics is None or r.status in ("error", "missing"):
             continue
         if policy.ignored(r.name):
             r.status = "ignored"
             continue
-        criteria = policy.criteria(r.name, bool(r.metrics.get("integer")), r.reference)
-        r.failures, r.bar = judge(r.metrics, r.logits, criteria), bar(criteria, r.metrics)
+        criteria[r.key] = policy.criteria(r.name, bool(r.metrics.get("integer")), r.reference)
+        r.failures, r.bar = judge(r.metrics, r.logits, criteria[r.key], r.reference), bar(criteria[r.key], r.metrics)
         r.status = "fail" if r.failures else ("layout" if r.status == "layout" else "pass")
     report.policy = policy.to_dict()
     localise(report)
+    first = set(report.first_divergence.values())
+    for r in report.results:
+        shifted = offset_fault(r.metrics, criteria[r.key]) if r.key in first and r.key in criteria else None
+        if shifted is not None:
+            r.fault = shifted.to_dict()
+        elif r.key not in first or (r.fault or {}).get("criterion") == SHIFT_CRITERION:
+            r.fault = None
     report.notes = report_notes(report)
     return report

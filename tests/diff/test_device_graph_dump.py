@@ -82,18 +82,25 @@ def test_the_cpu_eps_run_named_as_its_qdq_graph_names_it_is_explained_by_quantis
     assert report["first_divergence"]["0"] is None
 
 
-def test_a_tap_one_code_off_is_the_first_excess(run, tmp_path):
-    """The device's codes of one residual add one step off (an activation offset off by one): the first excess
-    beyond quantisation is that tap; everything before it stays explained."""
-    f, q, dump, values = run
+def offset_dump(q, values, root) -> Path:
+    """The CPU EP's dump with the codes of layer 1's attention residual add one step up (an activation offset off
+    by one), under its QuantizeLinear's output name."""
     tensor = next(r["onnx"][-1] for r in read_bundle(q).manifest["quantisation"]["quantisers"]
                   if r.get("tap") == "model.layers.1.attn_residual")
     alias = next(a for a, t in qdq_names(FIXTURE).items() if t == tensor and a in values)
-    faulty = tmp_path / "dump"
+    faulty = root / "dump"
     faulty.mkdir()
     for name, v in values.items():
         np.save(faulty / f"{name}.npy", np.minimum(v.astype(np.int64) + 1, 65535).astype(v.dtype)
                 if name == alias else v)
+    return faulty
+
+
+def test_a_tap_one_code_off_is_the_first_excess(run, tmp_path):
+    """The device's codes of one residual add one step off (an activation offset off by one): the first excess
+    beyond quantisation is that tap; everything before it stays explained."""
+    f, q, dump, values = run
+    faulty = offset_dump(q, values, tmp_path)
     code, report = diff(f, q, faulty, tmp_path / "m.json")
     assert code == 1 and report["first_divergence"]["0"] == "0/tap/model.layers.1.attn_residual"
     before = [r for r in report["results"] if r["name"].startswith("model.layers.0.")]
@@ -102,6 +109,49 @@ def test_a_tap_one_code_off_is_the_first_excess(run, tmp_path):
     excess = (hit["metrics"]["nmse"] / hit["reference"]["nmse"]) ** 0.5
     assert excess < 0.01 and any("codes shifted by +1 at 99.8 %" in f for f in hit["failures"]), hit["failures"]
     assert hit["fault"]["class"] == "offset" and hit["fault"]["params"]["codes"] == 1, hit["fault"]
+
+
+def test_the_code_shift_criterion_is_the_policys_and_rejudge_applies_it(run, tmp_path):
+    """The offset's verdict and class come from the tap's saved metrics (metrics["code_shift"], judged by the
+    policy's code_shift criterion): `refimpl diff --rejudge` of the saved metrics gives the same statuses, first
+    excess and fault; a policy that switches the criterion off passes the tap, on the dump and on re-judging."""
+    f, q, dump, values = run
+    faulty = offset_dump(q, values, tmp_path)
+    key = "0/tap/model.layers.1.attn_residual"
+    code, report = diff(f, q, faulty, tmp_path / "m.json")
+    hit = next(r for r in report["results"] if r["key"] == key)
+    assert hit["metrics"]["code_shift"]["codes"] == 1 and hit["bar"]["code_shift"] == {"max_share": 0.5,
+                                                                                      "min_codes": 64}, hit
+    assert main(["diff", str(q), "--rejudge", str(tmp_path / "m.json"), "--json", str(tmp_path / "r.json"),
+                 "-q"]) == 1
+    again = json.loads((tmp_path / "r.json").read_text())
+    assert again["first_divergence"] == report["first_divergence"] == {"0": key}
+    assert {r["key"]: r["status"] for r in again["results"]} == {r["key"]: r["status"] for r in report["results"]}
+    redo = next(r for r in again["results"] if r["key"] == key)
+    assert redo["fault"] == hit["fault"] and redo["fault"]["class"] == "offset" and redo["failures"] == hit["failures"]
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps({"three_way_k": 0.01, "tensors": [{"match": r"attn_residual$", "code_shift": False}]}))
+    code, passed = diff(f, q, faulty, tmp_path / "p.json", "--policy", str(off))
+    assert code == 0 and passed["first_divergence"] == {"0": None}
+    assert next(r for r in passed["results"] if r["key"] == key)["status"] == "pass"
+    assert main(["diff", str(q), "--rejudge", str(tmp_path / "m.json"), "--policy", str(off), "--json",
+                 str(tmp_path / "o.json"), "-q"]) == 0
+    rejudged = json.loads((tmp_path / "o.json").read_text())
+    redo = next(r for r in rejudged["results"] if r["key"] == key)
+    assert rejudged["first_divergence"] == {"0": None} and redo["status"] == "pass" and redo["fault"] is None
+
+
+def test_a_malformed_saved_code_shift_is_one_line_error(run, tmp_path, capsys):
+    f, q, dump, values = run
+    code, report = diff(f, q, offset_dump(q, values, tmp_path), tmp_path / "m.json")
+    hit = next(r for r in report["results"] if "code_shift" in (r["metrics"] or {}))
+    for bad in ({"codes": 1.5, "share": 1.0, "n": 64}, {"codes": 1, "share": 2, "n": 64}, {"codes": 1, "share": 1},
+                [1, 1.0, 64], {"codes": 1, "share": 1.0, "n": 64, "zero_point": 3}):
+        hit["metrics"]["code_shift"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(report))
+        assert main(["diff", str(q), "--rejudge", str(tmp_path / "bad.json"), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "code_shift" in err, err
 
 
 def test_another_qdq_model_than_the_bundles_is_one_line_error(run, tmp_path, capsys):
@@ -114,13 +164,26 @@ def test_another_qdq_model_than_the_bundles_is_one_line_error(run, tmp_path, cap
 
 
 def test_code_shift_needs_most_codes_shifted_alike_and_enough_codes():
-    from refimpl.diff.quantised import SHIFT_MIN_CODES, code_shift
-    want = np.arange(SHIFT_MIN_CODES, dtype=np.int64)
-    assert code_shift(want, want + 1, True) == (1, 1.0)
-    assert code_shift(want, want - 3, False) is None                          # floats dumped: no codes to judge
-    assert code_shift(want[:-1], want[:-1] + 1, True) is None                 # too few codes to tell
+    from refimpl.diff.metrics import code_shift
+    from refimpl.diff.policy import CODE_SHIFT, judge, make_policy, shifted_codes
+    n = CODE_SHIFT["min_codes"]
+    want = np.arange(n, dtype=np.int64)
+    on = make_policy().criteria("t", False, {"nmse": 1.0})                    # three-way: the criterion is on
+    assert on["code_shift"] == CODE_SHIFT and "code_shift" not in make_policy().criteria("t", False)
+    assert code_shift(want, want + 1) == {"codes": 1, "share": 1.0, "n": n}
+    assert shifted_codes({"code_shift": code_shift(want, want + 1)}, on)["codes"] == 1
+    assert code_shift(want, want) == {"codes": 0, "share": 0.0, "n": n}       # every code agrees
+    assert shifted_codes({"code_shift": code_shift(want[:-1], want[:-1] + 1)}, on) is None   # too few codes to tell
     half = want + (np.arange(want.size) % 2)                                  # half shifted: not a majority
-    assert code_shift(want, half, True) is None
+    assert code_shift(want, half)["share"] == 0.5 and shifted_codes({"code_shift": code_shift(want, half)}, on) is None
+    assert shifted_codes({}, on) is None                                      # floats dumped: no codes to judge
+    metrics = {"n": n, "max_abs": 0.1, "n_nan": 0, "n_inf": 0, "nmse": 1e-6, "code_shift": code_shift(want, want - 3)}
+    assert judge(metrics, None, on, {"nmse": 1e-4}) == [
+        "codes shifted by -3 at 100.0 % of elements: the device's zero point is not its encoding's (excess 0.1 alone "
+        "is within the bar)"]
+    off = make_policy({"tensors": [{"match": ".", "code_shift": False}]}).criteria("t", False, {"nmse": 1e-4})
+    loose = make_policy({"tensors": [{"match": ".", "code_shift": {"min_codes": n + 1}}]})
+    assert judge(metrics, None, off) == [] and judge(metrics, None, loose.criteria("t", False, {"nmse": 1e-4})) == []
 
 
 def test_an_unreadable_tap_as_first_divergence_is_reported_not_a_crash(run, tmp_path, capsys):
