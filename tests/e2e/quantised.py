@@ -697,10 +697,14 @@ def htp_op(n, codes):
     (refimpl/kernels/htp_quantised.py; codes: per input (its codes, (scale, zero point)), and the output's (None,
     (scale, zero point))): its output codes; None where not modelled."""
     from refimpl.kernels import htp_quantised
-    if n.op_type == "Add" and len(codes) == 3 and all(c is not None for c in codes):
+    if any(c is None for c in codes) or any(np.ndim(c[1][0]) != 0 for c in codes):   # per-tensor encodings only
+        return None
+    if n.op_type == "Add" and len(codes) == 3:
         (qa, a), (qb, b), (_, out) = codes
-        if all(np.ndim(e[0]) == 0 for e in (a, b, out)):
-            return htp_quantised.add(qa, a, qb, b, out)
+        return htp_quantised.add(qa, a, qb, b, out)
+    if n.op_type == "Sqrt":
+        (qx, x), (_, out) = codes
+        return htp_quantised.sqrt(qx, x, out)
     return None
 
 
