@@ -33,6 +33,15 @@ QuantizeLinear of the true root is 2 % identical there, up to 117 codes off): x 
     so every code is off the true root by up to half a step of R (a relative 2^-11: ~30 codes at the top of the
     range), the "Sqrt every code off by ~42" of the model's replay.
 
+ReduceMean over the last axis (measured: 100 % of codes identical on the dense W8A16 model's 17 ReduceMeans on
+their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 code):
+
+    r   = s_x / (N s_o)
+    k   = the largest k with floor(r 2^k + 1/4) <= 2^15 - 1
+    m   = floor(r 2^k + 1/4)                            an int16 multiplier, rounded up only from 3/4 of a step
+    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      a whole step added before the floor: the mean
+                                                                    lands half a code above the rounded one
+
 Not modelled here (measured, docs/htp.md): Mul (within one code of the exact product rounded half up, ~97 % identical;
 its multiplier resolution 2^-34 and a bias of 0.01-0.05 code that depends on the scales are not located), Div,
 Softmax, MatMul (a few codes per product term, not located).
@@ -138,3 +147,20 @@ def sqrt(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     k = mantissa(np.sqrt(np.float64(np.float32(sx))) / np.float64(np.float32(so)), SQRT_SCALE_BITS)   # K
     y = np.floor(n * r * k + 0.5).astype(np.int64)                                 # floor(n R(n) K + 1/2)
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
+
+
+MEAN_MULTIPLIER_BITS = 15         # ReduceMean's s_x / (N s_o): an int16 multiplier
+
+
+def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised ReduceMean over the last axis (keepdims).  qx: codes [..., N]; x, out: (scale, zero
+    point), per tensor.  -> int64 codes [..., 1]."""
+    (sx, zx), (so, zo) = x, out
+    n = np.asarray(qx, np.int64) - np.int64(zx)                                    # n_i = q_i - z_x
+    r = np.float64(np.float32(sx)) / (n.shape[-1] * np.float64(np.float32(so)))   # r = s_x / (N s_o)
+    k = 62
+    while np.floor(r * 2.0 ** k + 0.25) > 2 ** MEAN_MULTIPLIER_BITS - 1:           # the int16 multiplier's shift
+        k -= 1
+    m = np.int64(np.floor(r * 2.0 ** k + 0.25))                                    # m = floor(r 2^k + 1/4)
+    acc = m * n.sum(axis=-1, keepdims=True)                                         # m sum_i n_i   (Q(k))
+    return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                          # floor(acc / 2^k + 1) + z_o

@@ -694,17 +694,20 @@ def refimpl_op(n, ins):
 
 def htp_op(n, codes):
     """A computing node of the QDQ model in the HTP's quantised arithmetic where refimpl models it
-    (refimpl/kernels/htp_quantised.py; codes: per input (its codes, (scale, zero point)), and the output's (None,
-    (scale, zero point))): its output codes; None where not modelled."""
+    (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
+    for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
+    codes, or None where not modelled (or an input is not read, or an encoding is per axis)."""
     from refimpl.kernels import htp_quantised
-    if any(c is None for c in codes) or any(np.ndim(c[1][0]) != 0 for c in codes):   # per-tensor encodings only
+    if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
-    if n.op_type == "Add" and len(codes) == 3:
-        (qa, a), (qb, b), (_, out) = codes
-        return htp_quantised.add(qa, a, qb, b, out)
+    (q0, e0), out = codes[0], codes[-1][1]
+    if n.op_type == "Add" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.add(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sqrt":
-        (qx, x), (_, out) = codes
-        return htp_quantised.sqrt(qx, x, out)
+        return htp_quantised.sqrt(q0, e0, out)
+    if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
+            and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
+        return htp_quantised.reduce_mean(q0, e0, out)
     return None
 
 
@@ -734,7 +737,9 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             shape[axis] = -1
             scale, zp = scale.reshape(shape), zp.reshape(shape)
         return ((codes.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale).astype(np.float32)
-    def codes(t):   # (codes, (scale, zero point)) of a DequantizeLinear's input, dumped or stored
+    def codes(t):   # (codes, (scale, zero point)) of a DequantizeLinear's input, dumped or stored; a constant
+        if t in inits:
+            return inits[t], None
         d = producer.get(t)
         if d is None or d.op_type != "DequantizeLinear" or (d.input[0] not in values and d.input[0] not in inits):
             return None
