@@ -19,6 +19,12 @@ A quantised device graph (aimet-onnx, a QDQ model: refimpl/models/onnx_placement
 tensor; those sit at any declared node's output (`output(node, y)`, node outputs that are no module's too) or at a
 sub-op point of its kernel's equation (`at(node)`: the hook a kernel takes, kernels/activation.Unhooked), several in
 a row where the device re-quantises a tensor it only moves (a chain of encodings, applied in order).
+
+A device arithmetic (`arithmetic="htp"`, Policy.device_arithmetic): the device computes some ops of its quantised
+graph on the integer codes of their inputs, not on the float values ONNX Runtime's CPU EP computes and quantises.
+For those ops (DEVICE_OPS, declared per node / point by the graph: device_ops) the quantiser's codes are the device
+op's (kernels/htp_quantised.py) on the codes its inputs' quantisers held (each input's last quantised value, exactly
+on its grid, and its encoding); every other quantiser quantises refimpl's float value as before.
 """
 
 import re
@@ -28,7 +34,9 @@ import numpy as np
 
 from ..encodings import ActivationEntry, Encoding, model_name
 from ..errors import InputError
+from ..kernels import htp_quantised
 from ..kernels.activation import identity, unhooked
+from ..precision import DEVICE_ARITHMETICS
 
 _ONNX_OUTPUT = re.compile(r"^/(?P<path>.+)/[A-Za-z0-9_]+_output_(?P<index>\d+)$")
 
@@ -41,6 +49,36 @@ def _chain(enc) -> tuple:
     return enc if isinstance(enc, tuple) else (enc,)
 
 
+# the ops a device arithmetic computes on its inputs' codes: op -> f(codes, ((scale, zero point) of each input),
+# (scale, zero point) of the output) -> codes (kernels/htp_quantised.py: each measured on the HTP simulator)
+DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
+                      "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
+                      "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out)}}
+assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
+
+
+def device_ops(nodes: dict, arithmetic: str) -> dict:
+    """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
+    computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
+    "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself. An op reading a weight or a
+    per-token value is left out (its inputs are not held)."""
+    ops = DEVICE_OPS[arithmetic]
+    out = {}
+    for name, node in nodes.items():
+        declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
+        declared += [(f"{name}/{pt.name}" if pt.name else name, pt.onnx[0], pt.inputs) for pt in node.points]
+        for where, op, inputs in declared:
+            held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
+                         if i.startswith(("const:", "input:")) else i for i in inputs)
+            if op in ops and not any(i.startswith("weight:") or "@" in i for i in inputs):
+                out[where] = (op, held)
+    return out
+
+
+def _per_tensor_integer(enc: Encoding) -> bool:
+    return enc.float_dtype is None and not np.ndim(enc.scale) and not enc.signed and enc.bitwidth == 16
+
+
 class Quantisers:
     """The activation quantisers of one model: `input(module, x, i)` and `output(node, y)` return the value as
     the quantised device holds it (x itself where no encoding is placed); `at(node)` is the hook of node's kernel
@@ -50,7 +88,8 @@ class Quantisers:
     "module:input.i": the value its first quantiser received} (the device's float tensor before quantisation)."""
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
-                 taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None):
+                 taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None,
+                 arithmetic: str | None = None, ops: dict | None = None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -59,6 +98,12 @@ class Quantisers:
         self.placement = placement               # an ONNX graph's placement (onnx_placement.Placement), if any
         self.record: dict | None = None
         self._rnd = rnd
+        if arithmetic is not None and arithmetic not in DEVICE_OPS:
+            raise InputError(f"device arithmetic {arithmetic!r} is not one of {', '.join(DEVICE_ARITHMETICS)}")
+        self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
+        self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
+        self._holds = {i for _, ins in self.ops.values() for i in ins}
+        self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -68,12 +113,31 @@ class Quantisers:
         return bool(self.inputs or self.outputs or self.points)
 
     def quantise(self, name: str, enc, x):
-        """x through the quantiser(s) enc (recorded as `name` when recording)."""
-        if self.record is not None:
-            self.record[name] = np.array(x, copy=True)
-        for e in _chain(enc):
+        """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
+        computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
+        chain = _chain(enc)
+        y = self._device(name, chain[0], x) if name in self.ops else None
+        if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
+            self.record[name] = np.array(x if y is None else y, copy=True)
+        if y is not None:
+            x, chain = self._rnd(y), chain[1:]
+        for e in chain:
             x = self._rnd(e.apply(x))
+        if name in self._holds:
+            self.held[name] = (x, _chain(enc)[-1])
         return x
+
+    def _device(self, name: str, enc: Encoding, x):
+        """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
+        is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
+        op, inputs = self.ops[name]
+        held = [self.held.get(i) for i in inputs]
+        if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held))):
+            return None
+        codes = [h[1].codes(np.asarray(h[0], np.float32)) for h in held]              # exact: values on their grid
+        encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+        return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None
