@@ -42,6 +42,16 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
     q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      a whole step added before the floor: the mean
                                                                     lands half a code above the rounded one
 
+MatMul, uint16 activations x uint8 weights per tensor (measured: 99.7 % of codes identical (median of the dense
+W8A16 model's 28 projections on their own inputs, min 99.35 %, max 1 code but 2 elements) in every output column
+whose weights all fit int8 as k = q_w - z_w; a column with a weight outside [-128, 127] (an asymmetric zero point
+and a weight at the far end: 1-2 columns of 64-192 per projection) is tens to hundreds of codes off: not modelled):
+
+    k_ij = q_w,ij - z_w                                 the weight steps (int8)
+    acc  = floor(sum_i q_a,i k_ij / 2^8) - round(z_a sum_i k_ij / 2^8)    the activation's codes times the weights,
+                                                        the low 8 bits dropped; the zero point's term rounded
+    q_o  = clip(floor(acc 2^8 s_a s_w / s_o + 1/2) + z_o, 0, 2^16 - 1)
+
 Not modelled here (measured, docs/htp.md): Mul (within one code of the exact product rounded half up, ~97 % identical;
 its multiplier resolution 2^-34 and a bias of 0.01-0.05 code that depends on the scales are not located), Div,
 Softmax, MatMul (a few codes per product term, not located).
@@ -164,3 +174,18 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     m = np.int64(np.floor(r * 2.0 ** k + 0.25))                                    # m = floor(r 2^k + 1/4)
     acc = m * n.sum(axis=-1, keepdims=True)                                         # m sum_i n_i   (Q(k))
     return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                          # floor(acc / 2^k + 1) + z_o
+
+
+MATMUL_DROPPED_BITS = 8           # MatMul's products summed, the low 8 bits dropped (floor; the zero point's rounded)
+
+
+def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (columns whose
+    k = q_w - z_w leave int8 are not modelled: module doc).  a, w, out: (scale, zero point).  -> int64 [..., N]."""
+    (sa, za), (sw, zw), (so, zo) = a, w, out
+    b = MATMUL_DROPPED_BITS
+    k = np.asarray(qw, np.int64) - np.int64(zw)                                   # k = q_w - z_w
+    hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k / 2^8)
+    zp = (np.int64(za) * k.sum(axis=0) + (1 << (b - 1))) >> b                     # round(z_a sum k / 2^8)
+    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) / np.float64(np.float32(so))
+    return np.clip(np.floor((hi - zp) * m + 0.5).astype(np.int64) + np.int64(zo), *qrange)    # q_o
