@@ -53,15 +53,19 @@ def _chain(enc) -> tuple:
 # (scale, zero point) of the output) -> codes (kernels/htp_quantised.py: each measured on the HTP simulator)
 DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
-                      "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out)}}
+                      "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
+                      "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out)}}
+# inputs an op of the device arithmetic takes as they are stored: MatMul's weight, 8-bit unsigned per tensor (W8A16)
+DEVICE_WEIGHTS = {"MatMul": (8, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 
 
 def device_ops(nodes: dict, arithmetic: str) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
-    "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself. An op reading a weight or a
-    per-token value is left out (its inputs are not held)."""
+    "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
+    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
+    none: the attention's products), and per-token values, are left out."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
@@ -70,13 +74,15 @@ def device_ops(nodes: dict, arithmetic: str) -> dict:
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
-            if op in ops and not any(i.startswith("weight:") or "@" in i for i in inputs):
+            weights = [i.startswith("weight:") for i in inputs]
+            reads = weights == [False, True] if op in DEVICE_WEIGHTS else not any(weights)   # x W: the weight second
+            if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
 
 
-def _per_tensor_integer(enc: Encoding) -> bool:
-    return enc.float_dtype is None and not np.ndim(enc.scale) and not enc.signed and enc.bitwidth == 16
+def _per_tensor_integer(enc: Encoding, bits: int = 16, signed: bool = False) -> bool:
+    return enc.float_dtype is None and not np.ndim(enc.scale) and enc.signed == signed and enc.bitwidth == bits
 
 
 class Quantisers:
@@ -89,7 +95,7 @@ class Quantisers:
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
                  taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None,
-                 arithmetic: str | None = None, ops: dict | None = None):
+                 arithmetic: str | None = None, ops: dict | None = None, weight=None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -104,6 +110,8 @@ class Quantisers:
         self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
         self._holds = {i for _, ins in self.ops.values() for i in ins}
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
+        self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
+        self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -131,13 +139,23 @@ class Quantisers:
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
         op, inputs = self.ops[name]
-        held = [self.held.get(i) for i in inputs]
-        if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held))):
+        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op) for i in inputs]
+        if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
+                                                                                         if h[0] is not None))):
             return None
-        codes = [h[1].codes(np.asarray(h[0], np.float32)) for h in held]              # exact: values on their grid
+        codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
+
+    def _weight_held(self, name: str, op: str):
+        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS: its bits and
+        sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
+        if name not in self._weight_codes:
+            got = self._weight(name) if self._weight is not None else None
+            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op])
+            self._weight_codes[name] = (None, got[1], got[1].codes(np.asarray(got[0], np.float32)).T) if ok else None
+        return self._weight_codes[name]
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None

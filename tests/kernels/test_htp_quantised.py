@@ -63,6 +63,9 @@ def test_device_ops_are_declared_by_the_graph_and_the_policy_checks_its_arithmet
     ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
     assert ops["model.layers.0.input_layernorm/sqrt"] == ("Sqrt", ("model.layers.0.input_layernorm/+eps",))
     assert ops["model.layers.0.attn_residual"][0] == "Add"
+    assert ops["model.layers.0.self_attn.q_proj"] == ("MatMul", ("model.layers.0.input_layernorm",
+                                                                 "weight:model.layers.0.self_attn.q_proj.weight"))
+    assert not any(k.startswith("model.layers.0.self_attn.attn_scores") and v[0] == "MatMul" for k, v in ops.items())
     with pytest.raises(InputError, match="device_arithmetic"):
         Policy(device_arithmetic="htp")                        # no device graph
     with pytest.raises(InputError, match="device_arithmetic"):
