@@ -20,10 +20,11 @@ on one, max 1 code; scale ratios 0.09 to 2):
     over 1 (a residual add whose output range is the stream's own) halves both multipliers' precision, and an
     input whose scale is under 2^-16 of the output's (a tiny eps) contributes nothing.
 
-Sqrt (measured: 99.9 % of codes identical over every input code of two encodings, max 1 code; the CPU EP's exact
-QuantizeLinear of the true root is 2 % identical there, up to 117 codes off): x * rsqrt(x) on the input's code,
+Sqrt (measured: 99.9 % of codes identical over every input code of six encodings, max 1 code; the CPU EP's exact
+QuantizeLinear of the true root is 2 % identical there, 60-88 codes off): x * rsqrt(x) on the input's code,
 
-    n    = q_x - z_x                                     the input's steps (x = n s_x; n <= 0 gives 0)
+    n    = q_x - z_x                                     the input's steps (x = n s_x; n <= 0 gives 0: for n < 0
+                                                         the HTP gives ~60000, not modelled; no RMSNorm input)
     R(n) = the HTP's rsqrt of the integer n, 10 significant bits: k(m) 2^(j - 17), m = 4^j n in [2^14, 2^16),
            k(m) in [512, 1024] the device's table (RSQRT_THRESHOLDS: not the correctly rounded rsqrt: its rounding
            points sit up to 59 codes of m before those of round(m^-1/2 2^17), a sawtooth of an interpolated rsqrt)
@@ -53,8 +54,9 @@ and a weight at the far end: 1-2 columns of 64-192 per projection) is tens to hu
     q_o  = clip(floor(acc 2^8 s_a s_w / s_o + 1/2) + z_o, 0, 2^16 - 1)
 
 Not modelled here (measured, docs/htp.md): Mul (within one code of the exact product rounded half up, ~97 % identical;
-its multiplier resolution 2^-34 and a bias of 0.01-0.05 code that depends on the scales are not located), Div,
-Softmax, MatMul (a few codes per product term, not located).
+its multiplier resolution 2^-34 and a bias of 0.01-0.05 code that depends on the scales are not located), Div (a
+reciprocal of the divisor's code in 4 pieces per octave, within 5e-4 of 1 / n: 9-12 codes), Softmax, Sigmoid, the
+uint16 x uint16 MatMul.
 """
 
 import numpy as np
