@@ -54,9 +54,14 @@ def _chain(enc) -> tuple:
 DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
-                      "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out)}}
-# inputs an op of the device arithmetic takes as they are stored: MatMul's weight, 8-bit unsigned per tensor (W8A16)
-DEVICE_WEIGHTS = {"MatMul": (8, False)}
+                      "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
+                      "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out)}}
+# inputs an op of the device arithmetic takes as they are stored: MatMul's weight, 8-bit unsigned per tensor (W8A16);
+# Mul's (RMSNorm's * w), 16-bit unsigned per tensor
+# (bits, signed, only with a weight: the attention's uint16 x uint16 products are not MatMul's model)
+DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
+# ops a device graph computes as another: x^2 (Pow(x, 2)) as Mul(x, x), the form the HTP takes (tests/e2e/htp.py)
+DEVICE_FORMS = {("Pow", "const:2"): lambda inputs: ("Mul", (inputs[0], inputs[0]))}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 
 
@@ -65,17 +70,19 @@ def device_ops(nodes: dict, arithmetic: str) -> dict:
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
     w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
-    none: the attention's products), and per-token values, are left out."""
+    none: the attention's products), and per-token values, are left out; x^2 is Mul(x, x) (DEVICE_FORMS)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
         declared += [(f"{name}/{pt.name}" if pt.name else name, pt.onnx[0], pt.inputs) for pt in node.points]
         for where, op, inputs in declared:
+            form = DEVICE_FORMS.get((op, inputs[-1]))
+            op, inputs = form(inputs) if form else (op, inputs)
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
-            reads = weights == [False, True] if op in DEVICE_WEIGHTS else not any(weights)   # x W: the weight second
+            reads = weights == [False, True] or (not any(weights) and not DEVICE_WEIGHTS.get(op, (0, 0, False))[2])
             if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
@@ -153,7 +160,7 @@ class Quantisers:
         sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
-            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op])
+            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op][:2])
             self._weight_codes[name] = (None, got[1], got[1].codes(np.asarray(got[0], np.float32)).T) if ok else None
         return self._weight_codes[name]
 

@@ -70,3 +70,13 @@ def test_device_ops_are_declared_by_the_graph_and_the_policy_checks_its_arithmet
         Policy(device_arithmetic="htp")                        # no device graph
     with pytest.raises(InputError, match="device_arithmetic"):
         Policy(weights="encodings", encodings="m.onnx", device_arithmetic="npu")
+
+
+def test_mul_is_its_q34_multiplier_and_the_zero_points_constant_error():
+    # M = 2^-15 exactly, zero points 0: the product rounded half up (a tie, 2^14 / 2^15, rounds up)
+    assert H.mul([2 ** 14, 3, 65535], (2.0 ** -16, 0), [1, 2 ** 14, 65535], (2.0 ** -16, 0),
+                 (2.0 ** -17, 0)).tolist() == [1, 2, 65535]
+    # M 2^15 = 2/3: m = 349525, whose low 15 bits (-10923) put every threshold 1/24 code above the exact product's
+    # (as on the simulator: an exact 1.5 -> 1, 1.538 -> 1, 1.550 -> 2)
+    sa, so = 2.0 ** -16, float(np.float32(2.0 ** -17 * 1.5))
+    assert H.mul([24576, 25200, 25400], (sa, 0), [3, 3, 3], (sa, 0), (so, 0)).tolist() == [1, 1, 2]
