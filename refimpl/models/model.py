@@ -100,7 +100,8 @@ class Model:
             self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
                                          points=placement.points(), rnd=rounder(self.precision.activations),
                                          taps=taps, placement=placement, forms=placement.forms,
-                                         arithmetic=arithmetic, ops=arithmetic and device_ops(nodes, arithmetic),
+                                         arithmetic=arithmetic,
+                                         ops=arithmetic and device_ops(nodes, arithmetic, placement.forms),
                                          weight=lambda n: (self.weights[n], (placement.weights.get(n) or (None,))[-1]))
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "

@@ -56,29 +56,30 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out)}}
-# inputs an op of the device arithmetic takes as they are stored: MatMul's weight, 8-bit unsigned per tensor (W8A16);
-# Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-# (bits, signed, only with a weight: the attention's uint16 x uint16 products are not MatMul's model)
+# inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
+# 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
+# * w), 16-bit unsigned per tensor
 DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
-# ops a device graph computes as another: x^2 (Pow(x, 2)) as Mul(x, x), the form the HTP takes (tests/e2e/htp.py)
-DEVICE_FORMS = {("Pow", "const:2"): lambda inputs: ("Mul", (inputs[0], inputs[0]))}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 
 
-def device_ops(nodes: dict, arithmetic: str) -> dict:
+def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
     w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
-    none: the attention's products), and per-token values, are left out; x^2 is Mul(x, x) (DEVICE_FORMS)."""
+    none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
+    declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
+    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
-        declared += [(f"{name}/{pt.name}" if pt.name else name, pt.onnx[0], pt.inputs) for pt in node.points]
+        for pt in node.points:
+            where = f"{name}/{pt.name}" if pt.name else name
+            pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
+            declared.append((where, pt.onnx[0], pt.inputs))
         for where, op, inputs in declared:
-            form = DEVICE_FORMS.get((op, inputs[-1]))
-            op, inputs = form(inputs) if form else (op, inputs)
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
@@ -86,6 +87,17 @@ def device_ops(nodes: dict, arithmetic: str) -> dict:
             if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
+
+
+BROADCASTING = ("Add", "Mul")          # device ops whose inputs broadcast
+
+
+def _broadcast(*shapes) -> bool:
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        return False
+    return True
 
 
 def _per_tensor_integer(enc: Encoding, bits: int = 16, signed: bool = False) -> bool:
@@ -152,8 +164,13 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
+            return None
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
-        return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
+        shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
+        if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for
+            return None                    # q_norm's [B, T, H, D]); in another layout (transposed) it is not the op's
+        return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
 
     def _weight_held(self, name: str, op: str):
         """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS: its bits and
