@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from .errors import InputError
-from .precision import Policy
+from .precision import DEVICE_ARITHMETICS, Policy
 from .sources import load
 
 
@@ -93,6 +93,10 @@ def precision_flags(p) -> None:
     p.add_argument("--onnx", metavar="MODEL.onnx",
                    help="with --encodings from aimet-onnx: the ONNX model whose tensors the file names (its quantisers "
                         "are placed by that graph's structure, docs/precision.md)")
+    p.add_argument("--device-arithmetic", choices=DEVICE_ARITHMETICS,
+                   help="with --encodings MODEL_QDQ.onnx: the ops a quantised device computes on codes, as that device "
+                        "computes them (htp: Add, Mul, Sqrt, ReduceMean, W8A16 MatMul as measured on the HTP simulator "
+                        "(docs/htp.md section 9)); default ONNX Runtime's CPU EP")
     p.add_argument("--strict-encodings", action="store_true",
                    help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
     p.add_argument("--max-resident", type=size, metavar="SIZE",
@@ -109,8 +113,9 @@ def load_model(args, source=None, strict=True):
         if args.weights not in (None, "encodings"):
             raise InputError(f"--encodings sets the weights; it cannot be combined with --weights {args.weights}")
         fields.update(weights="encodings", encodings=args.encodings, strict_encodings=args.strict_encodings,
-                      onnx=args.onnx)
-    elif args.strict_encodings or args.onnx:
-        raise InputError(f"--{'onnx' if args.onnx else 'strict-encodings'} needs --encodings")
+                      onnx=args.onnx, device_arithmetic=args.device_arithmetic)
+    elif args.strict_encodings or args.onnx or args.device_arithmetic:
+        flag = "onnx" if args.onnx else "strict-encodings" if args.strict_encodings else "device-arithmetic"
+        raise InputError(f"--{flag} needs --encodings")
     return load(source or args.model, dtype=args.dtype, precision=Policy(**fields), strict=strict,
                 max_resident_bytes=args.max_resident)

@@ -82,6 +82,10 @@ def rounder(dtype_name: str | None):
     return round_to
 
 
+# the devices whose quantised arithmetic refimpl emulates on a device graph's codes (models/quantisers.DEVICE_OPS)
+DEVICE_ARITHMETICS = ("htp",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     activations: str = "float32"
@@ -93,6 +97,8 @@ class Policy:
     fast: bool = False                # plain BLAS / NumPy float32 sums: faster, not portable, not correctly rounded
     delta_rule_chunk: int | None = None  # htp-fp16: the device graph runs the delta rule in chunks of min(T, this)
                                          # tokens (AI Hub's Qwen3.5 graph: AIHUB_DELTA_RULE_CHUNK); None: token by token
+    device_arithmetic: str | None = None  # a quantised device graph's ops on codes as this device computes them
+                                          # ("htp": models/quantisers.DEVICE_OPS); None: ONNX Runtime's CPU EP
 
     def __post_init__(self):
         if self.activations not in ACTIVATIONS:
@@ -117,6 +123,10 @@ class Policy:
                               or self.activations != "htp-fp16"):
             raise InputError(f"precision delta_rule_chunk {c!r}: an integer from 1 to {AIHUB_DELTA_RULE_CHUNK} (the "
                              f"chunked rule's triangular inverse is exact up to there), with htp-fp16 activations only")
+        if self.device_arithmetic is not None and (self.device_arithmetic not in DEVICE_ARITHMETICS
+                                                   or not self.device_graph):
+            raise InputError(f"precision device_arithmetic {self.device_arithmetic!r}: one of "
+                             f"{', '.join(DEVICE_ARITHMETICS)}, with a quantised device graph's encodings (QDQ)")
         if self.activations == "float64" and (self.weight_format != "float64" or self.kv):
             raise InputError("precision: the float64 oracle takes float64 weights and no KV emulation")
 
@@ -177,6 +187,8 @@ class Policy:
                     "cast_points": self.cast_points, "arithmetic": self.arithmetic}
         if self.delta_rule_chunk is not None:   # recorded only when set: other manifests stay as they were
             recorded["delta_rule_chunk"] = self.delta_rule_chunk
+        if self.device_arithmetic is not None:  # likewise
+            recorded["device_arithmetic"] = self.device_arithmetic
         return recorded
 
     @property
@@ -224,7 +236,7 @@ def from_manifest(recorded: dict, encodings: str | None = None, onnx: str | None
     if graph and sha256_file(onnx, "ONNX model", InputError)[0] != graph.get("sha256"):
         raise InputError(f"{onnx}: sha256 differs from the bundle's ONNX model ({str(graph.get('sha256'))[:12]})")
     return Policy(activations, "encodings", kv, str(encodings), fast=fast, onnx=onnx if graph else None,
-                  delta_rule_chunk=chunk)
+                  delta_rule_chunk=chunk, device_arithmetic=recorded.get("device_arithmetic"))
 
 
 def policy(precision) -> Policy:

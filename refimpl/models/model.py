@@ -19,7 +19,7 @@ from .cache import Cache
 from .config import ModelConfig
 from .onnx_placement import Placement, place_onnx, stored_weights
 from .quantisers import NONE as NO_QUANTISERS
-from .quantisers import EncodingsWarning, Quantisers, place
+from .quantisers import EncodingsWarning, Quantisers, device_ops, place
 from .weights import Weights
 
 
@@ -96,9 +96,13 @@ class Model:
                 warnings.warn(placement.summary() + "; they stay float", EncodingsWarning, stacklevel=2)
             taps = module_taps(nodes)                # a module computes its output as the module (the router: mlp.gate)
             module_of = {tap: module for module, tap in taps.items()}
+            arithmetic = self.precision.device_arithmetic   # ops the device computes on codes (else the CPU EP's)
             self.quantisers = Quantisers(outputs={module_of.get(n, n): e for n, e in placement.outputs().items()},
                                          points=placement.points(), rnd=rounder(self.precision.activations),
-                                         taps=taps, placement=placement, forms=placement.forms)
+                                         taps=taps, placement=placement, forms=placement.forms,
+                                         arithmetic=arithmetic,
+                                         ops=arithmetic and device_ops(nodes, arithmetic, placement.forms),
+                                         weight=lambda n: (self.weights[n], (placement.weights.get(n) or (None,))[-1]))
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "
                              f"loaded (refimpl.load, Model.from_arrays(device=...))")

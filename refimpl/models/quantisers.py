@@ -19,6 +19,12 @@ A quantised device graph (aimet-onnx, a QDQ model: refimpl/models/onnx_placement
 tensor; those sit at any declared node's output (`output(node, y)`, node outputs that are no module's too) or at a
 sub-op point of its kernel's equation (`at(node)`: the hook a kernel takes, kernels/activation.Unhooked), several in
 a row where the device re-quantises a tensor it only moves (a chain of encodings, applied in order).
+
+A device arithmetic (`arithmetic="htp"`, Policy.device_arithmetic): the device computes some ops of its quantised
+graph on the integer codes of their inputs, not on the float values ONNX Runtime's CPU EP computes and quantises.
+For those ops (DEVICE_OPS, declared per node / point by the graph: device_ops) the quantiser's codes are the device
+op's (kernels/htp_quantised.py) on the codes its inputs' quantisers held (each input's last quantised value, exactly
+on its grid, and its encoding); every other quantiser quantises refimpl's float value as before.
 """
 
 import re
@@ -28,7 +34,9 @@ import numpy as np
 
 from ..encodings import ActivationEntry, Encoding, model_name
 from ..errors import InputError
+from ..kernels import htp_quantised
 from ..kernels.activation import identity, unhooked
+from ..precision import DEVICE_ARITHMETICS
 
 _ONNX_OUTPUT = re.compile(r"^/(?P<path>.+)/[A-Za-z0-9_]+_output_(?P<index>\d+)$")
 
@@ -41,6 +49,61 @@ def _chain(enc) -> tuple:
     return enc if isinstance(enc, tuple) else (enc,)
 
 
+# the ops a device arithmetic computes on its inputs' codes: op -> f(codes, ((scale, zero point) of each input),
+# (scale, zero point) of the output) -> codes (kernels/htp_quantised.py: each measured on the HTP simulator)
+DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
+                      "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
+                      "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
+                      "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
+                      "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out)}}
+# inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
+# 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
+# * w), 16-bit unsigned per tensor
+DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
+assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
+
+
+def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
+    """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
+    computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
+    "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
+    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
+    none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
+    declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
+    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs."""
+    ops = DEVICE_OPS[arithmetic]
+    out = {}
+    for name, node in nodes.items():
+        declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
+        for pt in node.points:
+            where = f"{name}/{pt.name}" if pt.name else name
+            pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
+            declared.append((where, pt.onnx[0], pt.inputs))
+        for where, op, inputs in declared:
+            held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
+                         if i.startswith(("const:", "input:")) else i for i in inputs)
+            weights = [i.startswith("weight:") for i in inputs]
+            reads = weights == [False, True] or (not any(weights) and not DEVICE_WEIGHTS.get(op, (0, 0, False))[2])
+            if op in ops and "@" not in "".join(inputs) and reads:
+                out[where] = (op, held)
+    return out
+
+
+BROADCASTING = ("Add", "Mul")          # device ops whose inputs broadcast
+
+
+def _broadcast(*shapes) -> bool:
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        return False
+    return True
+
+
+def _per_tensor_integer(enc: Encoding, bits: int = 16, signed: bool = False) -> bool:
+    return enc.float_dtype is None and not np.ndim(enc.scale) and enc.signed == signed and enc.bitwidth == bits
+
+
 class Quantisers:
     """The activation quantisers of one model: `input(module, x, i)` and `output(node, y)` return the value as
     the quantised device holds it (x itself where no encoding is placed); `at(node)` is the hook of node's kernel
@@ -50,7 +113,8 @@ class Quantisers:
     "module:input.i": the value its first quantiser received} (the device's float tensor before quantisation)."""
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
-                 taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None):
+                 taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None,
+                 arithmetic: str | None = None, ops: dict | None = None, weight=None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -59,6 +123,14 @@ class Quantisers:
         self.placement = placement               # an ONNX graph's placement (onnx_placement.Placement), if any
         self.record: dict | None = None
         self._rnd = rnd
+        if arithmetic is not None and arithmetic not in DEVICE_OPS:
+            raise InputError(f"device arithmetic {arithmetic!r} is not one of {', '.join(DEVICE_ARITHMETICS)}")
+        self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
+        self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
+        self._holds = {i for _, ins in self.ops.values() for i in ins}
+        self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
+        self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
+        self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -68,12 +140,46 @@ class Quantisers:
         return bool(self.inputs or self.outputs or self.points)
 
     def quantise(self, name: str, enc, x):
-        """x through the quantiser(s) enc (recorded as `name` when recording)."""
-        if self.record is not None:
-            self.record[name] = np.array(x, copy=True)
-        for e in _chain(enc):
+        """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
+        computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
+        chain = _chain(enc)
+        y = self._device(name, chain[0], x) if name in self.ops else None
+        if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
+            self.record[name] = np.array(x if y is None else y, copy=True)
+        if y is not None:
+            x, chain = self._rnd(y), chain[1:]
+        for e in chain:
             x = self._rnd(e.apply(x))
+        if name in self._holds:
+            self.held[name] = (x, _chain(enc)[-1])
         return x
+
+    def _device(self, name: str, enc: Encoding, x):
+        """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
+        is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
+        op, inputs = self.ops[name]
+        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op) for i in inputs]
+        if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
+                                                                                         if h[0] is not None))):
+            return None
+        codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
+        encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
+            return None
+        q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+        shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
+        if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for
+            return None                    # q_norm's [B, T, H, D]); in another layout (transposed) it is not the op's
+        return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
+
+    def _weight_held(self, name: str, op: str):
+        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS: its bits and
+        sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
+        if name not in self._weight_codes:
+            got = self._weight(name) if self._weight is not None else None
+            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op][:2])
+            self._weight_codes[name] = (None, got[1], got[1].codes(np.asarray(got[0], np.float32)).T) if ok else None
+        return self._weight_codes[name]
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None

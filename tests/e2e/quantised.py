@@ -711,13 +711,38 @@ def refimpl_op(n, ins):
     return None
 
 
-def replayed(qm, values: dict) -> list[tuple]:
+def htp_op(n, codes):
+    """A computing node of the QDQ model in the HTP's quantised arithmetic where refimpl models it
+    (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
+    for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
+    codes, or None where not modelled (or an input is not read, or an encoding is per axis)."""
+    from refimpl.kernels import htp_quantised
+    if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
+        return None
+    (q0, e0), out = codes[0], codes[-1][1]
+    if n.op_type == "Add" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.add(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Sqrt":
+        return htp_quantised.sqrt(q0, e0, out)
+    if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
+            and np.asarray(codes[1][0]).dtype == np.uint8:
+        return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
+            and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
+        return htp_quantised.reduce_mean(q0, e0, out)
+    return None
+
+
+def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
     """refimpl's kernels on a run's own inputs, quantiser by quantiser (the replay of a quantised device): for each
     QuantizeLinear after a computing node whose inputs the run's codes give (each a DequantizeLinear of a dumped
     quantiser, or a constant), the node computed by refimpl (refimpl_op, ONNX Runtime's CPU arithmetic) on the
     run's dequantised inputs, quantised by the encoding refimpl reads, against the run's codes. values: {name:
     array} of the run (its QuantizeLinear outputs). Rows in graph order: (QuantizeLinear output, op, node name,
-    identical share, largest step)."""
+    identical share, largest step). htp: the ops refimpl models in the HTP's quantised arithmetic (htp_op) computed so,
+    on the run's codes, instead."""
     from refimpl.kernels import products
     producer = {o: n for n in qm.graph.node for o in n.output}
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in qm.graph.initializer}
@@ -736,6 +761,14 @@ def replayed(qm, values: dict) -> list[tuple]:
             shape[axis] = -1
             scale, zp = scale.reshape(shape), zp.reshape(shape)
         return ((codes.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * scale).astype(np.float32)
+    def codes(t):   # (codes, (scale, zero point)) of a DequantizeLinear's input, dumped or stored; a constant
+        if t in inits:
+            return inits[t], None
+        d = producer.get(t)
+        if d is None or d.op_type != "DequantizeLinear" or (d.input[0] not in values and d.input[0] not in inits):
+            return None
+        zp = inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
+        return values.get(d.input[0], inits.get(d.input[0])), (inits[d.input[1]], zp)
     rows = []
     with products.onnxruntime_cpu():
         for q in qm.graph.node:
@@ -745,10 +778,16 @@ def replayed(qm, values: dict) -> list[tuple]:
             ins = [value(i) for i in n.input if i]
             if any(x is None for x in ins):
                 continue
+            want = values[q.output[0]]
+            mine = htp_op(n, [codes(i) for i in n.input if i] + [(None, (inits[q.input[1]], inits[q.input[2]]))]) \
+                if htp else None
+            if mine is not None:
+                share, step = codes_agreement(np.broadcast_to(mine, want.shape), want)
+                rows.append((q.output[0], n.op_type, n.name, share, step))
+                continue
             y = refimpl_op(n, ins)
             if y is None:
                 continue
-            want = values[q.output[0]]
             share, step = codes_agreement(quantised_as(q, inits, y, want).reshape(want.shape), want)
             rows.append((q.output[0], n.op_type, n.name, share, step))
     return rows

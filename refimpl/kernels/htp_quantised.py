@@ -1,0 +1,224 @@
+"""The HTP's quantised (uint16 activation) arithmetic, as measured on Qualcomm's HTP simulator (QNN 2.51, HTP v75,
+onnxruntime-qnn 2.7; docs/htp.md §9 "The HTP's quantised arithmetic"; tests/e2e/test_quantised_htp.py checks each
+model against the simulator on one-op QDQ graphs with controlled codes).
+
+Codes in, codes out: an op of a QDQ graph takes its inputs' integer codes q_i with their encodings (scale s_i, zero
+point z_i: x_i = (q_i - z_i) s_i) and gives its output's codes in the output encoding (s_o, z_o). ONNX Runtime's CPU
+EP computes the op in float32 on the dequantised inputs and quantises (round half to even); the HTP computes on the
+codes in fixed point. Symbols: n_i = q_i - z_i (the inputs' signed integer steps).
+
+Add (measured: 100 % of codes identical on sweeps of random codes over ten pairs of input / output encodings, 99.98 %
+on one, max 1 code; scale ratios 0.09 to 2):
+
+    r_i = s_i / s_o                                     each input's rescale
+    k   = the largest k <= 15 with round(max_i r_i 2^k) <= 2^15 - 1     one shift for both: int16 multipliers
+    m_i = round(r_i 2^k)                                fixed-point multipliers, Q(k)
+    q_o = clip(floor((m_a n_a + m_b n_b) / 2^k + 1/2) + z_o, 0, 2^16 - 1)     rounded half up (towards +inf)
+
+    so a tie (the sum of two inputs of the output's scale, halved) rounds up where ONNX rounds to even (a quarter of
+    the codes of an Add of two equal scales into their doubled one: the CPU EP's 76 % identical), a ratio at or
+    over 1 (a residual add whose output range is the stream's own) halves both multipliers' precision, and an
+    input whose scale is under 2^-16 of the output's (a tiny eps) contributes nothing.
+
+Sqrt (measured: 99.9 % of codes identical over every input code of six encodings, max 1 code; the CPU EP's exact
+QuantizeLinear of the true root is 2 % identical there, 60-88 codes off): x * rsqrt(x) on the input's code,
+
+    n    = q_x - z_x                                     the input's steps (x = n s_x; n <= 0 gives 0: for n < 0
+                                                         the HTP gives ~60000, not modelled; no RMSNorm input)
+    R(n) = the HTP's rsqrt of the integer n, 10 significant bits: k(m) 2^(j - 17), m = 4^j n in [2^14, 2^16),
+           k(m) in [512, 1024] the device's table (RSQRT_THRESHOLDS: not the correctly rounded rsqrt: its rounding
+           points sit up to 59 codes of m before those of round(m^-1/2 2^17), a sawtooth of an interpolated rsqrt)
+    K    = s_x^(1/2) / s_o as a 15-bit mantissa (rounded)
+    q_o  = clip(floor(n R(n) K + 1/2) + z_o, 0, 2^16 - 1)
+
+    so every code is off the true root by up to half a step of R (a relative 2^-11: ~30 codes at the top of the
+    range), the "Sqrt every code off by ~42" of the model's replay.
+
+ReduceMean over the last axis (measured: 100 % of codes identical on the dense W8A16 model's 17 ReduceMeans on
+their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 code):
+
+    r   = s_x / (N s_o)
+    k   = the largest k with floor(r 2^k + 1/4) <= 2^15 - 1
+    m   = floor(r 2^k + 1/4)                            an int16 multiplier, rounded up only from 3/4 of a step
+    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      a whole step added before the floor: the mean
+                                                                    lands half a code above the rounded one
+
+MatMul, uint16 activations x uint8 weights per tensor (measured: 99.7 % of codes identical (median of the dense
+W8A16 model's 28 projections on their own inputs, min 99.35 %, max 1 code but 2 elements) in every output column
+whose weights all fit int8 as k = q_w - z_w; a column with a weight outside [-128, 127] (an asymmetric zero point
+and a weight at the far end: 1-2 columns of 64-192 per projection) is tens to hundreds of codes off: not modelled):
+
+    k_ij = q_w,ij - z_w                                 the weight steps (int8)
+    acc  = floor(sum_i q_a,i k_ij / 2^8) - round(z_a sum_i k_ij / 2^8)    the activation's codes times the weights,
+                                                        the low 8 bits dropped; the zero point's term rounded
+    q_o  = clip(floor(acc 2^8 s_a s_w / s_o + 1/2) + z_o, 0, 2^16 - 1)
+
+Mul, uint16 x uint16 (measured: 100 % of codes identical on 19 one-op sweeps (every code of one input against
+13 of the other, random codes; multipliers 2^-22.6 to 2^-11, zero points 0 to 65535 on either input and the output)
+and on 58 of the dense W8A16 model's 62 Muls on their own inputs (x^2, x * 1 / sqrt, * w, RoPE's products, the
+scores' scaling, the MLP's product; the 4 SiLU products x * sigmoid(x) 93-95 %, max 1: not located)):
+
+    M   = s_a s_b / s_o                                  in float32 (one rounding per operation)
+    m   = round(M 2^34)                                  the multiplier, Q34 (ties to even)
+    T   = 2 z_a' z_b' + z_a' + z_b',  z' = z - 2^15     the zero points as int16 (the codes moved by 2^15)
+    c   = (T m mod 2^31) wrapped into [-2^30, 2^30)      a constant error of the zero points' term: within 1/16 code
+    q_o = clip(floor(((q_a - z_a)(q_b - z_b) m - c + 2^33) / 2^34) + z_o, 0, 2^16 - 1)     rounded half up
+
+    so the product is exact, its multiplier has 34 fractional bits (a relative 2^-12 at M = 2^-22), and every code
+    carries the same bias -c 2^-34 (up to 1/16 code; with both zero points 0: the multiplier's low 15 bits, signed,
+    times 2^-18): the HTP's rounding thresholds sit that far from the exact product's.
+
+Not modelled here (measured, docs/htp.md): Div (a reciprocal of the divisor's code in 4 pieces per octave, within
+5e-4 of 1 / n: 9-12 codes), Softmax, Sigmoid, the uint16 x uint16 MatMul.
+"""
+
+import numpy as np
+
+ADD_MULTIPLIER_BITS = 15          # Add's input rescales s_i / s_o: int16 fixed-point multipliers, at most Q15
+UINT16 = (0, 65535)               # the activations' codes
+
+
+def multiplier(ratio: float, bits: int) -> int:
+    """A scale ratio as the HTP's fixed-point multiplier: round(ratio * 2^bits) (ratio in float64)."""
+    return int(np.rint(np.float64(ratio) * 2.0 ** bits))
+
+
+def multiplier_shift(ratios, bits: int) -> int:
+    """The largest shift k <= bits at which every ratio's multiplier round(r 2^k) fits a signed (bits + 1)-bit
+    integer: the shift the HTP's multipliers share."""
+    k = bits
+    while k > 0 and max(multiplier(abs(r), k) for r in ratios) > 2 ** bits - 1:
+        k -= 1
+    return k
+
+
+def round_half_up_shift(v: np.ndarray, bits: int) -> np.ndarray:
+    """floor(v / 2^bits + 1/2) of int64 v: the HTP's requantising right shift (ties towards +inf)."""
+    return (v + (np.int64(1) << (bits - 1))) >> bits if bits > 0 else v
+
+
+def add(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Add.  qa, qb: codes (broadcastable); a, b, out: (scale, zero point) of each, per tensor.
+    -> int64 codes of the output, broadcast shape."""
+    (sa, za), (sb, zb), (so, zo) = a, b, out
+    ra = np.float64(np.float32(sa)) / np.float64(np.float32(so))                  # r_a = s_a / s_o
+    rb = np.float64(np.float32(sb)) / np.float64(np.float32(so))                  # r_b = s_b / s_o
+    k = multiplier_shift((ra, rb), ADD_MULTIPLIER_BITS)                           # the shared shift
+    ma, mb = multiplier(ra, k), multiplier(rb, k)                                  # m_i = round(r_i 2^k)
+    na = np.asarray(qa, np.int64) - np.int64(za)                                   # n_a = q_a - z_a
+    nb = np.asarray(qb, np.int64) - np.int64(zb)                                   # n_b = q_b - z_b
+    acc = np.int64(ma) * na + np.int64(mb) * nb                                    # m_a n_a + m_b n_b   (Q(k))
+    return np.clip(round_half_up_shift(acc, k) + np.int64(zo), *qrange)            # q_o, saturated
+
+
+SQRT_SCALE_BITS = 15              # Sqrt's requantisation s_x^(1/2) / s_o: a 15-bit mantissa
+RSQRT_BITS = 17                   # R's table: k 2^-17 for m in [2^14, 2^16) (k in [512, 1024]: 10 significant bits)
+# The HTP's rsqrt table, measured (QNN 2.51 HTP v75 simulator, one-op QDQ Sqrt over all 65536 input codes; the same
+# points at two input scales): for k = 1023, 1022, ..., 512, the first m in [2^14, 2^16) whose R is k 2^-17, as its
+# offset from the first m whose correctly rounded rsqrt is (ceil(((k + 1/2) 2^-17)^-2)); one m off the staircase
+# (RSQRT_EXCEPTIONS).
+RSQRT_OFFSETS = tuple(int(v) for v in """
+    -12 -11 -9 -8 -6 -5 -4 -3 -3 -2 -2 -1 -1 0 -1 0 0 0 0 -1 -1 -2 -2 -3 -4 -4 -6 -6 -8 -9 -11 -15 -13 -11 -10
+    -8 -7 -6 -5 -4 -3 -3 -2 -2 -1 -1 0 0 0 0 0 -1 -1 -2 -2 -3 -4 -5 -6 -1 -1 0 0 0 0 0 0 -1 -1 -2 -3 -4 -4 -5 -6
+    -9 -10 -11 -13 -15 -17 -19 -22 -24 -26 -8 -6 -5 -4 -3 -2 -2 -1 -1 0 0 0 0 -1 -1 -2 -2 -3 -4 -5 -6 -8 -9 -1 0
+    0 0 0 0 0 -1 -1 -2 -3 -5 -5 -7 -9 -10 -12 -14 -16 -18 -21 -24 -26 -13 -12 -9 -8 -6 -5 -3 -3 -2 -1 -1 0 0 0 0
+    -1 -1 -2 -2 -4 -6 -5 -4 -2 -2 -1 -1 0 0 0 -1 0 -1 -2 -2 -4 -5 -7 -8 -3 -2 -1 -1 0 0 0 0 -1 -2 -2 -3 -5 -5 -7
+    -10 -11 -14 -1 0 -1 0 0 -1 -1 -1 -3 -3 -4 -6 -8 -9 -12 -14 -17 0 0 0 0 0 -1 -1 -3 -3 -5 -7 -9 -11 -13 -16
+    -19 -1 -1 0 0 0 -1 -1 -3 -4 -6 -8 -9 -11 -14 -17 -2 0 0 0 0 0 -1 -2 -3 -4 -6 -7 -10 -13 -5 -3 -2 -1 0 0 0 -1
+    -1 -2 -3 -4 -6 -9 -9 -7 -5 -3 -2 -1 0 0 0 -1 -1 -2 -23 -19 -15 -12 -10 -8 -5 -3 -2 -1 -1 0 0 0 -1 -2 -4 -6
+    -7 -10 -13 -16 -20 -23 -2 -1 0 0 0 0 -1 -2 -4 -6 -8 -15 -11 -9 -6 -4 -2 -1 -1 0 0 0 -2 -2 -5 -6 -9 -12 -16
+    -19 -24 -28 -3 -2 0 0 0 0 -1 -2 -5 -19 -22 -18 -14 -11 -8 -5 -3 -2 -1 -1 0 0 -2 -3 -5 -8 -11 -15 -15 -12 -8
+    -5 -3 -2 -1 0 0 -1 -2 -3 -6 -8 -12 -16 -21 -12 -9 -6 -4 -2 -1 0 0 -1 -2 -4 -7 -10 -13 -17 -18 -14 -10 -6 -4
+    -2 -1 0 0 -1 -2 -4 -7 -10 -15 -27 -21 -16 -11 -7 -4 -2 0 0 0 -1 -2 -5 -7 -11 -16 -22 -28 -35 -43 -8 -5 -2 0
+    0 0 -1 -3 -5 -9 -13 -18 -33 -25 -20 -14 -9 -5 -2 -1 0 0 -1 -2 -6 -10 -14 -20 -26 -29 -21 -16 -10 -6 -3 -1 -1
+    0 -1 -4 -7 -10 -16 -22 -30 -33 -24 -18 -12 -7 -3 -1 0 0 -2 -3 -7 -12 -18 -59 -47 -37 -27 -20 -14 -8 -4 -1 0
+    0 -1 -5 -8 -14 -20 -29 -38 -42 -32 -23 -16 -10 -5 -2 -1
+""".split())
+RSQRT_EXCEPTIONS = {21504: 894}
+
+
+def _rsqrt_thresholds() -> np.ndarray:
+    k = np.arange(1023, 511, -1, dtype=np.float64)                                  # k = 1023 .. 512
+    ideal = np.ceil(((k + 0.5) * 2.0 ** -RSQRT_BITS) ** -2).astype(np.int64)       # round(m^-1/2 2^17) <= k from here
+    return ideal + np.asarray(RSQRT_OFFSETS, np.int64)                               # the device's points
+
+
+RSQRT_THRESHOLDS = _rsqrt_thresholds()
+
+
+def rsqrt_mantissa(m: np.ndarray) -> np.ndarray:
+    """k(m): the HTP's rsqrt of m in [2^14, 2^16) in units of 2^-17 (int64, 512..1024)."""
+    k = 1024 - np.searchsorted(RSQRT_THRESHOLDS, m, side="right")                  # one step down at each point
+    for at, value in RSQRT_EXCEPTIONS.items():
+        k = np.where(m == at, value, k)
+    return k
+
+
+def mantissa(ratio: float, bits: int) -> float:
+    """ratio rounded to a `bits`-bit mantissa (float64)."""
+    e = np.floor(np.log2(ratio)) - bits + 1
+    return float(np.rint(ratio / 2.0 ** e) * 2.0 ** e)
+
+
+def sqrt(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Sqrt.  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
+    (sx, zx), (so, zo) = x, out
+    n = np.maximum(np.asarray(qx, np.int64) - np.int64(zx), 0)                     # n = q_x - z_x (>= 0)
+    j = np.zeros(n.shape, np.int64)                                                # m = 4^j n in [2^14, 2^16)
+    m = np.where(n > 0, n, 1 << 14)
+    while (small := m < 1 << 14).any():
+        m, j = np.where(small, m * 4, m), j + small
+    r = rsqrt_mantissa(m) * 2.0 ** (j - RSQRT_BITS)                                 # R(n) = k(m) 2^(j - 17)
+    k = mantissa(np.sqrt(np.float64(np.float32(sx))) / np.float64(np.float32(so)), SQRT_SCALE_BITS)   # K
+    y = np.floor(n * r * k + 0.5).astype(np.int64)                                 # floor(n R(n) K + 1/2)
+    return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
+
+
+MEAN_MULTIPLIER_BITS = 15         # ReduceMean's s_x / (N s_o): an int16 multiplier
+
+
+def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised ReduceMean over the last axis (keepdims).  qx: codes [..., N]; x, out: (scale, zero
+    point), per tensor.  -> int64 codes [..., 1]."""
+    (sx, zx), (so, zo) = x, out
+    n = np.asarray(qx, np.int64) - np.int64(zx)                                    # n_i = q_i - z_x
+    r = np.float64(np.float32(sx)) / (n.shape[-1] * np.float64(np.float32(so)))   # r = s_x / (N s_o)
+    k = 62
+    while np.floor(r * 2.0 ** k + 0.25) > 2 ** MEAN_MULTIPLIER_BITS - 1:           # the int16 multiplier's shift
+        k -= 1
+    m = np.int64(np.floor(r * 2.0 ** k + 0.25))                                    # m = floor(r 2^k + 1/4)
+    acc = m * n.sum(axis=-1, keepdims=True)                                         # m sum_i n_i   (Q(k))
+    return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                          # floor(acc / 2^k + 1) + z_o
+
+
+MATMUL_DROPPED_BITS = 8           # MatMul's products summed, the low 8 bits dropped (floor; the zero point's rounded)
+
+
+def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (columns whose
+    k = q_w - z_w leave int8 are not modelled: module doc).  a, w, out: (scale, zero point).  -> int64 [..., N]."""
+    (sa, za), (sw, zw), (so, zo) = a, w, out
+    b = MATMUL_DROPPED_BITS
+    k = np.asarray(qw, np.int64) - np.int64(zw)                                   # k = q_w - z_w
+    hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k / 2^8)
+    zp = (np.int64(za) * k.sum(axis=0) + (1 << (b - 1))) >> b                     # round(z_a sum k / 2^8)
+    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) / np.float64(np.float32(so))
+    return np.clip(np.floor((hi - zp) * m + 0.5).astype(np.int64) + np.int64(zo), *qrange)    # q_o
+
+
+MUL_MULTIPLIER_BITS = 34          # Mul's s_a s_b / s_o: a Q34 multiplier
+MUL_CONSTANT_WRAP = 31            # its zero points' term's error: T m modulo 2^31, signed
+
+
+def mul(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Mul of two uint16 tensors (or a tensor and a uint16 constant: RMSNorm's weight).  qa, qb:
+    codes (broadcastable); a, b, out: (scale, zero point), per tensor.  -> int64 codes, broadcast shape."""
+    (sa, za), (sb, zb), (so, zo) = a, b, out
+    r = np.float32(np.float32(sa) * np.float32(sb)) / np.float32(so)               # M = s_a s_b / s_o (float32)
+    m = int(np.rint(np.float64(r) * 2.0 ** MUL_MULTIPLIER_BITS))                   # m = round(M 2^34)
+    zap, zbp = int(za) - 2 ** 15, int(zb) - 2 ** 15                                 # z' = z - 2^15 (int16)
+    c = (2 * zap * zbp + zap + zbp) * m % 2 ** MUL_CONSTANT_WRAP                     # T m mod 2^31
+    c -= 2 ** MUL_CONSTANT_WRAP if c >= 2 ** (MUL_CONSTANT_WRAP - 1) else 0         # signed: [-2^30, 2^30)
+    p = (np.asarray(qa, np.int64) - np.int64(za)) * (np.asarray(qb, np.int64) - np.int64(zb))   # the exact product
+    acc = p * np.int64(m) - np.int64(c)                                            # p m - c   (Q34; |p| < 2^32)
+    return np.clip(round_half_up_shift(acc, MUL_MULTIPLIER_BITS) + np.int64(zo), *qrange)   # q_o, saturated

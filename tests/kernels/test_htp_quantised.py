@@ -1,0 +1,82 @@
+"""The HTP's quantised arithmetic as refimpl models it (refimpl/kernels/htp_quantised.py) and the device arithmetic
+that computes a QDQ graph's ops with it (Policy.device_arithmetic, models/quantisers.DEVICE_OPS): the invariants of
+the models here; their agreement with the HTP simulator is tests/e2e/test_quantised_htp.py's (one-op graphs, and
+the dense W8A16 model's Adds, Sqrts and ReduceMeans on the HTP's own inputs)."""
+
+import numpy as np
+import pytest
+
+from refimpl.encodings import Encoding
+from refimpl.errors import InputError
+from refimpl.kernels import htp_quantised as H
+from refimpl.models.quantisers import DEVICE_OPS, Quantisers, device_ops
+from refimpl.precision import DEVICE_ARITHMETICS, Policy
+
+
+def test_add_rounds_ties_up_and_shares_one_int16_shift():
+    # two inputs of the output's scale, each half a step: the exact sum 1/2 code rounds up (ONNX: to even, 0)
+    assert H.add([1, -1], (0.5, 0), [0, 0], (0.5, 0), (1.0, 10)).tolist() == [11, 10]
+    assert H.multiplier_shift((0.99, 0.5), 15) == 15 and H.multiplier_shift((0.99999, 0.5), 15) == 14
+    assert H.multiplier_shift((2.0, 0.3), 15) == 13
+
+
+def test_sqrt_table_is_a_staircase_and_exact_at_powers_of_four():
+    t = H.RSQRT_THRESHOLDS
+    assert len(t) == 512 and (np.diff(t) > 0).all() and t[0] > 2 ** 14 and t[-1] < 2 ** 16
+    m = np.arange(2 ** 14, 2 ** 16)
+    k = H.rsqrt_mantissa(m)
+    assert k[0] == 1024 and k[-1] == 512 and np.abs(k - np.rint(m ** -0.5 * 2 ** 17)).max() <= 1
+    # x = n s_x = 1 and 4 (n = 2^14, 2^16 / ... ): sqrt exactly 1, 2 on an output grid of 2^-15
+    sx, so = 2.0 ** -14, 2.0 ** -15
+    assert H.sqrt([2 ** 14, 2 ** 12, 0], (sx, 0), (so, 0)).tolist() == [2 ** 15, 2 ** 14, 0]
+
+
+def test_reduce_mean_adds_a_whole_step():
+    # mean of codes 1, 2 (r = 1 / 2, exact): 1.5 -> floor(1.5 + 1) = 2; of 2, 2 -> 3 (ONNX: 2, 2)
+    assert H.reduce_mean([[1, 2], [2, 2]], (1.0, 0), (1.0, 0)).ravel().tolist() == [2, 3]
+
+
+def enc(scale, zp):
+    return Encoding(16, np.float32(scale), np.int32(-zp), arithmetic="onnx")
+
+
+def test_the_htp_device_arithmetic_computes_an_add_on_its_inputs_codes():
+    """A node's "+eps" point (Add("/mean", "const:eps")) under arithmetic "htp": its quantiser's values are the
+    HTP's Add of the codes the mean's and eps's quantisers held (ties rounded up), not the float sum quantised (ties
+    to even); without it, the float sum."""
+    e_mean, e_eps, e_out = enc(1e-4, 0), enc(1e-7, 0), enc(2e-4, 0)
+    points = {"n": {"mean": e_mean, "eps": e_eps, "+eps": e_out}}
+    ops = {"n/+eps": ("Add", ("n/mean", "n/eps"))}
+    for arithmetic, want in ((None, [0, 2, 2]), ("htp", [1, 2, 3])):
+        q = Quantisers(points=points, arithmetic=arithmetic, ops=ops if arithmetic else None)
+        hook = q.at("n")
+        mean = hook("mean", e_mean.dequantize(np.array([1, 3, 5])))      # half steps of the output
+        y = hook("+eps", mean + hook("eps", 0.0))
+        assert e_out.codes(y).tolist() == want, (arithmetic, e_out.codes(y))
+
+
+def test_device_ops_are_declared_by_the_graph_and_the_policy_checks_its_arithmetic():
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
+    assert ops["model.layers.0.input_layernorm/sqrt"] == ("Sqrt", ("model.layers.0.input_layernorm/+eps",))
+    assert ops["model.layers.0.attn_residual"][0] == "Add"
+    assert ops["model.layers.0.self_attn.q_proj"] == ("MatMul", ("model.layers.0.input_layernorm",
+                                                                 "weight:model.layers.0.self_attn.q_proj.weight"))
+    assert not any(k.startswith("model.layers.0.self_attn.attn_scores") and v[0] == "MatMul" for k, v in ops.items())
+    with pytest.raises(InputError, match="device_arithmetic"):
+        Policy(device_arithmetic="htp")                        # no device graph
+    with pytest.raises(InputError, match="device_arithmetic"):
+        Policy(weights="encodings", encodings="m.onnx", device_arithmetic="npu")
+
+
+def test_mul_is_its_q34_multiplier_and_the_zero_points_constant_error():
+    # M = 2^-15 exactly, zero points 0: the product rounded half up (a tie, 2^14 / 2^15, rounds up)
+    assert H.mul([2 ** 14, 3, 65535], (2.0 ** -16, 0), [1, 2 ** 14, 65535], (2.0 ** -16, 0),
+                 (2.0 ** -17, 0)).tolist() == [1, 2, 65535]
+    # M 2^15 = 2/3: m = 349525, whose low 15 bits (-10923) put every threshold 1/24 code above the exact product's
+    # (as on the simulator: an exact 1.5 -> 1, 1.538 -> 1, 1.550 -> 2)
+    sa, so = 2.0 ** -16, float(np.float32(2.0 ** -17 * 1.5))
+    assert H.mul([24576, 25200, 25400], (sa, 0), [3, 3, 3], (sa, 0), (so, 0)).tolist() == [1, 1, 2]
