@@ -437,9 +437,9 @@ def test_the_htp_arithmetic_reproduces_the_htps_adds_sqrts_and_means_on_its_own_
 def test_golden_with_the_htp_arithmetic_meets_the_htps_first_rmsnorm(diffed):
     """refimpl's quantised golden of the QDQ model with Policy(device_arithmetic="htp") (`refimpl golden
     --encodings MODEL_QDQ.onnx --device-arithmetic htp`), free-running against the HTP run: the first RMSNorm's x^2,
-    its mean and Sqrt are the HTP's codes (measured 100 % identical each; with the CPU EP's arithmetic 95 %, 62.5 %
-    and 0 %, Sqrt 40 codes off), its x / sqrt closer (5 codes, 24 before); later taps stay apart (Div and part of
-    MatMul are not modelled: docs/htp.md §9)."""
+    its mean, Sqrt and x / sqrt are the HTP's codes (measured 100 % identical each; with the CPU EP's arithmetic
+    95 %, 62.5 %, 0 % and 9.8 %, Sqrt 40 codes off, Div 24); the projections after it stay apart (MatMul's
+    int8-overflow columns are not modelled: docs/htp.md §9)."""
     import onnx
 
     from refimpl.formats.device_encodings import read_device_encodings
@@ -462,6 +462,5 @@ def test_golden_with_the_htp_arithmetic_meets_the_htps_first_rmsnorm(diffed):
                      params=Q.GENIE, decode_steps=0)
         codes = Q.codes_against(model.quantisers.record, model.quantisers.placement.tensors, qm, values)
         steps[arithmetic] = {op: codes[first[op]] for op in ("Mul", "ReduceMean", "Sqrt", "Div")}
-    assert all(steps["htp"][op] == (1.0, 0) for op in ("Mul", "ReduceMean", "Sqrt")), steps     # x^2, its mean, Sqrt
-    assert steps[None]["Mul"][0] < 1 and steps[None]["Sqrt"][1] > 10, steps
-    assert steps["htp"]["Div"][1] < steps[None]["Div"][1], steps
+    assert all(steps["htp"][op] == (1.0, 0) for op in ("Mul", "ReduceMean", "Sqrt", "Div")), steps   # x^2 .. x / sqrt
+    assert steps[None]["Mul"][0] < 1 and steps[None]["Sqrt"][1] > 10 and steps[None]["Div"][1] > 10, steps
