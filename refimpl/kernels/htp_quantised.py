@@ -80,10 +80,10 @@ divisor's integer steps, rounded half up, sign-magnitude:
     A    = floor(n K_m / 2^(k + 1) + 1/2)                  n K_m normalised to ~15 bits (K_m / 2 <= A <= K_m)
     R    = r 2^(e - 29) ~ 1 / n_b: n_b = q_b - z_b > 0 as m 2^-e, m in [2^15, 2^16); r = recip_mantissa(m >> 1):
            4 quadratic pieces per octave of m, evaluated in fixed point (RECIP_PIECES; 14 significant bits, within
-           5e-4 of 2^29 / m: not the correctly rounded reciprocal; m's lowest bit is dropped)
+           5.5e-4 of 2^29 / m: not the correctly rounded reciprocal; m's lowest bit is dropped)
     q_o  = clip(sign(q_a - z_a) floor(A r / 2^(28 - e - e_K - k - g) + 1/2) + z_o, 0, 2^16 - 1)
 
-    so the quotient carries the reciprocal's error (up to 5e-4 relative: ~8-16 codes at the top of the output range)
+    so the quotient carries the reciprocal's error (-5.2e-4 to +5.4e-4 relative: up to ~18 codes at 2^15 steps)
     and the rounding of n K_m to 15 bits (half a step of A: 2^-15 relative), each rounding half up on the magnitude
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
