@@ -55,7 +55,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
-                      "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out)}}
+                      "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
+                      "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
 # * w), 16-bit unsigned per tensor
@@ -89,7 +90,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     return out
 
 
-BROADCASTING = ("Add", "Mul")          # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Mul", "Div")   # device ops whose inputs broadcast
 
 
 def _broadcast(*shapes) -> bool:

@@ -726,6 +726,8 @@ def htp_op(n, codes):
         return htp_quantised.sqrt(q0, e0, out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.div(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)

@@ -36,6 +36,18 @@ def test_reduce_mean_adds_a_whole_step():
     assert H.reduce_mean([[1, 2], [2, 2]], (1.0, 0), (1.0, 0)).ravel().tolist() == [2, 3]
 
 
+def test_div_reciprocal_is_within_5e_4_and_the_quotient_is_sign_symmetric():
+    j = np.arange(2 ** 14, 2 ** 15)
+    r = H.recip_mantissa(j)                                            # r 2^-29 ~ 1 / (2 j): 14 bits
+    assert r[0] == 2 ** 14 and r.min() >= 2 ** 13 and r.max() <= 2 ** 14
+    assert 2e-4 < np.abs(r * 2.0 * j / 2 ** 29 - 1).max() < 5.6e-4   # four quadratic pieces: not correctly rounded
+    # a power-of-two divisor and K = 1 (s_a = s_b s_o): the quotient exact; symmetric about the zero point
+    q = H.div([100 + 6, 100 - 6, 100 + 7, 100], (1.0, 100), [2 ** 12 + 5] * 4, (2.0 ** -12, 5), (1.0, 50))
+    assert q.tolist() == [56, 44, 57, 50]
+    # the numerator's 15 significant bits: n K_m rounded, K_m = 2^14 here (n = 2^15 + 3 halves, then rounds)
+    assert H.div([2 ** 15 + 3], (1.0, 0), [2 ** 15], (1.0, 0), (2.0 ** -15, 0)).tolist() == [2 ** 15 + 4]
+
+
 def enc(scale, zp):
     return Encoding(16, np.float32(scale), np.int32(-zp), arithmetic="onnx")
 
