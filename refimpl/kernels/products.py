@@ -295,8 +295,8 @@ def spread(task, n: int) -> None:
 
 @functools.cache
 def _helpers() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that work beside the caller's in spread (so at most _workers() threads hold a _buffer)."""
-    return concurrent.futures.ThreadPoolExecutor(max(1, _workers() - 1), thread_name_prefix="refimpl-spread")
+    """The threads that work beside the caller's in spread (so at most _cores() threads hold a _buffer)."""
+    return concurrent.futures.ThreadPoolExecutor(max(1, _cores() - 1), thread_name_prefix="refimpl-spread")
 
 
 _local = threading.local()
@@ -324,8 +324,16 @@ def _blas_single():
             lib.set_num_threads(n)
 
 
-@functools.cache
 def _workers() -> int:
+    """Threads the products and elementary functions use: the cores this process may run on, at most BLAS's own
+    thread count (OPENBLAS_NUM_THREADS=1, threadpoolctl's limits or a dataset worker's share of the cores limit ours
+    too); 1 inside spread's tasks (BLAS on one thread there), so nothing nests."""
+    blas = [lib.num_threads for lib in _blas_controller().lib_controllers if lib.user_api == "blas"]
+    return max(1, min([_cores(), *blas]))
+
+
+@functools.cache
+def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 

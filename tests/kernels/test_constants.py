@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
     products take the threaded path, and every product spreads its blocks (the same for every generated input:
     nothing is reset between them)."""
     monkeypatch.setattr(products, "_SPREAD_WORK", 0)
+    monkeypatch.setattr(products, "_workers", lambda: 2)    # two threads even where BLAS runs on one (make test)
     monkeypatch.setattr(products, "_IN_BLOCK", 64)
     monkeypatch.setattr(products, "_OUT_BLOCK", 64)
     monkeypatch.setattr(products, "_VECTOR_BLOCK", 64)
@@ -89,8 +90,9 @@ def test_float64_and_plain_modes_take_the_array():
                           np.matmul(a64, w.T.astype(np.float64)))
 
 
-def test_spread_runs_every_task_once_and_reraises():
+def test_spread_runs_every_task_once_and_reraises(monkeypatch):
     """products.spread: the threads take tasks in turn; each runs once, and a task's exception reaches the caller."""
+    monkeypatch.setattr(products, "_workers", lambda: 2)
     seen = []
     products.spread(seen.append, 50)
     assert sorted(seen) == list(range(50))

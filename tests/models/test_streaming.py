@@ -216,7 +216,7 @@ def test_streaming_bounds_the_converted_bytes_held(tmp_path, monkeypatch):
     # beyond the budget: the activations (< 1 MiB) and the product kernel's float64 block of the weight it
     # multiplies (kernels/products.py converts at most _IN_BLOCK elements of the second operand at once; one
     # token's products, _VECTOR_BLOCK elements in each thread's buffer, made once per thread)
-    scratch = 8 * max(products._IN_BLOCK, products._VECTOR_BLOCK * products._workers())
+    scratch = 8 * max(products._IN_BLOCK, products._VECTOR_BLOCK * products._cores())
     assert peaks["streamed"] <= peaks["streamed budget"] + 2**20 + scratch, peaks
     assert peaks["resident"] >= total, peaks
     assert total >= 8 * peaks["streamed budget"]
