@@ -276,7 +276,8 @@ HTP_FAULTS = {
 HTP_STEPS = {"norm gain x1.05": 2}   # test_htp runs this one with its decode calls: the same run, judged here too
 
 
-@pytest.mark.xdist_group("htp")
+@pytest.mark.device_matrix   # every tensor classified (~14 s on the HTP worker): make test-devices; the honest run's
+@pytest.mark.xdist_group("htp")   # verdict itself is in make test (test_htp)
 def test_htp_honest_run_is_precision_only(htp_cases):
     """test_htp's honest dense run (prompt and decode calls), every tensor classified."""
     case = htp_cases("dense")
