@@ -313,7 +313,7 @@ def _buffer(size: int) -> np.ndarray:
 @contextlib.contextmanager
 def _blas_single():
     """BLAS on one thread inside the block (our threads are the parallelism)."""
-    libs = [lib for lib in _blas_controller().lib_controllers if lib.user_api == "blas"]
+    libs = _blas_libs()
     saved = [lib.num_threads for lib in libs]
     for lib in libs:
         lib.set_num_threads(1)
@@ -328,8 +328,7 @@ def _workers() -> int:
     """Threads the products and elementary functions use: the cores this process may run on, at most BLAS's own
     thread count (OPENBLAS_NUM_THREADS=1, threadpoolctl's limits or a dataset worker's share of the cores limit ours
     too); 1 inside spread's tasks (BLAS on one thread there), so nothing nests."""
-    blas = [lib.num_threads for lib in _blas_controller().lib_controllers if lib.user_api == "blas"]
-    return max(1, min([_cores(), *blas]))
+    return max(1, min([_cores(), *(lib.num_threads for lib in _blas_libs())]))
 
 
 @functools.cache
@@ -338,8 +337,9 @@ def _cores() -> int:
 
 
 @functools.cache
-def _blas_controller() -> threadpoolctl.ThreadpoolController:
-    return threadpoolctl.ThreadpoolController()
+def _blas_libs() -> tuple:
+    """threadpoolctl's controllers of the BLAS libraries loaded (found once: _workers asks on every product)."""
+    return tuple(lib for lib in threadpoolctl.ThreadpoolController().lib_controllers if lib.user_api == "blas")
 
 
 def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
