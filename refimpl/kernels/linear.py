@@ -5,18 +5,19 @@ import numpy as np
 from . import products
 
 
-def linear(x: np.ndarray, weight, bias: np.ndarray | None = None) -> np.ndarray:
+def linear(x: np.ndarray, weight, bias: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """y = x W^T (+ b).  x [..., in], weight [out, in] (PyTorch layout) or a products.Constant of W^T [in, out]
-    (a weight with its error-bound norms made once: Weights.matrix), bias [out] -> [..., out].
+    (a weight with its error-bound norms made once: Weights.matrix), bias [out] -> [..., out]; written into `out`
+    [prod(x.shape[:-1]), out] when given (a column block of a larger array will do).
 
     Each element is the correctly rounded sum of its products (kernels/products.py); leading axes are flattened
     so the product is one matrix multiply.
     """
     x2 = x.reshape(-1, x.shape[-1])
     w_t = weight if isinstance(weight, products.Constant) else weight.T            # [in, out]
-    y = products.matmul(x2, w_t)
+    y = products.matmul(x2, w_t, out=out)
     if bias is not None:
-        y = y + bias
+        y = np.add(y, bias, out=out)                                                # (in place into out)
     return y.reshape(*x.shape[:-1], w_t.shape[-1])
 
 

@@ -115,8 +115,10 @@ def column_norms(b64: np.ndarray) -> np.ndarray:
         return np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))[..., None, :]
 
 
-def matmul(a: np.ndarray, b) -> np.ndarray:
-    """a @ b with NumPy's matmul broadcasting: a [..., M, K], b [..., K, N] -> [..., M, N], correctly rounded.
+def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
+    """a @ b with NumPy's matmul broadcasting: a [..., M, K], b [..., K, N] -> [..., M, N], correctly rounded;
+    written into `out` when given (of that shape and the result's dtype; a column block of a larger array will do:
+    a blocked lm_head's blocks land in place, no copy).
 
     float32 (or narrower) inputs give float32 RNE32(sum_k a_k b_k) per element; float64 inputs NumPy's float64 product.
     b may be a `Constant` (a weight with its norms and maybe its float64 copy, made once). Otherwise columns of
@@ -130,18 +132,22 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul: operands need >= 2 axes, got {a.shape} and {b.shape}")
     if np.result_type(a.dtype, b.dtype, np.float32) == np.float64:
-        return np.matmul(a, b)
+        return np.matmul(a, b, out=out)
     if _plain.get():
         if _PLAIN_SPREAD and a.ndim == 2 and _streamed(a, b, ()) and b.size >= 2 * _PLAIN_BLOCK:
-            return _plain_few_rows(a, b)
-        return np.matmul(a, b)
+            return _into(out, _plain_few_rows(a, b))
+        return np.matmul(a, b, out=out)
     if _runtime.get():
-        return mlas_sgemm(a, b)
+        return _into(out, mlas_sgemm(a, b))
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    out = np.empty((*batch, a.shape[-2], N), np.float32)
+    shape = (*batch, a.shape[-2], N)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32:
+        raise ValueError(f"matmul: out is {out.dtype} {out.shape}, the product float32 {shape}")
     with np.errstate(invalid="ignore", over="ignore"):
         a64 = _to_float64(a)
         norm_a = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]           # [..., M, 1]
@@ -179,6 +185,14 @@ def matmul(a: np.ndarray, b) -> np.ndarray:
         else:
             for j in starts:
                 block(j)
+    return out
+
+
+def _into(out: np.ndarray | None, y: np.ndarray) -> np.ndarray:
+    """y, or y copied into out when out is given."""
+    if out is None:
+        return y
+    out[...] = y
     return out
 
 

@@ -181,10 +181,10 @@ class Weights:
         b = None if bias is None else self[bias]
         if len(blocks) == 1:
             return linear(x, self.matrix(name), b)
-        out = np.empty((*x.shape[:-1], self.shape(name)[0]), np.result_type(x.dtype, self.dtype))
-        for rows in blocks:
-            out[..., rows] = linear(x, self.matrix(name, rows), None if b is None else b[rows])
-        return out
+        out = np.empty((math.prod(x.shape[:-1]), self.shape(name)[0]), np.result_type(x.dtype, self.dtype))
+        for rows in blocks:                                                     # each block's product in place
+            linear(x, self.matrix(name, rows), None if b is None else b[rows], out=out[:, rows])
+        return out.reshape(*x.shape[:-1], -1)
 
     def matrix(self, name: str, rows: slice | None = None):
         """Matrix `name` [out, in] (or its row block `rows`) for `linear`: in float32 mode a products.Constant of

@@ -157,6 +157,22 @@ def test_plain_blas_is_opt_in():
     assert_bits(products.matmul(a, b), exact.matmul(a, b))
 
 
+def test_products_written_into_a_column_block_are_the_same_bits():
+    """matmul(out=) (a blocked lm_head's blocks in place): each mode writes the bits it returns, into a strided
+    column block of a larger array; an out of the wrong shape or dtype is refused."""
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((5, 70), dtype=F32), rng.standard_normal((70, 90), dtype=F32)
+    for mode in (products.plain_blas, products.onnxruntime_cpu, lambda: products.plain_blas(False)):
+        with mode():
+            whole = np.full((5, 200), np.nan, F32)
+            got = products.matmul(a, b, out=whole[:, 60:150])
+            assert np.shares_memory(got, whole)
+            assert np.array_equal(bits(whole[:, 60:150]), bits(products.matmul(a, b)))
+            assert np.isnan(whole[:, :60]).all() and np.isnan(whole[:, 150:]).all()
+    with pytest.raises(ValueError, match="out is float32"):
+        products.matmul(a, b, out=np.empty((5, 89), F32))
+
+
 def test_fma32_rounds_once_and_the_runtime_order_is_a_chain_of_them():
     """fma32(a, b, c) is RNE32 of the exact a b + c (tests/exact.py's Fraction rounding), midpoints included
     (a b exactly halfway between two float32, c a tiny nudge either way); ONNX Runtime's order (onnxruntime_cpu) is
