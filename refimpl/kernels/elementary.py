@@ -188,7 +188,12 @@ def mlas_logistic(x):
 
 
 def silu(x):
-    """silu(x) = x sigmoid(x) = x / (1 + e^-x) (x = -inf: NaN, as x * sigmoid(x) is in IEEE arithmetic)."""
+    """silu(x) = x sigmoid(x) = x / (1 + e^-x) (x = -inf: NaN, as x * sigmoid(x) is in IEEE arithmetic). Inside
+    products.plain_blas(), float32 x / (1 + e^-x) as it comes (one exp, three passes: a 128-token prefill's SiLU at
+    0.6B 69 -> ~25 ms)."""
+    if products.plain_blas_active() and np.asarray(x).dtype == np.float32:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return x / (1 + np.exp(-x))
     return correctly_rounded(x, lambda v: v * _sigmoid64(v), lambda v: v / (1 + mpmath.exp(-v)))
 
 
