@@ -355,8 +355,8 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, con
           f"({1e6 * k['functions_mpmath'] / max(1, k['functions']):.1f} per million)")
     print(f"weights: {fmt_bytes(W)} ({W:,} B); bytes read per decode step: {fmt_bytes(step_bytes)} "
           f"(weights + mean KV cache {fmt_bytes(kv_bytes)}); the resident correctly rounded side also holds "
-          f"float64 copies of the matrices: {fmt_bytes(r['float64_bytes'])} (its prefill reads those instead; one "
-          f"token's products read the float32 weights on both correctly rounded sides)")
+          f"float64 copies of the matrices: {fmt_bytes(r['float64_bytes'])} (its products read those instead: a "
+          f"decode step reads twice the bound's bytes)")
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))
     print(f"bandwidth, GB/s (1 GiB float32, best of 5; copy counts read + write, for information): {rates}; "
           f"bound uses the best read, {bw['read_method']} = {bw['read'] / 1e9:.1f} GB/s -> {fmt_s(bound)} per step")
