@@ -56,7 +56,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
-                      "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out)}}
+                      "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
+                      "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
 # * w), 16-bit unsigned per tensor

@@ -731,6 +731,8 @@ def htp_op(n, codes):
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Neg":
+        return htp_quantised.neg(q0, e0, out)
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)

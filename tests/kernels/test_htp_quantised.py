@@ -92,3 +92,17 @@ def test_mul_is_its_q34_multiplier_and_the_zero_points_constant_error():
     # (as on the simulator: an exact 1.5 -> 1, 1.538 -> 1, 1.550 -> 2)
     sa, so = 2.0 ** -16, float(np.float32(2.0 ** -17 * 1.5))
     assert H.mul([24576, 25200, 25400], (sa, 0), [3, 3, 3], (sa, 0), (so, 0)).tolist() == [1, 1, 2]
+
+
+def test_neg_rounds_in_eighths_half_up_so_seven_sixteenths_round_up():
+    z = 2 ** 15
+    q = np.arange(0, 65536, 97)
+    assert (H.neg(q, (1.0, z), (1.0, z)) == np.clip(2 * z - q, 0, 65535)).all()       # r = 1: exact negation
+    # r = 1/2: -1/2 and +1/2 code both round up (towards +inf), as the HTP's other requantisations
+    assert H.neg([z + 1, z - 1], (0.5, z), (1.0, 100)).tolist() == [100, 101]
+    # r = 7/16: 7/16 of a code is 3.5 eighths, rounded up to 4, then half: 1 (exact rounding: 0); 5/16 -> 0
+    assert H.neg([z - 1], (7 / 16, z), (1.0, 100)).tolist() == [101]
+    assert H.neg([z - 1], (5 / 16, z), (1.0, 100)).tolist() == [100]
+    # the zero point's term is rounded to eighths on its own: z' r = 1/16 becomes one eighth, still under half a code
+    assert H.neg([z], (1 / 16, z + 1), (1.0, 100)).tolist() == [100]
+    assert H.neg([0, 65535], (1.0, z), (2.0 ** -4, z)).tolist() == [65535, 0]     # saturated
