@@ -319,3 +319,31 @@ def neg(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     z = round_half_up_shift(np.int64(int(zx) - 2 ** 15) * m, sh)                   # z' r in eighths
     y = (t + z + (1 << (NEG_EIGHTHS_BITS - 1))) >> NEG_EIGHTHS_BITS                # floor((t + Z + 4) / 8)
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
+
+
+# SiLU's product x * sigmoid(x), uint16 (measured: the HTP fuses a Mul of a tensor and its own Sigmoid's codes: on the
+# same graph x * sigmoid(y) is the Mul above, every code, and x * sigmoid(x) 91-97 % of it; this model is 100 % of
+# codes over every input code of 17 encodings, 6 held out, and on the dense W8A16 model's 4 SiLU products on the
+# HTP's own inputs): the Mul's exact product and Q34 multiplier, with three differences
+#
+#     m   = floor(M 2^34 + 1/2),  M = s_a s_b / s_o in float32   the multiplier: ties up (the Mul: to even)
+#     T   = float32(2 z_a' z_b' + z_a' + z_b')                   the zero points' term in float32 (24 bits)
+#     c   = (T m mod 2^31) wrapped into [-2^30, 2^30)
+#     q_o = clip(floor(((q_a - z_a)(q_b - z_b) m - c + 2^33 + 2^30) / 2^34) + z_o, 0, 2^16 - 1)   a sixteenth more
+
+SILU_EXTRA_BITS = 30              # the fused product's extra rounding: 2^30 at Q34, a sixteenth of a code
+
+
+def silu_product(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's fused x * sigmoid(x): qa the codes of x, qb those of its sigmoid (the Sigmoid's own quantiser);
+    a, b, out: (scale, zero point), per tensor.  -> int64 codes, broadcast shape."""
+    (sa, za), (sb, zb), (so, zo) = a, b, out
+    r = np.float32(np.float32(sa) * np.float32(sb)) / np.float32(so)               # M = s_a s_b / s_o (float32)
+    m = int(np.floor(np.float64(r) * 2.0 ** MUL_MULTIPLIER_BITS + 0.5))            # m = round(M 2^34), ties up
+    zap, zbp = int(za) - 2 ** 15, int(zb) - 2 ** 15                                 # z' = z - 2^15 (int16)
+    t = int(np.float32(2 * zap * zbp + zap + zbp))                                  # T in float32
+    c = t * m % 2 ** MUL_CONSTANT_WRAP                                              # T m mod 2^31
+    c -= 2 ** MUL_CONSTANT_WRAP if c >= 2 ** (MUL_CONSTANT_WRAP - 1) else 0         # signed: [-2^30, 2^30)
+    p = (np.asarray(qa, np.int64) - np.int64(za)) * (np.asarray(qb, np.int64) - np.int64(zb))   # the exact product
+    acc = p * np.int64(m) - np.int64(c) + np.int64(1 << SILU_EXTRA_BITS)            # p m - c + 2^30   (Q34)
+    return np.clip(round_half_up_shift(acc, MUL_MULTIPLIER_BITS) + np.int64(zo), *qrange)   # q_o, saturated

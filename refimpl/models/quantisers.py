@@ -57,12 +57,16 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
-                      "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out)}}
+                      "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
+                      "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
 # * w), 16-bit unsigned per tensor
 DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
+# the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
+# "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
+DEVICE_FUSES_SILU = ("htp",)
 
 
 def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
@@ -72,14 +76,20 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
     none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
-    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs."""
+    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
+    (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
+        sigmoids = {f"/{pt.name}": tuple(pt.inputs) for pt in node.points if pt.onnx[0] == "Sigmoid"}
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
             pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
+            if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
+                    and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
+                declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
+                continue
             declared.append((where, pt.onnx[0], pt.inputs))
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
@@ -91,7 +101,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     return out
 
 
-BROADCASTING = ("Add", "Mul", "Div")   # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
 
 
 def _broadcast(*shapes) -> bool:

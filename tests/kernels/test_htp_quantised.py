@@ -106,3 +106,24 @@ def test_neg_rounds_in_eighths_half_up_so_seven_sixteenths_round_up():
     # the zero point's term is rounded to eighths on its own: z' r = 1/16 becomes one eighth, still under half a code
     assert H.neg([z], (1 / 16, z + 1), (1.0, 100)).tolist() == [100]
     assert H.neg([0, 65535], (1.0, z), (2.0 ** -4, z)).tolist() == [65535, 0]     # saturated
+
+
+def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_times_its_own_sigmoid():
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    # zero points 2^15 (the int16 zero: T = 0, c = 0), M = 2^-10: products 448 and 320 are exactly 7/16 and 5/16 of
+    # a code; the Mul rounds 7/16 down (+ 1/2), the fused product up (+ 1/2 + 1/16); 5/16 both down
+    a, b, out = (2.0 ** -10, 2 ** 15), (1.0, 2 ** 15), (1.0, 2 ** 15)
+    q = np.array([2 ** 15 + 448, 2 ** 15 + 320])
+    assert H.mul(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15, 2 ** 15]
+    assert H.silu_product(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15 + 1, 2 ** 15]
+    # the zero points' term in float32: T = 2^25 + 1 is rounded to 2^25 (24 bits), so c = 2^25 m mod 2^31
+    assert int(np.float32(2 ** 25 + 1)) == 2 ** 25
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
+    assert ops["model.layers.0.mlp.act_fn"] == ("SiLU", ("model.layers.0.mlp.gate_proj",
+                                                         "model.layers.0.mlp.act_fn/sigmoid"))
+    assert ops["model.layers.0.self_attn.q_rope/-x2"][0] == "Neg"
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")      # o * sigmoid(gate): a Mul
+    assert ops["model.layers.3.self_attn.gated_output"][0] == "Mul"
+    assert ops["model.layers.0.linear_attn.conv1d_silu"][0] == "SiLU"
