@@ -763,6 +763,8 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
         codes = values.get(d.input[0], inits.get(d.input[0]))
         scale, zp = inits[d.input[1]], inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
         axis = next((a.i for a in d.attribute if a.name == "axis"), 1)
+        if np.size(scale) == 1:          # a one-element scale (Qwen3.5's scalar codes): per tensor
+            scale, zp = np.reshape(scale, ()), np.reshape(zp, ())
         if np.ndim(scale):
             shape = [1] * codes.ndim
             shape[axis] = -1
