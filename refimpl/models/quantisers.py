@@ -178,6 +178,11 @@ class Quantisers:
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
         if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
             return None
+        if op == "MatMul" and np.shape(codes[0])[-1] != np.shape(codes[1])[0]:     # held with its heads split
+            a = np.asarray(codes[0])                                                # (Qwen3.5's gated norm [.., H, D]
+            if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
+                return None
+            codes[0] = a.reshape(*a.shape[:-2], -1)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
         if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for

@@ -127,3 +127,21 @@ def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_ti
     ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")      # o * sigmoid(gate): a Mul
     assert ops["model.layers.3.self_attn.gated_output"][0] == "Mul"
     assert ops["model.layers.0.linear_attn.conv1d_silu"][0] == "SiLU"
+
+
+def test_the_device_matmul_reads_an_input_held_with_its_heads_split():
+    """Qwen3.5's out_proj reads the gated norm, held as [B, T, H, D], as the device graph's [B, T, H D] (it raised
+    "mismatch in its core dimension" before): the device MatMul on the merged codes; an input whose last axes do not
+    make the weight's K stays the CPU EP's arithmetic (None)."""
+    rng = np.random.default_rng(0)
+    e_in, e_out = enc(1e-3, 30000), enc(4e-3, 31000)
+    e_w = Encoding(8, np.float32(0.01), np.int32(-128), arithmetic="onnx")
+    w = e_w.dequantize(rng.integers(0, 256, (3, 4)))                            # [out, in]
+    q = Quantisers(outputs={"norm": e_in, "proj": e_out}, arithmetic="htp", weight=lambda name: (w, e_w),
+                   ops={"proj": ("MatMul", ("norm", "weight:w"))})
+    x = q.output("norm", e_in.dequantize(rng.integers(25000, 35000, (1, 2, 2, 2))))   # [B, T, H, D]
+    y = q.output("proj", (x.reshape(1, 2, 4) @ w.T).astype(np.float32))
+    want = H.matmul(e_in.codes(x).reshape(1, 2, 4), (1e-3, 30000), e_w.codes(w).T, (0.01, 128), (4e-3, 31000))
+    assert (e_out.codes(y) == want).all()
+    q.held["norm"] = (x.reshape(1, 2, 1, 4)[..., :3], e_in)                    # 1 x 3: not K = 4
+    assert (q.output("proj", y) == e_out.dequantize(e_out.codes(y))).all()      # y quantised, as the CPU EP
