@@ -58,7 +58,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
-                      "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out)}}
+                      "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
+                      "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
 # * w), 16-bit unsigned per tensor

@@ -124,6 +124,7 @@ def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_ti
     assert ops["model.layers.0.mlp.act_fn"] == ("SiLU", ("model.layers.0.mlp.gate_proj",
                                                          "model.layers.0.mlp.act_fn/sigmoid"))
     assert ops["model.layers.0.self_attn.q_rope/-x2"][0] == "Neg"
+    assert ops["model.layers.0.mlp.act_fn/sigmoid"] == ("Sigmoid", ("model.layers.0.mlp.gate_proj",))
     ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")      # o * sigmoid(gate): a Mul
     assert ops["model.layers.3.self_attn.gated_output"][0] == "Mul"
     assert ops["model.layers.0.linear_attn.conv1d_silu"][0] == "SiLU"
@@ -145,3 +146,19 @@ def test_the_device_matmul_reads_an_input_held_with_its_heads_split():
     assert (e_out.codes(y) == want).all()
     q.held["norm"] = (x.reshape(1, 2, 1, 4)[..., :3], e_in)                    # 1 x 3: not K = 4
     assert (q.output("proj", y) == e_out.dequantize(e_out.codes(y))).all()      # y quantised, as the CPU EP
+
+
+def test_sigmoid_table_is_monotone_symmetric_and_within_two_steps_of_the_sigmoid():
+    t = H.SIGMOID_TABLE
+    assert t[0] == 2 ** 14 and t[-1] == 2 ** 15 - 1 and len(t) == 62486 and set(np.diff(t)) <= {0, 1, 2}
+    k = np.arange(len(t))
+    assert np.abs(t - 2 ** 14 * (1 + np.tanh(k / (2 * H.SIGMOID_GRID)))).max() < 1.3
+    # s_x = 1/6144: the codes are the table's points; x < 0 mirrored (y(x) + y(-x) = 2^15 - 1, x = 0: 2^14)
+    q = np.arange(0, 65536, 7)
+    y = H.sigmoid(q, (1 / 6144, 2 ** 15)) // 2
+    n = q - 2 ** 15
+    assert (y[n >= 0] == t[n[n >= 0]]).all() and (y[n < 0] == 2 ** 15 - 1 - t[-n[n < 0]]).all()
+    assert H.sigmoid([2 ** 15], (1e-3, 2 ** 15)).tolist() == [2 ** 15]
+    assert (H.sigmoid(q, (1e-3, 2 ** 15)) % 2 == 0).all()
+    # s_x 6144 = 61.44 grid steps per code: the int16 multiplier round(61.44 2^9) = 31457 at shift 9, k = 245
+    assert H.sigmoid([2 ** 15 + 4], (0.01, 2 ** 15)).tolist() == [2 * t[int(4 * 0.01 * 6144)]]
