@@ -56,7 +56,7 @@ and a weight at the far end: 1-2 columns of 64-192 per projection) is tens to hu
 Mul, uint16 x uint16 (measured: 100 % of codes identical on 19 one-op sweeps (every code of one input against
 13 of the other, random codes; multipliers 2^-22.6 to 2^-11, zero points 0 to 65535 on either input and the output)
 and on 58 of the dense W8A16 model's 62 Muls on their own inputs (x^2, x * 1 / sqrt, * w, RoPE's products, the
-scores' scaling, the MLP's product; the 4 SiLU products x * sigmoid(x) 93-95 %, max 1: not located)):
+scores' scaling, the MLP's product; the 4 SiLU products x * sigmoid(x) are the HTP's fused op, silu_product below)):
 
     M   = s_a s_b / s_o                                  in float32 (one rounding per operation)
     m   = round(M 2^34)                                  the multiplier, Q34 (ties to even)
@@ -88,7 +88,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Not modelled here (measured, docs/htp.md): Softmax, Sigmoid, the uint16 x uint16 MatMul.
+Not modelled here (measured, docs/htp.md): Softmax, the uint16 x uint16 MatMul. Neg, the fused SiLU product and Sigmoid:
+the sections at the end of this file.
 """
 
 import numpy as np
@@ -291,3 +292,132 @@ def div(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.nd
                  p << np.maximum(-sh, 0))                                          # rounded half up (magnitude)
     y = np.where(nb > 0, np.sign(na) * y, np.sign(na) * (qrange[1] - qrange[0] + abs(int(zo)) + 1))  # n_b <= 0
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
+
+
+# Neg, uint16 (RoPE's rotate_half; measured: 100 % of codes identical over every input code of 33 encodings: scale
+# ratios 0.01 to 60, zero points 0-65535 on the input and the output, 8 of them held out; the CPU EP's exact
+# QuantizeLinear 91-100 %, 1 code): the input's int16 codes (q - 2^15) rescaled by a Q18 multiplier into eighths of
+# an output code, its zero point's term rounded to eighths apart, then the eighths rounded half up with a sixteenth
+# more (the rounding constant 9/16: about a middle zero point every code is floor(-n r + 9/16)):
+#
+#     m   = round(s_x / s_o 2^18)                         the multiplier, Q18
+#     t   = floor((-(q_x - 2^15) m + 2^14) / 2^15)        -q' r in eighths, rounded half up
+#     Z   = floor(((z_x - 2^15) m + 2^14) / 2^15)         z' r in eighths, rounded half up
+#     q_o = clip(floor((t + Z + 4) / 8) + z_o, 0, 2^16 - 1)
+
+NEG_MULTIPLIER_BITS = 18          # Neg's s_x / s_o: a Q18 multiplier
+NEG_EIGHTHS_BITS = 3              # its terms in eighths of an output code, each rounded half up
+
+
+def neg(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Neg.  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
+    (sx, zx), (so, zo) = x, out
+    r = np.float64(np.float32(sx)) / np.float64(np.float32(so))                   # r = s_x / s_o
+    m = np.int64(multiplier(r, NEG_MULTIPLIER_BITS))                              # m = round(r 2^18)
+    sh = NEG_MULTIPLIER_BITS - NEG_EIGHTHS_BITS
+    qp = np.asarray(qx, np.int64) - np.int64(2 ** 15)                              # q' = q_x - 2^15 (int16)
+    t = round_half_up_shift(-qp * m, sh)                                           # -q' r in eighths
+    z = round_half_up_shift(np.int64(int(zx) - 2 ** 15) * m, sh)                   # z' r in eighths
+    y = (t + z + (1 << (NEG_EIGHTHS_BITS - 1))) >> NEG_EIGHTHS_BITS                # floor((t + Z + 4) / 8)
+    return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
+
+
+# SiLU's product x * sigmoid(x), uint16 (measured: the HTP fuses a Mul of a tensor and its own Sigmoid's codes: on the
+# same graph x * sigmoid(y) is the Mul above, every code, and x * sigmoid(x) 91-97 % of it; this model is 100 % of
+# codes over every input code of 17 encodings, 6 held out, and on the dense W8A16 model's 4 SiLU products on the
+# HTP's own inputs): the Mul's exact product and Q34 multiplier, with three differences
+#
+#     m   = floor(M 2^34 + 1/2),  M = s_a s_b / s_o in float32   the multiplier: ties up (the Mul: to even)
+#     T   = float32(2 z_a' z_b' + z_a' + z_b')                   the zero points' term in float32 (24 bits)
+#     c   = (T m mod 2^31) wrapped into [-2^30, 2^30)
+#     q_o = clip(floor(((q_a - z_a)(q_b - z_b) m - c + 2^33 + 2^30) / 2^34) + z_o, 0, 2^16 - 1)   a sixteenth more
+
+SILU_EXTRA_BITS = 30              # the fused product's extra rounding: 2^30 at Q34, a sixteenth of a code
+
+
+def silu_product(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's fused x * sigmoid(x): qa the codes of x, qb those of its sigmoid (the Sigmoid's own quantiser);
+    a, b, out: (scale, zero point), per tensor.  -> int64 codes, broadcast shape."""
+    (sa, za), (sb, zb), (so, zo) = a, b, out
+    r = np.float32(np.float32(sa) * np.float32(sb)) / np.float32(so)               # M = s_a s_b / s_o (float32)
+    m = int(np.floor(np.float64(r) * 2.0 ** MUL_MULTIPLIER_BITS + 0.5))            # m = round(M 2^34), ties up
+    zap, zbp = int(za) - 2 ** 15, int(zb) - 2 ** 15                                 # z' = z - 2^15 (int16)
+    t = int(np.float32(2 * zap * zbp + zap + zbp))                                  # T in float32
+    c = t * m % 2 ** MUL_CONSTANT_WRAP                                              # T m mod 2^31
+    c -= 2 ** MUL_CONSTANT_WRAP if c >= 2 ** (MUL_CONSTANT_WRAP - 1) else 0         # signed: [-2^30, 2^30)
+    p = (np.asarray(qa, np.int64) - np.int64(za)) * (np.asarray(qb, np.int64) - np.int64(zb))   # the exact product
+    acc = p * np.int64(m) - np.int64(c) + np.int64(1 << SILU_EXTRA_BITS)            # p m - c + 2^30   (Q34)
+    return np.clip(round_half_up_shift(acc, MUL_MULTIPLIER_BITS) + np.int64(zo), *qrange)   # q_o, saturated
+
+
+
+# Sigmoid, uint16 (measured: 100 % of codes identical over every input code of 10 encodings, input scales 2^-16 to
+# 2^-10, 7 of them not used to read the table; the CPU EP 20-40 %, 4-5 codes): the input's magnitude on a grid of
+# 1/6144 (an int16 multiplier), the device's 15-bit sigmoid at that grid point read from its table, mirrored for a
+# negative input, written as codes of sigmoid(x) 2^16 (every code even) WHATEVER the graph's output encoding says
+# (ONNX Runtime's QNN config gives Sigmoid (2^-16, 0), so they agree there; with another, the device's codes still
+# mean sigmoid(x) 2^16: docs/htp.md §9):
+#
+#     r   = s_x 6144                                      the input's scale in grid steps
+#     s   = the largest s <= 15 with round(r 2^s) <= 2^15 - 1;  m = round(r 2^s)    an int16 multiplier
+#     k   = min(floor(|q_x - z_x| m / 2^s), 62485)        |x| on the grid (62485: the table's end, 32767)
+#     y   = S(k) if q_x >= z_x else 2^15 - 1 - S(k)       the 15-bit sigmoid: S(0) = 2^14, S(k) + S'(-k) = 2^15 - 1
+#     q_o = 2 y
+#
+# S: the HTP's sigmoid on the grid, measured (QNN 2.51 HTP v75 simulator, one-op QDQ Sigmoid over all 65536 input
+# codes at s_x = 1/6144, zero point 0: k = 0..65535; the same S at s_x = 2/6144, 4/6144 about zero point 2^15), stored
+# as its steps S(k + 1) - S(k) in {0, 1, 2}, zlib-compressed, base64. Within -1.25..+0.93 of 2^14 (1 + tanh(k /
+# 12288)): not the correctly rounded sigmoid (an approximation; not linear between its own points at any spacing of
+# 2^3..2^11).
+
+SIGMOID_GRID = 6144               # Sigmoid's input grid: |x| in steps of 1/6144
+SIGMOID_MULTIPLIER_BITS = 15      # s_x 6144: an int16 multiplier, at most Q15
+SIGMOID_STEPS = (
+    "eNrtV4mW4zgIxP3/H73HTBJZKqBAku3MwOZ1bFEXOJ2ePX6O48Gvf3+0179e7fXk6/Q2EdIPJjozaG0JasnU+UPoLjbz3BxLwtVxGhUCe4hsamYp"
+    "mRXQ6Y1IMrNZq00MK/avSkyWeLiSmdLcbWzpyhOVWCbv28P5TtEXQXwSzYdD+7OfZcl6HNzvPPUVzEgxC/J/88wDUvWIMsRZSZhv409f/j+H/ETU"
+    "aOvXzfCJf911f1h502vvBM37itw8ZTn9U0HafxSR4irs1EhQjkMJIwRbfg4OBC00vLeOU0ePaRrFjvXNwiCS8WAV+mWA3Q59ZWkheyF8hmxgUZhs"
+    "uZgq6BENWTCj94KoJqYoMc5OYox3jB9yaQVgZhyLuGhMjAvo77AiMfr1gVUp8yK5IVwHaMjiaR2Wv+VmaPuSqpIqsJHn6sTovXuM5aI+A7nkMQgA"
+    "f2Y1lNvFAFtDEGNcAT31oENCNVWNDtZ0fkMqrIFxth5BsdGYcoxvupyuoHHet56DqdnDQN/jU0Sr0WVAWr5tw+5kz6DxxDcFWTnRnNq7i5AqCcsj"
+    "PhLQjlsPfDyKt57iJHSU4ICG439yqZ7lje6BsC72e0g9yQBwLXlW/yBaFKE3ZjX5Y0hdWRfy1fCc0bYokAGjpTgBNcMJhsONCCgTnoU/P94W7/HP"
+    "i0DnYEu5ppwGPIcZkjZjpKpJ8TKSduGEdJOXSNMaMsjfgSgQkHs7KSqn4HAwLPuioZYphnXAMVTuDFVcdzwmlRHSJxnFZYSMuiA03/04ojxauDbX"
+    "64FjnhzszWeuOB82Tk8PI9qJBaBPs0FD5fBnYJ339zkUFPvQDlFIaCFBVXUv7HsES2sKeCSJ99diZEoKHwsP/f89YJJrdZFOLYmkYgXERskYRpmA"
+    "Ioi5dH0k8S5NE4ko7bkUkIZiChppgIvV6H7AFCNZncDmy/kJygHVxL17kVykHGRP8HQ0WMy2qHqDOMb7BydF9bA90K3FMUPSwxoEbE2LIQGuYG8P"
+    "LubcOhrpUxa+HOwAH1c0II1xhIY4UwgG40vByXy8A1K0xV2G6WMreCKEeuyYEg8miAlSfmEo/ZLjglf6LOnANEwNV8gCe2kicsyqxM9KaI4tbX9m"
+    "kwIpXuM4DpfXtRZl92AYnECNpjp0YDWOaWqedp9LfNqFOKNVI1Hnho/K0LdpDlE3s1JaGnBS5l6TwPceHgYe7zEVRtV01KycjX6pITWaEe2im3cC"
+    "D273tmJUauTY1VaW0DMd6X67hppuTJGwK47aZ/L65yud0Tom/+tjhQhtkgzsbG4qKBCVN4lOKjKelvCMg2cU65AuGILO9RlYKfOCxSk8JBDXGe99"
+    "VfJ+Bk2AeJWzmHXXriCoH027Chpt4jk1BH/qEfCuCGTGR/FTz6IaakRHYVbJv+lceYkXJ2hKISgmpZzgB6SwepjoEkB0VQkHsRrYiLdzkKht+Vj4"
+    "AMvjsgqmJafpQQygGYqhRmR2vWCePJ9Fa3uKcT4Iuufn5fzBKU1E9z04RO5vzCSMWoxg6gQBrjOroq3XB6UdxivDFh4MeI0WpjqusUOmr4U00R4x"
+    "fzKHc1fQnY6dsdle6pE6umvpJwa3iq+tocgqyBi6G3dtWxvRmNOTsFwZWdRnomgjaBlDYiY5BFzMNmXtBlxKQivRtdWJMP5kxg0Rh9BmFeZwRiwP"
+    "wyh7jJjHjIkXkjfJ5vXPwR2flIhqZo0mCEdgU27+oY6NRltuvAAd7KQDRQ/h/lJpPJNAvuSl0Q/LTAUJ9SxGwi+Gix1YqTPaKUgL1K4nnIIyUz81"
+    "rwBZe0gB8nVt72gl0dPKS0533JuYjosOCl0JT+LnhH2RtW9EiFnRaehyJhUpEt+57aKGDDLcVLqgY85D8QqKs2pJt9vf3TnYQfUDGkBL6+FcCT62"
+    "frBELL6WXJIUZE2G2YtQrtBYlOs6dHDIHfClRyvwjyHE5TZeTRknyF7b3mFKnbdMaQb6Af+IwTxg/jIyZUgiDU4j8iIEOg+ZgAfzUpJRHcqACh1W"
+    "PWHiWcOyiZE4eoaf8M/AWAEyjqFNrio3EuvLx02aLRGxJHnzLPISaEdMbyMiO6O08Da/l2DIOfLUUFH2tXT3PsoPGwwC0QnmIySmipvucV2RlFG9"
+    "TCVHWsVi4uQyp2k77R57tJ05YXAXbubsacBJSfI3JyC4Y8YFqWY3GtPdJhySWBA5GnqJiiq+RCYafc1241PtP08wlhGsTkJtYSOV+ZC7O8t3vXpF"
+    "6fBpzYsl06PnF7NlpfcE2hdpzneSvVV80nxS/fb+dwAukbgI8W2QPxZztRKJutzwFrFdsrfANqzm2LDCHcAdkn8qdCc4Cn9MkudMuR+/O84FhEs8"
+    "EqkumeS5wbKkL2CleRfb3UC8Puld1CnubeQp30n2t/Nn3ZdIPCLEY2KsEVmk8qwwy3SemGil1HNzLVa776/dlmm+RHGT6vEFMfcsc6/yTunN4pvV"
+    "98l/a+7LTS5y2W9z0RwXGl3s9Sd9GB5hebnpLTPeanyf+a0j3x3g9uGfFOMhy3hMjifmedpunprpqamenew78j0/4Jfl/Kak3xr4a0P/VUMdNUSN"
+    "UhPWODXzX/5Qaws1eS2hVlULqpXVCqtqs7XyqnoM9Xiq6glW1UOuqg9DVX1oquqjVVVVn/aqqvrUV1VV1e9xVVVVfQlUVVVV1VdlVVVVVVX9Zamq"
+    "qqqqqqqqqn9oVFVVVVVVVVVVVVVVVT3t/zj/AewnQAA=")
+
+
+def _sigmoid_table() -> np.ndarray:
+    import base64
+    import zlib
+    steps = np.frombuffer(zlib.decompress(base64.b64decode("".join(SIGMOID_STEPS))), np.uint8)
+    return np.concatenate([[2 ** 14], 2 ** 14 + np.cumsum(steps, dtype=np.int64)])   # S(k), k = 0..62485
+
+
+SIGMOID_TABLE = _sigmoid_table()
+
+
+def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Sigmoid.  qx: codes; x: (scale, zero point), per tensor; out: the graph's output encoding,
+    which the device does not read (its codes are sigmoid(x) 2^16).  -> int64 codes, qx's shape."""
+    sx, zx = x
+    r = np.float64(np.float32(sx)) * SIGMOID_GRID                                  # r = s_x 6144
+    s = multiplier_shift((r,), SIGMOID_MULTIPLIER_BITS)                             # the int16 multiplier's shift
+    m = np.int64(multiplier(r, s))                                                 # m = round(r 2^s)
+    n = np.asarray(qx, np.int64) - np.int64(zx)                                    # n = q_x - z_x
+    k = np.minimum((np.abs(n) * m) >> s, len(SIGMOID_TABLE) - 1)                   # |x| on the grid
+    y = np.where(n >= 0, SIGMOID_TABLE[k], 2 ** 15 - 1 - SIGMOID_TABLE[k])         # S(k), mirrored
+    return np.clip(2 * y, *qrange)                                                 # q_o = 2 y

@@ -56,12 +56,18 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
-                      "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out)}}
+                      "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
+                      "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
+                      "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
+                      "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
 # * w), 16-bit unsigned per tensor
 DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
+# the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
+# "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
+DEVICE_FUSES_SILU = ("htp",)
 
 
 def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
@@ -71,14 +77,20 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
     none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
-    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs."""
+    Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
+    (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
+        sigmoids = {f"/{pt.name}": tuple(pt.inputs) for pt in node.points if pt.onnx[0] == "Sigmoid"}
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
             pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
+            if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
+                    and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
+                declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
+                continue
             declared.append((where, pt.onnx[0], pt.inputs))
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
@@ -90,7 +102,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     return out
 
 
-BROADCASTING = ("Add", "Mul", "Div")   # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
 
 
 def _broadcast(*shapes) -> bool:
@@ -167,6 +179,11 @@ class Quantisers:
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
         if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
             return None
+        if op == "MatMul" and np.shape(codes[0])[-1] != np.shape(codes[1])[0]:     # held with its heads split
+            a = np.asarray(codes[0])                                                # (Qwen3.5's gated norm [.., H, D]
+            if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
+                return None
+            codes[0] = a.reshape(*a.shape[:-2], -1)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
         if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for

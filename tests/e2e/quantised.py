@@ -711,11 +711,12 @@ def refimpl_op(n, ins):
     return None
 
 
-def htp_op(n, codes):
+def htp_op(n, codes, fused: bool = False):
     """A computing node of the QDQ model in the HTP's quantised arithmetic where refimpl models it
     (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
     for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
-    codes, or None where not modelled (or an input is not read, or an encoding is per axis)."""
+    codes, or None where not modelled (or an input is not read, or an encoding is per axis). fused: a Mul of x and
+    its own Sigmoid's codes, which the HTP computes as its fused SiLU product."""
     from refimpl.kernels import htp_quantised
     if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
@@ -724,6 +725,8 @@ def htp_op(n, codes):
         return htp_quantised.add(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sqrt":
         return htp_quantised.sqrt(q0, e0, out)
+    if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None and fused:
+        return htp_quantised.silu_product(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
@@ -731,6 +734,10 @@ def htp_op(n, codes):
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Neg":
+        return htp_quantised.neg(q0, e0, out)
+    if n.op_type == "Sigmoid":
+        return htp_quantised.sigmoid(q0, e0, out)
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)
@@ -758,6 +765,8 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
         codes = values.get(d.input[0], inits.get(d.input[0]))
         scale, zp = inits[d.input[1]], inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
         axis = next((a.i for a in d.attribute if a.name == "axis"), 1)
+        if np.size(scale) == 1:          # a one-element scale (Qwen3.5's scalar codes): per tensor
+            scale, zp = np.reshape(scale, ()), np.reshape(zp, ())
         if np.ndim(scale):
             shape = [1] * codes.ndim
             shape[axis] = -1
@@ -771,6 +780,16 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             return None
         zp = inits[d.input[2]] if len(d.input) > 2 else np.zeros((), np.int64)
         return values.get(d.input[0], inits.get(d.input[0])), (inits[d.input[1]], zp)
+    def silu(n):    # a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x): the HTP fuses it
+        def quantiser(t):   # the QuantizeLinear output a DequantizeLinear reads
+            d = producer.get(t)
+            return d.input[0] if d is not None and d.op_type == "DequantizeLinear" else None
+        if n.op_type != "Mul" or len(n.input) != 2:
+            return False
+        q = producer.get(quantiser(n.input[1]) or "")
+        s = producer.get(q.input[0]) if q is not None else None
+        return s is not None and s.op_type == "Sigmoid" and quantiser(s.input[0]) == quantiser(n.input[0]) is not None
+
     rows = []
     with products.onnxruntime_cpu():
         for q in qm.graph.node:
@@ -781,8 +800,8 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             if any(x is None for x in ins):
                 continue
             want = values[q.output[0]]
-            mine = htp_op(n, [codes(i) for i in n.input if i] + [(None, (inits[q.input[1]], inits[q.input[2]]))]) \
-                if htp else None
+            mine = htp_op(n, [codes(i) for i in n.input if i] + [(None, (inits[q.input[1]], inits[q.input[2]]))],
+                          fused=silu(n)) if htp else None
             if mine is not None:
                 share, step = codes_agreement(np.broadcast_to(mine, want.shape), want)
                 rows.append((q.output[0], n.op_type, n.name, share, step))

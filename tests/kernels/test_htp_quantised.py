@@ -92,3 +92,73 @@ def test_mul_is_its_q34_multiplier_and_the_zero_points_constant_error():
     # (as on the simulator: an exact 1.5 -> 1, 1.538 -> 1, 1.550 -> 2)
     sa, so = 2.0 ** -16, float(np.float32(2.0 ** -17 * 1.5))
     assert H.mul([24576, 25200, 25400], (sa, 0), [3, 3, 3], (sa, 0), (so, 0)).tolist() == [1, 1, 2]
+
+
+def test_neg_rounds_in_eighths_half_up_so_seven_sixteenths_round_up():
+    z = 2 ** 15
+    q = np.arange(0, 65536, 97)
+    assert (H.neg(q, (1.0, z), (1.0, z)) == np.clip(2 * z - q, 0, 65535)).all()       # r = 1: exact negation
+    # r = 1/2: -1/2 and +1/2 code both round up (towards +inf), as the HTP's other requantisations
+    assert H.neg([z + 1, z - 1], (0.5, z), (1.0, 100)).tolist() == [100, 101]
+    # r = 7/16: 7/16 of a code is 3.5 eighths, rounded up to 4, then half: 1 (exact rounding: 0); 5/16 -> 0
+    assert H.neg([z - 1], (7 / 16, z), (1.0, 100)).tolist() == [101]
+    assert H.neg([z - 1], (5 / 16, z), (1.0, 100)).tolist() == [100]
+    # the zero point's term is rounded to eighths on its own: z' r = 1/16 becomes one eighth, still under half a code
+    assert H.neg([z], (1 / 16, z + 1), (1.0, 100)).tolist() == [100]
+    assert H.neg([0, 65535], (1.0, z), (2.0 ** -4, z)).tolist() == [65535, 0]     # saturated
+
+
+def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_times_its_own_sigmoid():
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    # zero points 2^15 (the int16 zero: T = 0, c = 0), M = 2^-10: products 448 and 320 are exactly 7/16 and 5/16 of
+    # a code; the Mul rounds 7/16 down (+ 1/2), the fused product up (+ 1/2 + 1/16); 5/16 both down
+    a, b, out = (2.0 ** -10, 2 ** 15), (1.0, 2 ** 15), (1.0, 2 ** 15)
+    q = np.array([2 ** 15 + 448, 2 ** 15 + 320])
+    assert H.mul(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15, 2 ** 15]
+    assert H.silu_product(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15 + 1, 2 ** 15]
+    # the zero points' term in float32: T = 2^25 + 1 is rounded to 2^25 (24 bits), so c = 2^25 m mod 2^31
+    assert int(np.float32(2 ** 25 + 1)) == 2 ** 25
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
+    assert ops["model.layers.0.mlp.act_fn"] == ("SiLU", ("model.layers.0.mlp.gate_proj",
+                                                         "model.layers.0.mlp.act_fn/sigmoid"))
+    assert ops["model.layers.0.self_attn.q_rope/-x2"][0] == "Neg"
+    assert ops["model.layers.0.mlp.act_fn/sigmoid"] == ("Sigmoid", ("model.layers.0.mlp.gate_proj",))
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")      # o * sigmoid(gate): a Mul
+    assert ops["model.layers.3.self_attn.gated_output"][0] == "Mul"
+    assert ops["model.layers.0.linear_attn.conv1d_silu"][0] == "SiLU"
+
+
+def test_the_device_matmul_reads_an_input_held_with_its_heads_split():
+    """Qwen3.5's out_proj reads the gated norm, held as [B, T, H, D], as the device graph's [B, T, H D] (it raised
+    "mismatch in its core dimension" before): the device MatMul on the merged codes; an input whose last axes do not
+    make the weight's K stays the CPU EP's arithmetic (None)."""
+    rng = np.random.default_rng(0)
+    e_in, e_out = enc(1e-3, 30000), enc(4e-3, 31000)
+    e_w = Encoding(8, np.float32(0.01), np.int32(-128), arithmetic="onnx")
+    w = e_w.dequantize(rng.integers(0, 256, (3, 4)))                            # [out, in]
+    q = Quantisers(outputs={"norm": e_in, "proj": e_out}, arithmetic="htp", weight=lambda name: (w, e_w),
+                   ops={"proj": ("MatMul", ("norm", "weight:w"))})
+    x = q.output("norm", e_in.dequantize(rng.integers(25000, 35000, (1, 2, 2, 2))))   # [B, T, H, D]
+    y = q.output("proj", (x.reshape(1, 2, 4) @ w.T).astype(np.float32))
+    want = H.matmul(e_in.codes(x).reshape(1, 2, 4), (1e-3, 30000), e_w.codes(w).T, (0.01, 128), (4e-3, 31000))
+    assert (e_out.codes(y) == want).all()
+    q.held["norm"] = (x.reshape(1, 2, 1, 4)[..., :3], e_in)                    # 1 x 3: not K = 4
+    assert (q.output("proj", y) == e_out.dequantize(e_out.codes(y))).all()      # y quantised, as the CPU EP
+
+
+def test_sigmoid_table_is_monotone_symmetric_and_within_two_steps_of_the_sigmoid():
+    t = H.SIGMOID_TABLE
+    assert t[0] == 2 ** 14 and t[-1] == 2 ** 15 - 1 and len(t) == 62486 and set(np.diff(t)) <= {0, 1, 2}
+    k = np.arange(len(t))
+    assert np.abs(t - 2 ** 14 * (1 + np.tanh(k / (2 * H.SIGMOID_GRID)))).max() < 1.3
+    # s_x = 1/6144: the codes are the table's points; x < 0 mirrored (y(x) + y(-x) = 2^15 - 1, x = 0: 2^14)
+    q = np.arange(0, 65536, 7)
+    y = H.sigmoid(q, (1 / 6144, 2 ** 15)) // 2
+    n = q - 2 ** 15
+    assert (y[n >= 0] == t[n[n >= 0]]).all() and (y[n < 0] == 2 ** 15 - 1 - t[-n[n < 0]]).all()
+    assert H.sigmoid([2 ** 15], (1e-3, 2 ** 15)).tolist() == [2 ** 15]
+    assert (H.sigmoid(q, (1e-3, 2 ** 15)) % 2 == 0).all()
+    # s_x 6144 = 61.44 grid steps per code: the int16 multiplier round(61.44 2^9) = 31457 at shift 9, k = 245
+    assert H.sigmoid([2 ** 15 + 4], (0.01, 2 ** 15)).tolist() == [2 * t[int(4 * 0.01 * 6144)]]
