@@ -213,14 +213,16 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     """RNE32 of a64 @ b for few rows of a (a64 [M, K] float64, its row norms [M, 1]; b [K, N] float32 with
     contiguous columns, maybe a Constant's, whose norms are then used). A Constant with its float64 copy: one BLAS
     product over the copy on BLAS's own threads (twice b's bytes, but no conversion and no thread hand-offs of ours:
-    measured 242 against 275 ms a decode token at 0.6B, medians of alternating tokens). Otherwise the bytes read are
+    bench/forward.py at 0.6B: 269 against 351 ms a decode token, sides alternating). Otherwise the bytes read are
     b's own: each thread converts W = b^T [N, K] a block of rows at a time into its buffer (_VECTOR_BLOCK float64
     values: in cache), multiplies it there, and takes the next block (spread). One float64 product per block
     (_VECTOR_SLICES slices of K), its bound from the column norms, then the rounding check and the exact fallback
     on the whole [M, N] result (steps 1-4)."""
     K, N = b.shape
     if const is not None and const.b64 is not None:                             # (any order: one slice's bound)
-        return _rounded_product(a64, b, np.matmul(a64, const.b64), norm_a * _bound_factor(K, 1), const.norms)
+        ct = np.empty((N, a64.shape[0]))                                        # c^T [N, M]
+        _vector_product(const.b64.T, np.ascontiguousarray(a64.T), ct, K)
+        return _rounded_product(a64, b, ct.T, norm_a * _bound_factor(K, 1), const.norms)
     W = b.T                                                                     # [N, K], rows contiguous
     a64t = np.ascontiguousarray(a64.T)                                          # [K, M]
     ct = np.empty((N, a64.shape[0]))                                            # c^T [N, M]
