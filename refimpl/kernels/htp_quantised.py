@@ -60,8 +60,9 @@ off" of the int8-only model), the activation's codes times the steps with the lo
 
     Refuted on the simulator (one-op graphs, out-of-int8 weights in a column): the step saturated to int8 or
     wrapped modulo 256 (a column holding only one step, -200 to 155, is exact: slope within 1e-5 of k), a
-    requantisation of the whole tensor (columns in int8 stay exact beside a rescaled one), r from max |k| / 127 (a column with -160 and +95 exact on the device, 0.5 % off so), k' rounded
-    with the exact ratio (45-77 % identical) or by a float division (one tie differs), r rounded up (84-97 %).
+    requantisation of the whole tensor (columns in int8 stay exact beside a rescaled one), r from max |k| / 127
+    (a column with -160 and +95 exact on the device, 0.5 % off so), k' rounded with the exact ratio (45-77 %
+    identical) or by a float division (one tie differs), r rounded up (84-97 %).
     Not located: the last 0.2 % (1 code; the multiplier's representation: its feasible values exclude float32's
     rounding and a Q21 one).
 
