@@ -165,8 +165,11 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
-        if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
-            return None
+        if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
+            codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
+                     and np.shape(c)[:-1] == np.shape(x)[:np.ndim(c) - 1] else c for c in codes]   # q_norm's x)
+            if not _broadcast(*(np.shape(c) for c in codes)):      # held in another layout
+                return None
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
         if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for
