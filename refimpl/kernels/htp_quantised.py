@@ -329,15 +329,15 @@ def div(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.nd
 #
 #     n_b = q_b - z_b                                   the second operand's steps
 #     z_8 = floor((255 z_b + 2^15 - 1) / 2^16)          its uint8 zero point (255 z_b / 2^16, ties down)
-#     k_8 = clip(floor((255 n_b + 2^15 + F) / 2^16), -z_8, 255 - z_8)    n_b 255 / 2^16 rounded, F a fine offset:
-#           F = 511 - (z_b mod 256) measured at 9 of 13 zero points (each exact over all 65536 codes of the one-op
-#           sweeps), 255 - (z_b mod 256) at the other 4 (35881, 36371, 33023, 30100): the rule that picks them is
-#           not found (MATMUL16_OFFSET_EXCEPTIONS holds those measured)
+#     Z   = ceil(255 z_b / 2^9)                         its zero point's term, the low 9 bits dropped (rounded up)
+#     k_8 = clip(floor((255 q_b - 2^9 Z + 2^15 + 2^9 - 1) / 2^16), -z_8, 255 - z_8)    the steps: 255 n_b / 2^16
+#                                                       rounded, off by up to 2^-7 of a step (exact over all 65536
+#                                                       codes at each of 8 zero points; 6 held out, 99.9-100 %)
 #     q_o = matmul(q_a, (s_a, z_a), k_8 + z_8, (s_b 65535 / 255, z_8), (s_o, z_o))
 #
 # so every element of the second operand loses its low ~8 bits (a relative 2^-8 of its range: the "tens to hundreds
 # of codes" between the exact product and the HTP's), and the first keeps all 16.
-MATMUL16_OFFSET_EXCEPTIONS = frozenset((35881, 36371, 33023, 30100))   # F = 255 - (z_b mod 256) measured there
+MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
 
 
 def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
@@ -347,8 +347,10 @@ def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
     zb = int(zb)
     n = np.asarray(qb, np.int64) - np.int64(zb)                                   # n_b = q_b - z_b
     z8 = (255 * zb + (1 << 15) - 1) >> 16                                          # z_8 = 255 z_b / 2^16, ties down
-    f = (255 if zb in MATMUL16_OFFSET_EXCEPTIONS else 511) - zb % 256               # F (measured)
-    k8 = np.clip((255 * n + (1 << 15) + f) >> 16, -z8, 255 - z8)                    # (255 n + 2^15 + F) / 2^16
+    d = MATMUL16_ZERO_DROPPED_BITS
+    zt = -((-255 * zb) >> d) << d                                                 # 2^9 Z = 2^9 ceil(255 z_b / 2^9)
+    t = 255 * (n + zb) - zt + (1 << 15) + (1 << d) - 1                              # 255 q_b - 2^9 Z + 2^15 + 2^9 - 1
+    k8 = np.clip(t >> 16, -z8, 255 - z8)                                           # k_8, on the uint8 grid
     return k8 + z8, (float(np.float64(np.float32(sb)) * 65535 / 255), z8)          # q_8, (s_b 65535 / 255, z_8)
 
 
