@@ -92,3 +92,36 @@ def test_mul_is_its_q34_multiplier_and_the_zero_points_constant_error():
     # (as on the simulator: an exact 1.5 -> 1, 1.538 -> 1, 1.550 -> 2)
     sa, so = 2.0 ** -16, float(np.float32(2.0 ** -17 * 1.5))
     assert H.mul([24576, 25200, 25400], (sa, 0), [3, 3, 3], (sa, 0), (so, 0)).tolist() == [1, 1, 2]
+
+
+def test_matmul_rescales_only_the_columns_whose_weight_steps_leave_int8():
+    k = np.array([[-160, 5, 155, 0], [95, -128, 0, 0], [3, 127, 0, -7]])        # steps [K = 3, N = 4]
+    kp, r = H.matmul_column_steps(k)
+    assert r[1] == r[3] == 1 and (kp[:, 1] == k[:, 1]).all() and (kp[:, 3] == k[:, 3]).all()   # in int8: as stored
+    assert r[0] == 1.25 and kp[:, 0].tolist() == [-128, 76, 2]       # max(95 / 127, 160 / 128) = 1.25: exact here
+    assert r[2] == 2500 / 2048 and kp[0, 2] == 127                    # 155 / 127 on Q11; the step re-rounded
+    # a column holding one out-of-int8 step (and zeros) is within a code of the exact product (as on the device)
+    qa = np.arange(0, 65536, 997)[:, None] * np.array([[0, 1, 0]])
+    sa, sw, so = 1e-4, 1e-3, 2e-3
+    exact = ((qa - 100) @ np.array([0, -160, 0])) * sa * sw / so + 30000
+    y = H.matmul(qa, (sa, 100), np.array([[200], [40], [200]]), (sw, 200), (so, 30000))[:, 0]
+    assert np.abs(y - exact).max() <= 1
+
+
+def test_matmul16_requantises_its_second_operand_to_uint8_as_measured():
+    # steps measured on the simulator (one-op MatMuls of K = 1, every code of the second operand): where they
+    # differ from n 255 / 65535 rounded, and the zero point's extremes
+    for zb, pairs in ((32768, [(-30713, -119), (-129, 0), (30454, 119), (-32768, -127)]),
+                      (29232, [(-29171, -113), (-1672, -6), (30454, 119), (-29232, -114)])):
+        n = np.array([p[0] for p in pairs])
+        q8, (s8, z8) = H.matmul16_operand(n + zb, (1e-4, zb))
+        assert (q8 - z8).tolist() == [p[1] for p in pairs] and 0 <= q8.min() and q8.max() <= 255
+        assert s8 == np.float64(np.float32(1e-4)) * 65535 / 255
+    n = np.arange(-30000, 30000)
+    q8, (_, z8) = H.matmul16_operand(n + 32768, (1e-4, 32768))
+    assert np.abs(q8 - z8 - n * 255 / 65535).max() < 0.51           # within half a step and its 2^-7 offset
+    # batch axes: one W8A16 product per head
+    qa, qb = np.full((2, 3, 4), 40000), np.full((1, 4, 5), 50000)
+    y = H.matmul16(qa, (1e-4, 32768), qb, (1e-4, 32768), (1e-3, 0))
+    assert y.shape == (2, 3, 5) and (y == y[0, 0, 0]).all()
+    assert abs(y[0, 0, 0] - 4 * 7232 * 17232 * 1e-5) <= 0.02 * y[0, 0, 0]
