@@ -55,12 +55,13 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
+                      "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
-# 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
-# * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
+# 8-bit unsigned per tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its
+# operands' layouts as attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
+DEVICE_WEIGHTS = {"MatMul": (8, False, False), "Mul": (16, False, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 
 
@@ -68,8 +69,9 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
-    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
-    none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
+    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight, and per-token values,
+    are left out; a MatMul of two activations (the attention's products) is computed in the device graph's
+    per-head layout (attention_operands). forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs."""
     ops = DEVICE_OPS[arithmetic]
@@ -91,6 +93,31 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
 
 
 BROADCASTING = ("Add", "Mul", "Div")   # device ops whose inputs broadcast
+
+
+def attention_operands(codes: list, shape: tuple):
+    """The attention's two products as the device graph computes them (per head, [..., M, K] x [..., K, N]), from
+    the codes refimpl's quantisers held in refimpl's layouts (models/qwen3.attention); None for another layout.
+    -> ([a, b], put: the product's codes -> the point's layout `shape`).
+        q*k^T:  q_rope [B, T, Hq, D], keys [B, Hkv, L, D]      -> [B, Hkv, Hq/Hkv, T, L] (the point's)
+        p v:    probs [B, Hq, T, L], values [B, Hkv, L, D]     -> [B, T, Hq D] (attn_output's)"""
+    a, b = (np.asarray(c) for c in codes)
+    if a.ndim != 4 or b.ndim != 4:
+        return None
+    if len(shape) == 5:                                                      # q k^T
+        B, Hkv, rep, T, L = shape
+        if a.shape != (B, T, Hkv * rep, a.shape[-1]) or b.shape != (B, Hkv, L, a.shape[-1]):
+            return None
+        qa = a.transpose(0, 2, 1, 3).reshape(B, Hkv, rep, T, -1)                # [B, Hkv, rep, T, D]
+        return [qa, b[:, :, None].swapaxes(-1, -2)], lambda q: q                # keys^T [B, Hkv, 1, D, L]
+    if len(shape) == 3:                                                      # p v, heads flattened
+        B, Hq, T, L = a.shape
+        Hkv, D = b.shape[1], b.shape[-1]
+        if b.shape != (B, Hkv, L, D) or Hq % Hkv or shape != (B, T, Hq * D):
+            return None
+        pa = a.reshape(B, Hkv, Hq // Hkv, T, L)                                  # [B, Hkv, rep, T, L]
+        return [pa, b[:, :, None]], lambda q: q.reshape(B, Hq, T, D).transpose(0, 2, 1, 3).reshape(shape)
+    return None
 
 
 def _broadcast(*shapes) -> bool:
@@ -165,6 +192,13 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        if op == "MatMul" and all(h[0] is not None for h in held):                  # two activations: attention
+            operands = attention_operands(codes, np.shape(x))
+            if operands is None:
+                return None
+            codes, put = operands
+            q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
         if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
             codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
                      and np.shape(c)[:-1] == np.shape(x)[:np.ndim(c) - 1] else c for c in codes]   # q_norm's x)

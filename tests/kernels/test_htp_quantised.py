@@ -77,7 +77,9 @@ def test_device_ops_are_declared_by_the_graph_and_the_policy_checks_its_arithmet
     assert ops["model.layers.0.attn_residual"][0] == "Add"
     assert ops["model.layers.0.self_attn.q_proj"] == ("MatMul", ("model.layers.0.input_layernorm",
                                                                  "weight:model.layers.0.self_attn.q_proj.weight"))
-    assert not any(k.startswith("model.layers.0.self_attn.attn_scores") and v[0] == "MatMul" for k, v in ops.items())
+    assert ops["model.layers.0.self_attn.attn_scores/q*k^T"] == ("MatMul", ("model.layers.0.self_attn.q_rope",
+                                                                            "model.layers.0.self_attn.attn_scores/keys"))
+    assert ops["model.layers.0.self_attn.attn_output"][0] == "MatMul"          # probs @ values: two activations
     with pytest.raises(InputError, match="device_arithmetic"):
         Policy(device_arithmetic="htp")                        # no device graph
     with pytest.raises(InputError, match="device_arithmetic"):
@@ -125,3 +127,21 @@ def test_matmul16_requantises_its_second_operand_to_uint8_as_measured():
     y = H.matmul16(qa, (1e-4, 32768), qb, (1e-4, 32768), (1e-3, 0))
     assert y.shape == (2, 3, 5) and (y == y[0, 0, 0]).all()
     assert abs(y[0, 0, 0] - 4 * 7232 * 17232 * 1e-5) <= 0.02 * y[0, 0, 0]
+
+
+def test_attention_operands_are_the_device_graphs_per_head_products():
+    """The attention's products on codes held in refimpl's layouts (q_rope [B, T, Hq, D], keys [B, Hkv, L, D],
+    probs [B, Hq, T, L], values [B, Hkv, L, D]) as the device computes them, head by head, put back in the points'
+    layouts (q*k^T [B, Hkv, rep, T, L], attn_output [B, T, Hq D]); another layout: None."""
+    from refimpl.models.quantisers import attention_operands
+    rng = np.random.default_rng(0)
+    B, T, Hq, Hkv, D, L = 1, 3, 4, 2, 5, 6
+    q, k = rng.integers(0, 9, (B, T, Hq, D)), rng.integers(0, 9, (B, Hkv, L, D))
+    (a, b), put = attention_operands([q, k], (B, Hkv, Hq // Hkv, T, L))
+    want = np.einsum("bthd,bhld->bhtl", q, np.repeat(k, Hq // Hkv, axis=1)).reshape(B, Hkv, Hq // Hkv, T, L)
+    assert (put(a @ b) == want).all()
+    p, v = rng.integers(0, 9, (B, Hq, T, L)), rng.integers(0, 9, (B, Hkv, L, D))
+    (a, b), put = attention_operands([p, v], (B, T, Hq * D))
+    want = np.einsum("bhtl,bhld->bthd", p, np.repeat(v, Hq // Hkv, axis=1)).reshape(B, T, Hq * D)
+    assert (put(a @ b) == want).all()
+    assert attention_operands([p, v], (B, T, Hq * D + 1)) is None and attention_operands([q[0], k], (1,) * 5) is None
