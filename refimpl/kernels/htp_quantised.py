@@ -101,7 +101,7 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Not modelled here (measured, docs/htp.md): Softmax, Sigmoid, the uint16 x uint16 MatMul.
+Not modelled here (measured, docs/htp.md): Softmax, Sigmoid. The uint16 x uint16 MatMul: its section at the end.
 """
 
 import numpy as np
