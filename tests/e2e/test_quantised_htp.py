@@ -466,8 +466,9 @@ def test_golden_with_the_htp_arithmetic_meets_the_htps_first_rmsnorm(diffed):
     """refimpl's quantised golden of the QDQ model with Policy(device_arithmetic="htp") (`refimpl golden
     --encodings MODEL_QDQ.onnx --device-arithmetic htp`), free-running against the HTP run: the first RMSNorm's x^2,
     its mean, Sqrt and x / sqrt are the HTP's codes (measured 100 % identical each; with the CPU EP's arithmetic
-    95 %, 62.5 %, 0 % and 9.8 %, Sqrt 40 codes off, Div 24); the projections after it stay apart (MatMul's
-    int8-overflow columns are not modelled: docs/htp.md §9)."""
+    95 %, 62.5 %, 0 % and 9.8 %, Sqrt 40 codes off, Div 24), and so is the first projection after it (100 %; 11 %,
+    254 codes); the first attention product q k^T is within 2 codes, 97.9 % (the CPU EP's: 75 %, 300 codes), its
+    inputs' one-code differences coming from RoPE's Neg, not modelled (docs/htp.md §9)."""
     import onnx
 
     from refimpl.formats.device_encodings import read_device_encodings
@@ -477,9 +478,12 @@ def test_golden_with_the_htp_arithmetic_meets_the_htps_first_rmsnorm(diffed):
     from refimpl.precision import Policy
     case, qm, qdq, f, q, dumps, root = diffed
     values = {p.stem: np.load(p) for p in dumps["htp"].glob("*.npy")}
-    first = {}
+    first, inits = {}, {i.name for i in onnx.load(qdq).graph.initializer}
     for n in onnx.load(qdq).graph.node:
         first.setdefault(n.op_type, n.output[0])
+    producer = {o: n for n in onnx.load(qdq).graph.node for o in n.output}
+    matmuls = [n.output[0] for n in onnx.load(qdq).graph.node if n.op_type == "MatMul" and not any(   # two activations
+        producer[i].input[0] in inits for i in n.input if i in producer and producer[i].op_type == "DequantizeLinear")]
     steps = {}
     for arithmetic in (None, "htp"):
         p = Policy(weights="encodings", encodings=str(qdq), device_arithmetic=arithmetic)
@@ -489,6 +493,9 @@ def test_golden_with_the_htp_arithmetic_meets_the_htps_first_rmsnorm(diffed):
         write_golden(root / f"golden-{arithmetic}", model, Q.PROMPT, source="e2e", convention="genie",
                      params=Q.GENIE, decode_steps=0)
         codes = Q.codes_against(model.quantisers.record, model.quantisers.placement.tensors, qm, values)
-        steps[arithmetic] = {op: codes[first[op]] for op in ("Mul", "ReduceMean", "Sqrt", "Div")}
-    assert all(steps["htp"][op] == (1.0, 0) for op in ("Mul", "ReduceMean", "Sqrt", "Div")), steps   # x^2 .. x / sqrt
+        steps[arithmetic] = {op: codes[first[op]] for op in ("Mul", "ReduceMean", "Sqrt", "Div", "MatMul")}
+        steps[arithmetic]["q*k^T"] = codes[matmuls[0]]
+    assert all(steps["htp"][op] == (1.0, 0) for op in ("Mul", "ReduceMean", "Sqrt", "Div", "MatMul")), steps
+    assert steps["htp"]["q*k^T"][0] > 0.95 and steps["htp"]["q*k^T"][1] <= 2, steps     # RoPE's Neg: not modelled
+    assert steps[None]["MatMul"][1] > 10 and steps[None]["q*k^T"][1] > 100, steps
     assert steps[None]["Mul"][0] < 1 and steps[None]["Sqrt"][1] > 10 and steps[None]["Div"][1] > 10, steps
