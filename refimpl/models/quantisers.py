@@ -128,6 +128,12 @@ def _broadcast(*shapes) -> bool:
     return True
 
 
+def _per_channel_int4(enc: Encoding, rows: int) -> bool:
+    """A weight's symmetric int4 encoding per output row (W4A16; the HTP's MatMul takes each column's own scale)."""
+    return (enc.float_dtype is None and enc.block_size is None and enc.signed and enc.bitwidth == 4
+            and np.shape(enc.scale) == (rows,) and not np.any(enc.offset))
+
+
 def _per_tensor_integer(enc: Encoding, bits: int = 16, signed: bool = False) -> bool:
     return enc.float_dtype is None and not np.ndim(enc.scale) and enc.signed == signed and enc.bitwidth == bits
 
@@ -215,8 +221,10 @@ class Quantisers:
         sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
-            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op][:2])
-            self._weight_codes[name] = (None, got[1], got[1].codes(np.asarray(got[0], np.float32)).T) if ok else None
+            enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
+            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op][:2]) or (
+                op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
+            self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:

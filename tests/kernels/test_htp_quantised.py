@@ -145,3 +145,13 @@ def test_attention_operands_are_the_device_graphs_per_head_products():
     want = np.einsum("bhtl,bhld->bthd", p, np.repeat(v, Hq // Hkv, axis=1)).reshape(B, T, Hq * D)
     assert (put(a @ b) == want).all()
     assert attention_operands([p, v], (B, T, Hq * D + 1)) is None and attention_operands([q[0], k], (1,) * 5) is None
+
+
+def test_matmul_takes_each_columns_own_weight_scale():
+    # W4A16: symmetric int4 weights per output channel: each column its own scale, the same arithmetic
+    rng = np.random.default_rng(1)
+    qa, qw = rng.integers(0, 65536, (5, 16)), rng.integers(-8, 8, (16, 3))
+    sw = np.array([1e-3, 3e-3, 7e-4], np.float32)
+    y = H.matmul(qa, (1e-4, 30000), qw, (sw, np.zeros(3, np.int64)), (2e-3, 32768))
+    for j in range(3):
+        assert (y[:, j] == H.matmul(qa, (1e-4, 30000), qw[:, j:j + 1], (sw[j], 0), (2e-3, 32768))[:, 0]).all()
