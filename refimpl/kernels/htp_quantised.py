@@ -43,15 +43,28 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
     q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      a whole step added before the floor: the mean
                                                                     lands half a code above the rounded one
 
-MatMul, uint16 activations x uint8 weights per tensor (measured: 99.7 % of codes identical (median of the dense
-W8A16 model's 28 projections on their own inputs, min 99.35 %, max 1 code but 2 elements) in every output column
-whose weights all fit int8 as k = q_w - z_w; a column with a weight outside [-128, 127] (an asymmetric zero point
-and a weight at the far end: 1-2 columns of 64-192 per projection) is tens to hundreds of codes off: not modelled):
+MatMul, uint16 activations x uint8 weights per tensor (measured: 99.9 % of codes identical, max 1 (median of the
+dense W8A16 model's 28 projections on their own inputs; 12 of 28 whole, min 99.4 %; were median 98.3 %, up to 227
+codes off, with the int8-only model) and 99.7-100 % on one-op sweeps of random codes, zero points 30-200, K 32-256):
+the weights' steps as int8, a column whose steps leave int8 (an asymmetric zero point and a weight at the far end)
+rescaled by its own ratio r and its steps re-rounded (so its products carry the rounding of k / r: the "50-387 codes
+off" of the int8-only model), the activation's codes times the steps with the low 8 bits dropped:
 
-    k_ij = q_w,ij - z_w                                 the weight steps (int8)
-    acc  = floor(sum_i q_a,i k_ij / 2^8) - round(z_a sum_i k_ij / 2^8)    the activation's codes times the weights,
-                                                        the low 8 bits dropped; the zero point's term rounded
-    q_o  = clip(floor(acc 2^8 s_a s_w / s_o + 1/2) + z_o, 0, 2^16 - 1)
+    k_ij  = q_w,ij - z_w                                the weight steps
+    r_j   = round(max(max_i k_ij / 127, -min_i k_ij / 128) 2^11) / 2^11    column j's rescale, Q11 (1: in int8)
+    k'_ij = floor(k_ij round(2^16 / r_j) / 2^16 + 1/2)  the steps re-rounded by a Q16 reciprocal (k' = k: in int8)
+    acc   = floor(sum_i q_a,i k'_ij / 2^8) - round(z_a sum_i k'_ij / 2^8)    the products, low 8 bits dropped;
+                                                        the zero point's term rounded
+    q_o   = clip(floor(acc 2^8 s_a s_w r_j / s_o + 1/2 + 0.0025) + z_o, 0, 2^16 - 1)    a constant bias of 0.0025
+                                                        code (measured 0.0024-0.0026 at multipliers 2^-10 to 2^-3)
+
+    Refuted on the simulator (one-op graphs, out-of-int8 weights in a column): the step saturated to int8 or
+    wrapped modulo 256 (a column holding only one step, -200 to 155, is exact: slope within 1e-5 of k), a
+    requantisation of the whole tensor (columns in int8 stay exact beside a rescaled one), r from max |k| / 127
+    (a column with -160 and +95 exact on the device, 0.5 % off so), k' rounded with the exact ratio (45-77 %
+    identical) or by a float division (one tie differs), r rounded up (84-97 %).
+    Not located: the last 0.2 % (1 code; the multiplier's representation: its feasible values exclude float32's
+    rounding and a Q21 one).
 
 Mul, uint16 x uint16 (measured: 100 % of codes identical on 19 one-op sweeps (every code of one input against
 13 of the other, random codes; multipliers 2^-22.6 to 2^-11, zero points 0 to 65535 on either input and the output)
@@ -88,8 +101,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Not modelled here (measured, docs/htp.md): Softmax, the uint16 x uint16 MatMul. Neg, the fused SiLU product and Sigmoid:
-the sections at the end of this file.
+Not modelled here (measured, docs/htp.md): Softmax. Neg, the fused SiLU product, Sigmoid and the uint16 x uint16
+MatMul: the sections at the end of this file.
 """
 
 import numpy as np
@@ -212,18 +225,34 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 
 
 MATMUL_DROPPED_BITS = 8           # MatMul's products summed, the low 8 bits dropped (floor; the zero point's rounded)
+MATMUL_RATIO_BITS = 11            # a column's weight rescale r (its steps leave int8): Q11, rounded half up
+MATMUL_RECIP_BITS = 16            # 1 / r as a Q16 multiplier of the steps (k' = k / r rounded half up)
+MATMUL_BIAS = 0.0025              # the requantisation's constant bias, in output codes (measured 0.0024-0.0026)
+
+
+def matmul_column_steps(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The HTP's int8 weight steps of per-tensor uint8 weights: a column whose steps k = q_w - z_w [K, N] leave
+    int8 is rescaled by its own r >= 1 (Q11) and its steps re-rounded.  -> (k' int64 [K, N], r float64 [N])."""
+    ratio = np.maximum(k.max(axis=0) / 127, -k.min(axis=0) / 128)                 # max(k_max / 127, -k_min / 128)
+    over = ratio > 1                                                               # the column leaves int8
+    rq = np.where(over, np.floor(ratio * 2 ** MATMUL_RATIO_BITS + 0.5), 2 ** MATMUL_RATIO_BITS).astype(np.int64)
+    inv = np.floor(2.0 ** (MATMUL_RECIP_BITS + MATMUL_RATIO_BITS) / rq + 0.5).astype(np.int64)   # round(2^16 / r)
+    kp = (k * inv + (1 << (MATMUL_RECIP_BITS - 1))) >> MATMUL_RECIP_BITS          # k' = floor(k inv / 2^16 + 1/2)
+    return np.where(over, kp, k).clip(-128, 127), rq / 2.0 ** MATMUL_RATIO_BITS    # r = rq / 2^11 (1: untouched)
 
 
 def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
-    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (columns whose
-    k = q_w - z_w leave int8 are not modelled: module doc).  a, w, out: (scale, zero point).  -> int64 [..., N]."""
+    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (module doc:
+    a column whose steps leave int8 rescaled, matmul_column_steps).  a, w, out: (scale, zero point).
+    -> int64 [..., N]."""
     (sa, za), (sw, zw), (so, zo) = a, w, out
     b = MATMUL_DROPPED_BITS
-    k = np.asarray(qw, np.int64) - np.int64(zw)                                   # k = q_w - z_w
-    hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k / 2^8)
-    zp = (np.int64(za) * k.sum(axis=0) + (1 << (b - 1))) >> b                     # round(z_a sum k / 2^8)
-    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) / np.float64(np.float32(so))
-    return np.clip(np.floor((hi - zp) * m + 0.5).astype(np.int64) + np.int64(zo), *qrange)    # q_o
+    k, r = matmul_column_steps(np.asarray(qw, np.int64) - np.int64(zw))          # k' (int8), r per column
+    hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k' / 2^8)
+    zp = (np.int64(za) * k.sum(axis=0) + (1 << (b - 1))) >> b                     # round(z_a sum k' / 2^8)
+    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) * r / np.float64(np.float32(so))
+    y = np.floor((hi - zp) * m + 0.5 + MATMUL_BIAS).astype(np.int64)              # (hi - zp) 2^8 s_a s_w r / s_o
+    return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
 
 
 MUL_MULTIPLIER_BITS = 34          # Mul's s_a s_b / s_o: a Q34 multiplier
@@ -421,3 +450,48 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
     k = np.minimum((np.abs(n) * m) >> s, len(SIGMOID_TABLE) - 1)                   # |x| on the grid
     y = np.where(n >= 0, SIGMOID_TABLE[k], 2 ** 15 - 1 - SIGMOID_TABLE[k])         # S(k), mirrored
     return np.clip(2 * y, *qrange)                                                 # q_o = 2 y
+
+
+# ---------------------------------------------------------------------------------------------- uint16 x uint16 MatMul
+# The attention's products (q k^T, probs @ v; measured on the simulator: one-op QDQ MatMuls of two uint16 inputs, and
+# the dense W8A16 model's 8 on their own inputs): the second operand is requantised to uint8 (its range kept: the
+# scale times 65535 / 255), then the product is the W8A16 MatMul above (matmul: its columns outside int8 rescaled).
+#
+#     n_b = q_b - z_b                                   the second operand's steps
+#     z_8 = floor((255 z_b + 2^15 - 1) / 2^16)          its uint8 zero point (255 z_b / 2^16, ties down)
+#     Z   = ceil(255 z_b / 2^9)                         its zero point's term, the low 9 bits dropped (rounded up)
+#     k_8 = clip(floor((255 q_b - 2^9 Z + 2^15 + 2^9 - 1) / 2^16), -z_8, 255 - z_8)    the steps: 255 n_b / 2^16
+#                                                       rounded, off by up to 2^-7 of a step (exact over all 65536
+#                                                       codes at each of 8 zero points; 6 held out, 99.9-100 %)
+#     q_o = matmul(q_a, (s_a, z_a), k_8 + z_8, (s_b 65535 / 255, z_8), (s_o, z_o))
+#
+# so every element of the second operand loses its low ~8 bits (a relative 2^-8 of its range: the "tens to hundreds
+# of codes" between the exact product and the HTP's), and the first keeps all 16.
+MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
+
+
+def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
+    """The HTP's uint8 requantisation of a uint16 MatMul's second operand.  qb: codes; b: (scale, zero point).
+    -> (uint8 codes as int64, (scale, zero point))."""
+    sb, zb = b
+    zb = int(zb)
+    n = np.asarray(qb, np.int64) - np.int64(zb)                                   # n_b = q_b - z_b
+    z8 = (255 * zb + (1 << 15) - 1) >> 16                                          # z_8 = 255 z_b / 2^16, ties down
+    d = MATMUL16_ZERO_DROPPED_BITS
+    zt = -((-255 * zb) >> d) << d                                                 # 2^9 Z = 2^9 ceil(255 z_b / 2^9)
+    t = 255 * (n + zb) - zt + (1 << 15) + (1 << d) - 1                              # 255 q_b - 2^9 Z + 2^15 + 2^9 - 1
+    k8 = np.clip(t >> 16, -z8, 255 - z8)                                           # k_8, on the uint8 grid
+    return k8 + z8, (float(np.float64(np.float32(sb)) * 65535 / 255), z8)          # q_8, (s_b 65535 / 255, z_8)
+
+
+def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised MatMul of two uint16 tensors [..., M, K] x [..., K, N] (batch axes broadcast), per-tensor
+    encodings: the second requantised to uint8 (matmul16_operand), then matmul.  -> int64 [..., M, N]."""
+    q8, e8 = matmul16_operand(qb, b)
+    qa = np.asarray(qa, np.int64)
+    batch = np.broadcast_shapes(qa.shape[:-2], q8.shape[:-2])
+    qa, q8 = np.broadcast_to(qa, batch + qa.shape[-2:]), np.broadcast_to(q8, batch + q8.shape[-2:])
+    y = np.empty(batch + (qa.shape[-2], q8.shape[-1]), np.int64)
+    for i in np.ndindex(*batch):                                                    # per head: its own columns
+        y[i] = matmul(qa[i], a, q8[i], e8, out, qrange)
+    return y

@@ -55,15 +55,16 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
+                      "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
-# 8-bit unsigned per tensor (W8A16; the attention's uint16 x uint16 products are not its model); Mul's (RMSNorm's
-# * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False, True), "Mul": (16, False, False)}
+# 8-bit unsigned per tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its
+# operands' layouts as attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
+DEVICE_WEIGHTS = {"MatMul": (8, False, False), "Mul": (16, False, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -74,8 +75,9 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
-    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight (and those ops reading
-    none: the attention's products), and per-token values, are left out. forms: {"node/point": the op of the other
+    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight, and per-token values,
+    are left out; a MatMul of two activations (the attention's products) is computed in the device graph's
+    per-head layout (attention_operands). forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
     (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU)."""
@@ -105,12 +107,43 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
 BROADCASTING = ("Add", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
 
 
+def attention_operands(codes: list, shape: tuple):
+    """The attention's two products as the device graph computes them (per head, [..., M, K] x [..., K, N]), from
+    the codes refimpl's quantisers held in refimpl's layouts (models/qwen3.attention); None for another layout.
+    -> ([a, b], put: the product's codes -> the point's layout `shape`).
+        q*k^T:  q_rope [B, T, Hq, D], keys [B, Hkv, L, D]      -> [B, Hkv, Hq/Hkv, T, L] (the point's)
+        p v:    probs [B, Hq, T, L], values [B, Hkv, L, D]     -> [B, T, Hq D] (attn_output's)"""
+    a, b = (np.asarray(c) for c in codes)
+    if a.ndim != 4 or b.ndim != 4:
+        return None
+    if len(shape) == 5:                                                      # q k^T
+        B, Hkv, rep, T, L = shape
+        if a.shape != (B, T, Hkv * rep, a.shape[-1]) or b.shape != (B, Hkv, L, a.shape[-1]):
+            return None
+        qa = a.transpose(0, 2, 1, 3).reshape(B, Hkv, rep, T, -1)                # [B, Hkv, rep, T, D]
+        return [qa, b[:, :, None].swapaxes(-1, -2)], lambda q: q                # keys^T [B, Hkv, 1, D, L]
+    if len(shape) == 3:                                                      # p v, heads flattened
+        B, Hq, T, L = a.shape
+        Hkv, D = b.shape[1], b.shape[-1]
+        if b.shape != (B, Hkv, L, D) or Hq % Hkv or shape != (B, T, Hq * D):
+            return None
+        pa = a.reshape(B, Hkv, Hq // Hkv, T, L)                                  # [B, Hkv, rep, T, L]
+        return [pa, b[:, :, None]], lambda q: q.reshape(B, Hq, T, D).transpose(0, 2, 1, 3).reshape(shape)
+    return None
+
+
 def _broadcast(*shapes) -> bool:
     try:
         np.broadcast_shapes(*shapes)
     except ValueError:
         return False
     return True
+
+
+def _per_channel_int4(enc: Encoding, rows: int) -> bool:
+    """A weight's symmetric int4 encoding per output row (W4A16; the HTP's MatMul takes each column's own scale)."""
+    return (enc.float_dtype is None and enc.block_size is None and enc.signed and enc.bitwidth == 4
+            and np.shape(enc.scale) == (rows,) and not np.any(enc.offset))
 
 
 def _per_tensor_integer(enc: Encoding, bits: int = 16, signed: bool = False) -> bool:
@@ -177,8 +210,18 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
-        if op in BROADCASTING and not _broadcast(*(np.shape(c) for c in codes)):   # held in another layout
-            return None
+        if op == "MatMul" and all(h[0] is not None for h in held):                  # two activations: attention
+            operands = attention_operands(codes, np.shape(x))
+            if operands is None:
+                return None
+            codes, put = operands
+            q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
+        if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
+            codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
+                     and np.shape(c)[:-1] == np.shape(x)[:np.ndim(c) - 1] else c for c in codes]   # q_norm's x)
+            if not _broadcast(*(np.shape(c) for c in codes)):      # held in another layout
+                return None
         if op == "MatMul" and np.shape(codes[0])[-1] != np.shape(codes[1])[0]:     # held with its heads split
             a = np.asarray(codes[0])                                                # (Qwen3.5's gated norm [.., H, D]
             if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
@@ -195,8 +238,10 @@ class Quantisers:
         sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
-            ok = got is not None and got[1] is not None and _per_tensor_integer(got[1], *DEVICE_WEIGHTS[op][:2])
-            self._weight_codes[name] = (None, got[1], got[1].codes(np.asarray(got[0], np.float32)).T) if ok else None
+            enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
+            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op][:2]) or (
+                op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
+            self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:

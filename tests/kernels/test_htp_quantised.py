@@ -77,7 +77,9 @@ def test_device_ops_are_declared_by_the_graph_and_the_policy_checks_its_arithmet
     assert ops["model.layers.0.attn_residual"][0] == "Add"
     assert ops["model.layers.0.self_attn.q_proj"] == ("MatMul", ("model.layers.0.input_layernorm",
                                                                  "weight:model.layers.0.self_attn.q_proj.weight"))
-    assert not any(k.startswith("model.layers.0.self_attn.attn_scores") and v[0] == "MatMul" for k, v in ops.items())
+    assert ops["model.layers.0.self_attn.attn_scores/q*k^T"] == ("MatMul", ("model.layers.0.self_attn.q_rope",
+                                                                            "model.layers.0.self_attn.attn_scores/keys"))
+    assert ops["model.layers.0.self_attn.attn_output"][0] == "MatMul"          # probs @ values: two activations
     with pytest.raises(InputError, match="device_arithmetic"):
         Policy(device_arithmetic="htp")                        # no device graph
     with pytest.raises(InputError, match="device_arithmetic"):
@@ -162,3 +164,64 @@ def test_sigmoid_table_is_monotone_symmetric_and_within_two_steps_of_the_sigmoid
     assert (H.sigmoid(q, (1e-3, 2 ** 15)) % 2 == 0).all()
     # s_x 6144 = 61.44 grid steps per code: the int16 multiplier round(61.44 2^9) = 31457 at shift 9, k = 245
     assert H.sigmoid([2 ** 15 + 4], (0.01, 2 ** 15)).tolist() == [2 * t[int(4 * 0.01 * 6144)]]
+
+
+def test_matmul_rescales_only_the_columns_whose_weight_steps_leave_int8():
+    k = np.array([[-160, 5, 155, 0], [95, -128, 0, 0], [3, 127, 0, -7]])        # steps [K = 3, N = 4]
+    kp, r = H.matmul_column_steps(k)
+    assert r[1] == r[3] == 1 and (kp[:, 1] == k[:, 1]).all() and (kp[:, 3] == k[:, 3]).all()   # in int8: as stored
+    assert r[0] == 1.25 and kp[:, 0].tolist() == [-128, 76, 2]       # max(95 / 127, 160 / 128) = 1.25: exact here
+    assert r[2] == 2500 / 2048 and kp[0, 2] == 127                    # 155 / 127 on Q11; the step re-rounded
+    # a column holding one out-of-int8 step (and zeros) is within a code of the exact product (as on the device)
+    qa = np.arange(0, 65536, 997)[:, None] * np.array([[0, 1, 0]])
+    sa, sw, so = 1e-4, 1e-3, 2e-3
+    exact = ((qa - 100) @ np.array([0, -160, 0])) * sa * sw / so + 30000
+    y = H.matmul(qa, (sa, 100), np.array([[200], [40], [200]]), (sw, 200), (so, 30000))[:, 0]
+    assert np.abs(y - exact).max() <= 1
+
+
+def test_matmul16_requantises_its_second_operand_to_uint8_as_measured():
+    # steps measured on the simulator (one-op MatMuls of K = 1, every code of the second operand): where they
+    # differ from n 255 / 65535 rounded, and the zero point's extremes
+    for zb, pairs in ((32768, [(-30713, -119), (-129, 0), (30454, 119), (-32768, -127)]),
+                      (29232, [(-29171, -113), (-1672, -6), (30454, 119), (-29232, -114)])):
+        n = np.array([p[0] for p in pairs])
+        q8, (s8, z8) = H.matmul16_operand(n + zb, (1e-4, zb))
+        assert (q8 - z8).tolist() == [p[1] for p in pairs] and 0 <= q8.min() and q8.max() <= 255
+        assert s8 == np.float64(np.float32(1e-4)) * 65535 / 255
+    n = np.arange(-30000, 30000)
+    q8, (_, z8) = H.matmul16_operand(n + 32768, (1e-4, 32768))
+    assert np.abs(q8 - z8 - n * 255 / 65535).max() < 0.51           # within half a step and its 2^-7 offset
+    # batch axes: one W8A16 product per head
+    qa, qb = np.full((2, 3, 4), 40000), np.full((1, 4, 5), 50000)
+    y = H.matmul16(qa, (1e-4, 32768), qb, (1e-4, 32768), (1e-3, 0))
+    assert y.shape == (2, 3, 5) and (y == y[0, 0, 0]).all()
+    assert abs(y[0, 0, 0] - 4 * 7232 * 17232 * 1e-5) <= 0.02 * y[0, 0, 0]
+
+
+def test_attention_operands_are_the_device_graphs_per_head_products():
+    """The attention's products on codes held in refimpl's layouts (q_rope [B, T, Hq, D], keys [B, Hkv, L, D],
+    probs [B, Hq, T, L], values [B, Hkv, L, D]) as the device computes them, head by head, put back in the points'
+    layouts (q*k^T [B, Hkv, rep, T, L], attn_output [B, T, Hq D]); another layout: None."""
+    from refimpl.models.quantisers import attention_operands
+    rng = np.random.default_rng(0)
+    B, T, Hq, Hkv, D, L = 1, 3, 4, 2, 5, 6
+    q, k = rng.integers(0, 9, (B, T, Hq, D)), rng.integers(0, 9, (B, Hkv, L, D))
+    (a, b), put = attention_operands([q, k], (B, Hkv, Hq // Hkv, T, L))
+    want = np.einsum("bthd,bhld->bhtl", q, np.repeat(k, Hq // Hkv, axis=1)).reshape(B, Hkv, Hq // Hkv, T, L)
+    assert (put(a @ b) == want).all()
+    p, v = rng.integers(0, 9, (B, Hq, T, L)), rng.integers(0, 9, (B, Hkv, L, D))
+    (a, b), put = attention_operands([p, v], (B, T, Hq * D))
+    want = np.einsum("bhtl,bhld->bthd", p, np.repeat(v, Hq // Hkv, axis=1)).reshape(B, T, Hq * D)
+    assert (put(a @ b) == want).all()
+    assert attention_operands([p, v], (B, T, Hq * D + 1)) is None and attention_operands([q[0], k], (1,) * 5) is None
+
+
+def test_matmul_takes_each_columns_own_weight_scale():
+    # W4A16: symmetric int4 weights per output channel: each column its own scale, the same arithmetic
+    rng = np.random.default_rng(1)
+    qa, qw = rng.integers(0, 65536, (5, 16)), rng.integers(-8, 8, (16, 3))
+    sw = np.array([1e-3, 3e-3, 7e-4], np.float32)
+    y = H.matmul(qa, (1e-4, 30000), qw, (sw, np.zeros(3, np.int64)), (2e-3, 32768))
+    for j in range(3):
+        assert (y[:, j] == H.matmul(qa, (1e-4, 30000), qw[:, j:j + 1], (sw[j], 0), (2e-3, 32768))[:, 0]).all()
