@@ -5,7 +5,9 @@ does not load beside the CPU torch build these tests pin, so a stand-in module t
 own torchvision probe runs first, so transformers still sees no torchvision.
 """
 
+import functools
 import importlib.machinery
+import importlib.util
 import json
 import math
 import sys
@@ -37,16 +39,29 @@ def _torchvision_stand_in() -> None:
     sys.modules["torchvision"] = tv
 
 
-try:
-    import importlib.util
-    if importlib.util.find_spec("aimet_torch") is None:
-        raise ImportError("aimet-torch is not installed")
-    _torchvision_stand_in()
-    from aimet_torch.common.defs import QuantScheme
-    from aimet_torch.nn import BaseQuantizationMixin
-    from aimet_torch.quantsim import QuantizationSimModel
-except ImportError as e:  # pragma: no cover - depends on the environment
-    pytest.skip(f"aimet-torch unavailable ({e})", allow_module_level=True)
+if importlib.util.find_spec("aimet_torch") is None:  # pragma: no cover - depends on the environment
+    pytest.skip("aimet-torch unavailable (aimet-torch is not installed)", allow_module_level=True)
+
+
+@functools.cache
+def _aimet() -> types.SimpleNamespace:
+    """aimet_torch's names, imported at the first use, not when the test modules are collected: its import (torch's
+    dynamo, onnxscript and bokeh among it) takes seconds of CPU, which every pytest-xdist worker paid collecting
+    test_aimet.py; now only the worker that runs the AIMET tests (xdist group "aimet") does. Skipped where aimet-torch
+    does not import."""
+    try:
+        _torchvision_stand_in()
+        from aimet_torch.common.defs import QuantScheme
+        from aimet_torch.nn import BaseQuantizationMixin
+        from aimet_torch.quantsim import QuantizationSimModel
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        pytest.skip(f"aimet-torch unavailable ({e})")
+    return types.SimpleNamespace(QuantScheme=QuantScheme, BaseQuantizationMixin=BaseQuantizationMixin,
+                                 QuantizationSimModel=QuantizationSimModel)
+
+
+# every test of the AIMET oracle on one pytest-xdist worker (`make test`: --dist loadgroup), one import of aimet_torch
+GROUP = pytest.mark.xdist_group("aimet")
 
 
 class CausalLM(torch.nn.Module):
@@ -87,7 +102,8 @@ def conv1d_as_module(model) -> None:
 def quantsim(model, calibration, param_bw: int, act_bw: int):
     """QuantizationSimModel (post_training_tf, AIMET's default config), calibrated on `calibration` (id arrays)."""
     ids = [torch.as_tensor(c) for c in calibration]
-    sim = QuantizationSimModel(model, dummy_input=ids[0], quant_scheme=QuantScheme.post_training_tf,
+    aimet = _aimet()
+    sim = aimet.QuantizationSimModel(model, dummy_input=ids[0], quant_scheme=aimet.QuantScheme.post_training_tf,
                                default_param_bw=param_bw, default_output_bw=act_bw)
 
     def run(m):
@@ -111,7 +127,7 @@ def quantiser_values(sim, ids) -> tuple[np.ndarray, dict, dict]:
     seen, received, hooks = {}, {}, []
     plain = lambda t: t.detach().as_subclass(torch.Tensor).numpy().copy()
     for name, module in sim.model.named_modules():
-        if not isinstance(module, BaseQuantizationMixin):
+        if not isinstance(module, _aimet().BaseQuantizationMixin):
             continue
 
         def take(_, args, name=name):
@@ -338,7 +354,7 @@ def _weights_differing(sim, ref) -> int:
     applied to the same checkpoint)."""
     n = 0
     for name, module in sim.model.named_modules():
-        if not isinstance(module, BaseQuantizationMixin):
+        if not isinstance(module, _aimet().BaseQuantizationMixin):
             continue
         for param, q in module.param_quantizers.items():
             if q is None:

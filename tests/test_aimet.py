@@ -24,9 +24,9 @@ aimet-torch writes them; refimpl loads the saved checkpoint with that file and r
 
 import pytest
 
-from aimet_oracle import MIXES, measure
+from aimet_oracle import GROUP, MIXES, measure
 
-pytestmark = [pytest.mark.oracle, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+pytestmark = [pytest.mark.oracle, GROUP, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 CASES = [(arch, mix) for arch in ("Qwen3", "Qwen3-MoE", "Qwen3.5") for mix in MIXES] + [("Qwen3.5-MoE", "W8A16")]

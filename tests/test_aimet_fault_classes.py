@@ -6,9 +6,9 @@ zero point (the consumer reading the codes 3 steps off) an offset of 3 steps."""
 
 import pytest
 
-from aimet_oracle import three_way_case
+from aimet_oracle import GROUP, three_way_case
 
-pytestmark = [pytest.mark.oracle, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
+pytestmark = [pytest.mark.oracle, GROUP, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 PLANTED = "model.layers.1.mlp.up_proj"          # [B, T, 40]: the per-channel weight scale's output

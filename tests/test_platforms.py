@@ -41,13 +41,27 @@ def _cpu_flags() -> set[str]:
     return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
+# The same bytes at less cost per platform: fsync returns at once (it makes the data durable, it does not change it:
+# tests/test_crash_points.py tests where it is called), and each preset's seeded weights are drawn once for both BLAS
+# thread counts (NumPy's generator, and the correctly rounded log of a few A_log values in one chunk: no BLAS, no
+# thread, so the second draw is the first one's code on the same bits); the model, its weights' digest, every
+# forward and the writer still run under each thread count.
 CHILD = r"""
-import hashlib, json, sys
+import hashlib, json, os, sys
 from pathlib import Path
 from threadpoolctl import threadpool_info, threadpool_limits
 sys.path.insert(0, sys.argv[1])
 import make_anchors
+from refimpl import presets
 from refimpl.presets import PRESETS
+os.fsync = lambda fd: None
+drawn, draw = {}, presets.random_weights
+def random_weights(config, seed=0, *args):
+    key = (config.source, seed, *args)
+    if key not in drawn:
+        drawn[key] = draw(config, seed, *args)
+    return drawn[key]
+presets.random_weights = random_weights
 out, digests = Path(sys.argv[2]), {}
 for threads in (1, 2):
     with threadpool_limits(limits=threads, user_api="blas"):

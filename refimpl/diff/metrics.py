@@ -164,8 +164,20 @@ def kl_rows(golden_logits, device_logits) -> np.ndarray:
 
 
 def topk_indices(x, k) -> np.ndarray:
-    """The k largest indices per row of [R, V] x, ties broken by the lower index (stable sort)."""
-    return np.argsort(-np.asarray(x, np.float64), axis=-1, kind="stable")[:, :k]
+    """The k largest indices per row of [R, V] x, ties broken by the lower index (stable sort).
+
+    Finite rows: only the values >= the row's k-th largest (np.partition) are sorted, in index order, so ties keep
+    the lower index first: the stable sort's first k, without sorting a whole vocabulary per row."""
+    x = np.asarray(x, np.float64)
+    V = x.shape[-1]
+    if k >= V or not np.isfinite(x).all():
+        return np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    kth = np.partition(x, V - k, axis=-1)[:, V - k]                                # [R] the k-th largest
+    out = np.empty((x.shape[0], k), np.intp)
+    for r, row in enumerate(x):
+        at = np.flatnonzero(row >= kth[r])                                         # >= k indices, ascending
+        out[r] = at[np.argsort(-row[at], kind="stable")[:k]]
+    return out
 
 
 def logits_metrics(golden_logits, device_logits, valid_rows=None, k=5) -> dict:

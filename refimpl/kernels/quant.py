@@ -53,7 +53,8 @@ def expand(p, shape: tuple, axis: int | None = None, block_size: int | None = No
     if p.shape != want:
         raise InputError(f"block parameters must have shape {list(want)} (block {block_size} on axis {axis}), "
                          f"got {list(p.shape)}")
-    return np.repeat(p, block_size, axis=axis).take(np.arange(n), axis=axis)
+    full = np.repeat(p, block_size, axis=axis)                     # [.., blocks * block_size, ..]
+    return full if blocks * block_size == n else full.take(np.arange(n), axis=axis)   # the last block cut to n
 
 
 def qnn_quantize(x, scale, offset, bitwidth: int, axis=None, block_size=None, signed: bool = False) -> np.ndarray:
@@ -186,9 +187,11 @@ def block_range(x: np.ndarray, block_size: int | None = None) -> tuple[np.ndarra
     n = x.shape[-1]
     blocks = -(-n // block_size)
     pad = blocks * block_size - n
+    shape = (*x.shape[:-1], blocks, block_size)
+    if not pad:                                                     # whole blocks: no padded copies
+        return x.reshape(shape).min(-1), x.reshape(shape).max(-1)
     lo = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=np.inf)
     hi = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-np.inf)
-    shape = (*x.shape[:-1], blocks, block_size)
     return lo.reshape(shape).min(-1), hi.reshape(shape).max(-1)
 
 

@@ -356,3 +356,17 @@ def test_logits_bad_input():
         M.logits_metrics(np.zeros((2, 1)), np.zeros((2, 1)))
     with pytest.raises(InputError, match="shape"):
         M.logits_metrics(np.zeros((2, 3)), np.zeros((3, 3)))
+
+
+def test_topk_indices_is_the_stable_sorts_first_k():
+    """topk_indices (np.partition, then the candidates sorted) against the whole stable argsort: ties to the lower
+    index, -0.0 equal to 0.0, non-finite rows and k >= V included."""
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        R, V = int(rng.integers(0, 4)), int(rng.integers(1, 24))
+        x = rng.integers(-3, 3, (R, V)).astype(np.float32) if trial % 2 else rng.standard_normal((R, V))
+        if R and trial % 5 == 0:
+            x[rng.integers(0, R), rng.integers(0, V)] = [-0.0, np.nan, -np.inf, np.inf][trial % 4]
+        for k in range(1, V + 2):
+            want = np.argsort(-np.asarray(x, np.float64), axis=-1, kind="stable")[:, :k]
+            np.testing.assert_array_equal(M.topk_indices(x, k), want, err_msg=f"{x} k={k}")

@@ -18,3 +18,14 @@ def htp_cases(tmp_path_factory):
                                  htp_runs.long_case(get(arch), tmp_path_factory.mktemp(f"htp-{arch}-ar{ar}")))
         return built[(arch, ar)]
     return get
+
+
+@pytest.fixture(scope="session")
+def quantised_dense(tmp_path_factory):
+    """tiny-qwen3's float graph for the quantised HTP (tests/e2e/quantised.py) and its QDQ models, built once per test
+    session: (case, {mix: (ModelProto, path)}). test_quantised_htp.py and test_quantised_refimpl.py both judge them
+    (one xdist group, "quantised"); each built the same export and quantisations of its own before."""
+    import quantised as Q
+    case = Q.float_case("dense", tmp_path_factory.mktemp("quantised-dense"))
+    return case, {mix: (Q.quantise_qdq(case, mix), case.path.with_name(f"qdq_{mix}_{case.path.stem}.onnx"))
+                  for mix in Q.MIXES}   # quantise_qdq's own file name

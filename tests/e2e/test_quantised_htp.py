@@ -26,21 +26,21 @@ if reason:
 from onnx import TensorProto, helper  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
 
-pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised-" + __name__)]   # one worker per module fixture
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised")]   # one worker for the session's quantised_dense
 Q = quantised
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    """tiny-qwen3's float graph and its W8A16 QDQ model (QNN config), cached for the module."""
-    case = Q.float_case("dense", tmp_path_factory.mktemp("quantised-dense"))
-    return case, Q.quantise_qdq(case, "w8a16")
+def dense(quantised_dense):
+    """tiny-qwen3's float graph and its W8A16 QDQ model (QNN config), built once for the session (conftest.py)."""
+    case, models = quantised_dense
+    return case, models["w8a16"][0]
 
 
 @pytest.fixture(scope="module")
-def dense_w4(dense):
+def dense_w4(quantised_dense):
     """The same float graph quantised W4A16 (int4 symmetric weights per output channel)."""
-    return Q.quantise_qdq(dense[0], "w4a16")
+    return quantised_dense[1]["w4a16"][0]
 
 
 def one_op(op: str, x_range, y_range, shape=(1, 512)) -> bytes:

@@ -45,7 +45,7 @@ from refimpl.models.config import config_from_dict  # noqa: E402
 from refimpl.models.model import Model  # noqa: E402
 from refimpl.precision import Policy, policy  # noqa: E402
 
-pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised-" + __name__)]   # one worker per module fixture
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised")]   # one worker for the session's quantised_dense
 Q = quantised
 
 
@@ -60,8 +60,10 @@ def quantised_case(arch, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    return quantised_case("dense", tmp_path_factory)
+def dense(quantised_dense):
+    """quantised_case("dense"), shared with test_quantised_htp.py for the session (conftest.py)."""
+    case, models = quantised_dense
+    return case, {mix: path for mix, (_, path) in models.items()}
 
 
 @pytest.fixture(scope="module")
