@@ -738,6 +738,8 @@ def htp_op(n, codes, fused: bool = False):
         return htp_quantised.neg(q0, e0, out)
     if n.op_type == "Sigmoid":
         return htp_quantised.sigmoid(q0, e0, out)
+    if n.op_type == "Softmax" and q0.shape[_attr(n, "axis", -1)] > 2:
+        return htp_quantised.softmax(q0, e0, out, _attr(n, "axis", -1))
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)
