@@ -101,8 +101,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Not modelled here (measured, docs/htp.md): Softmax. Neg, the fused SiLU product, Sigmoid and the uint16 x uint16
-MatMul: the sections at the end of this file.
+Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul and Softmax (a structural model, not code for code):
+the sections at the end of this file.
 """
 
 import numpy as np
@@ -495,3 +495,75 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
     for i in np.ndindex(*batch):                                                    # per head: its own columns
         y[i] = matmul(qa[i], a, q8[i], e8, out, qrange)
     return y
+
+
+# Softmax over the last axis, uint16 (rows of 3 or more elements; measured, QNN 2.51 HTP v75 simulator): a structural
+# model, not code for code. Measured: the exps are 15-bit integers E_i = T(f_i) >> i_i with the row's maximum at
+# T(0) = 32767 (on dyadic input steps E(y + 1) = E(y) >> 1 for 100 % of 180k codes), T within -2..+2 of 32768 2^-f
+# (four quadratic pieces per octave, modelled by a fixed-point quadratic per piece fitted to the measured table,
+# 80 % of its 4096 points exact, the rest within 1: SOFTMAX_EXP_PIECES; the device's own not found); y = (q_max - q_x) M
+# / 2^22 with M = floor(s_x log2(e) 2^22) (the multiplier's truncation fits six input scales' exp slopes within 7e-5);
+# the probabilities floor(E_i r / 2^(13 + ...)) with r ~ 1 / sum E (every row of six one-op sweeps, given E and r:
+# ~2^29 / S for S < 2^16, a 14-bit r; ~2^31 / (S >> e), a 15-bit r, above: the reciprocal itself is within 1.3 units
+# of these, its formula not found: modelled as the rounded quotient, of S with its lowest bit dropped below 2^16);
+# the output codes are p 2^16 for both (1 / 65535, 0) and (2^-16, 0) (identical codes). Rows of 2 elements are
+# another kernel (12 % of its codes the same), not modelled. Against the device: 96.6-98.3 % of codes on the dense
+# W8A16 model's 4 attention Softmaxes on the HTP's own inputs (CPU EP 91.8-94.2 %), max 1-4 codes; 83-95 % on the
+# MoE's 4 routers, max 1 (CPU EP 3-30 %, up to 46); 83-99 % on 7 random-row sweeps at other encodings (CPU EP
+# 41-88 %), max 4-8 (the reciprocal's and T's units): docs/htp.md §9.
+#
+#     n_i = q_max - q_i                                     the row's steps below its maximum (integers)
+#     M   = floor(s_x log2(e) 2^22)                         y's multiplier, Q22, truncated
+#     i_i = floor(n_i M / 2^22),  f_i = (n_i M mod 2^22) / 2^22      y = -x log2(e): its integer part and fraction
+#     v   = f_i 2^2 - p, p = floor(4 f_i)                  the piece p of f_i and its place v in it (Q15: V = v 2^15)
+#     T   = c0 + floor((V (c1 + floor((c2 V + h2) / 2^15)) + h1) / 2^15)     the piece's quadratic, h: 0 or 2^14
+#     E_i = min(T, 32767) >> i_i                            the 15-bit exp (the device's own table: within 1)
+#     S   = sum_i E_i
+#     q_i = floor(E_i round(2^29 / S') / 2^13),  S' = 2 floor(S / 2)                    S < 2^16
+#           floor(E_i min(round(2^31 / m), 2^15 - 1) / 2^(15 + e)),  m = S >> e in [2^16, 2^17)     above
+#     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535; other
+#           output encodings not measured)
+
+SOFTMAX_Y_BITS = 22               # Softmax's y = n s_x log2(e): a truncated Q22 multiplier of the integer steps n
+SOFTMAX_EXP_BITS = 15             # its exps: 15-bit integers, the row's maximum 2^15 - 1
+SOFTMAX_PIECE_BITS = 15           # T's pieces: four per octave of f, the place in a piece in Q15
+# T(f) per piece (c2, c1, c0, h1, h2): the least-squares quadratic of the HTP's exps measured on a 1/4096 grid of f (QNN
+# 2.51 HTP v75 simulator, s_x log2(e) = 2^-12: every f of the grid at i = 0), its coefficients searched in Q15 with
+# each rounding: 74-86 % of each piece's points exact, the rest within 1 (not the device's own coefficients)
+SOFTMAX_EXP_PIECES = ((450, -5662, 32767, 0, 1 << 14), (380, -4764, 27555, 0, 1 << 14), (319, -4005, 23171, 0, 0),
+                      (269, -3369, 19484, 1 << 14, 1 << 14))
+SOFTMAX_SMALL_RECIP_BITS = 29     # S < 2^16: r = round(2^29 / S'), the probabilities E r / 2^13
+SOFTMAX_RECIP_BITS = 31           # S >= 2^16: r = round(2^31 / m) (int16), m = S >> e in [2^16, 2^17)
+
+
+def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Softmax (a structural model: module comment above).  qx: codes, rows of >= 3 along axis;
+    x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
+    (sx, _), (so, zo) = x, out
+    q = np.moveaxis(np.asarray(qx, np.int64), axis, -1)
+    n = q.max(axis=-1, keepdims=True) - q                                           # n_i = q_max - q_i
+    m_y = int(np.floor(np.float64(np.float32(sx)) * np.log2(np.e) * 2.0 ** SOFTMAX_Y_BITS))   # M, Q22 truncated
+    y = n * np.int64(m_y)                                                           # n_i M   (Q22)
+    i = y >> SOFTMAX_Y_BITS                                                         # i_i
+    fq = (y & ((1 << SOFTMAX_Y_BITS) - 1)) >> (SOFTMAX_Y_BITS - SOFTMAX_PIECE_BITS - 2)   # f_i in Q17
+    piece, v = fq >> SOFTMAX_PIECE_BITS, fq & ((1 << SOFTMAX_PIECE_BITS) - 1)     # p and V
+    t = np.zeros_like(fq)
+    for k, (c2, c1, c0, h1, h2) in enumerate(SOFTMAX_EXP_PIECES):
+        inner = c1 + ((c2 * v + h2) >> SOFTMAX_PIECE_BITS)                          # c1 + c2 V / 2^15
+        t = np.where(piece == k, c0 + ((v * inner + h1) >> SOFTMAX_PIECE_BITS), t)   # T = c0 + V (...) / 2^15
+    t = np.minimum(t, 2 ** SOFTMAX_EXP_BITS - 1)
+    e_x = np.where(i < 62, t >> np.minimum(i, 62), 0)                               # E_i = T(f_i) >> i_i
+    s = e_x.sum(axis=-1, keepdims=True)                                             # S
+    e = np.zeros_like(s)
+    while ((s >> e) >= 1 << 17).any():
+        e = np.where((s >> e) >= 1 << 17, e + 1, e)                                 # m = S >> e in [2^16, 2^17)
+    m = s >> e
+    r = np.minimum((np.int64(1) << SOFTMAX_RECIP_BITS) // m + ((np.int64(1) << SOFTMAX_RECIP_BITS) % m * 2 >= m),
+                   2 ** 15 - 1)                                                     # round(2^31 / m), int16
+    big = (e_x * r) >> (SOFTMAX_RECIP_BITS - 16 + e)                                # E r / 2^(15 + e)
+    s2 = np.maximum(s >> 1 << 1, 1)                                                  # S, its lowest bit dropped
+    small = (e_x * (((np.int64(1) << SOFTMAX_SMALL_RECIP_BITS) + (s2 >> 1)) // s2)) >> 13   # E round(2^29 / S') / 2^13
+    p = np.where(s >= 1 << 16, big, small)                                          # p 2^16, floored
+    k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
+    y_o = p if k == 1.0 else np.floor(p * k).astype(np.int64)
+    return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated

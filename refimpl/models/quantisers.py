@@ -60,7 +60,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
-                      "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out)}}
+                      "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
+                      "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its
 # operands' layouts as attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
@@ -227,6 +228,8 @@ class Quantisers:
             if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
                 return None
             codes[0] = a.reshape(*a.shape[:-2], -1)
+        if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
+            return None                                                             # modelled (htp_quantised.softmax)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
         if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for

@@ -741,6 +741,8 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "MatMul" and codes[1][1] is not None and np.asarray(codes[1][0]).dtype == np.uint16 \
             and np.asarray(q0).dtype == np.uint16:                  # the attention's products
         return htp_quantised.matmul16(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Softmax" and q0.shape[_attr(n, "axis", -1)] > 2:
+        return htp_quantised.softmax(q0, e0, out, _attr(n, "axis", -1))
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)
