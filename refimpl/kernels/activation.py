@@ -26,6 +26,10 @@ class Unhooked:
     def __call__(self, point: str, value):
         return value
 
+    def operand(self, point: str, value) -> None:
+        """The value an op reads at `point` after data movement (a table duplicated and broadcast): a device's hook
+        computes that op on it; nothing here."""
+
 
 unhooked = Unhooked()
 

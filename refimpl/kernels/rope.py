@@ -152,6 +152,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, rnd=identity,
     h = cos.shape[-1]
     c, s = at("cos", cos)[:, :, None, :], at("sin", sin)[:, :, None, :]          # [B, T, 1, h]
     c, s = np.concatenate([c, c], axis=-1), np.concatenate([s, s], axis=-1)      # [B, T, 1, rot]: cat(t, t)
+    at.operand("cos", c), at.operand("sin", s)                                   # the Muls read them so
     xr, rest = x[..., :2 * h], x[..., 2 * h:]
     if rest.shape[-1]:
         xr, rest = at("rot", xr), at("pass", rest)                               # x[:rot], x[rot:]

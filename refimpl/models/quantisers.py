@@ -305,6 +305,11 @@ class BlockHook:
         node = f"{self.prefix}.{node}"
         return self.quantisers.at(node)(sub, value) if sub else self.quantisers.output(node, value)
 
+    def operand(self, point: str, value) -> None:
+        node, _, sub = point.partition("/")
+        if sub:
+            self.quantisers.at(f"{self.prefix}.{node}").operand(sub, value)
+
 
 class Hook:
     """A node's sub-op quantisers as its kernel calls them: hook(point, value) -> the value quantised there (a
@@ -322,6 +327,13 @@ class Hook:
             return value
         x = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else np.asarray(value, np.float32)
         return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
+
+    def operand(self, point: str, value) -> None:
+        """value: the quantised value held at `point` after data movement (duplicated, broadcast: the same codes),
+        as the ops reading it there take it; the device arithmetic computes them on it."""
+        held = self.quantisers.held.get(f"{self.node}/{point}")
+        if held is not None:
+            self.quantisers.held[f"{self.node}/{point}"] = (value, held[1])
 
 
 NONE = Quantisers()

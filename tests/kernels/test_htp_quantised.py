@@ -132,6 +132,26 @@ def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_ti
     assert ops["model.layers.0.linear_attn.conv1d_silu"][0] == "SiLU"
 
 
+def test_ropes_muls_read_the_half_tables_duplicated_as_the_device_graph_does():
+    """RoPE's x * cos and rotate_half * sin under the HTP arithmetic: the cos / sin points hold the half tables
+    [B, T, rot/2] (the graph's inputs), which the kernel duplicates and broadcasts before its Muls (at.operand); the
+    device Mul runs on those codes (it fell back to the CPU EP's arithmetic: 96.8 % of q_rope's codes on the dense
+    W8A16 HTP dump, now 100 %)."""
+    from refimpl.kernels.rope import apply_rope
+    rng = np.random.default_rng(0)
+    e_x, e_t, e_m = enc(1e-4, 32000), enc(2 ** -15, 32768), enc(9e-5, 31000)
+    points = {"r": {"cos": e_t, "sin": e_t, "x*cos": e_m}}
+    q = Quantisers(outputs={"x": e_x}, points=points, arithmetic="htp",
+                   ops={"r/x*cos": ("Mul", ("x", "r/cos"))})
+    x = q.output("x", e_x.dequantize(rng.integers(20000, 44000, (1, 3, 2, 8))))   # [B, T, H, rot]
+    cos, sin = np.cos(rng.random((1, 3, 4))).astype(np.float32), np.sin(rng.random((1, 3, 4))).astype(np.float32)
+    q.record = {}
+    apply_rope(x, cos, sin, at=q.at("r"))
+    c = np.concatenate([e_t.codes(cos)] * 2, axis=-1)[:, :, None, :]              # the duplicated table's codes
+    want = H.mul(e_x.codes(x), (1e-4, 32000), c, (2 ** -15, 32768), (9e-5, 31000))
+    assert (e_m.codes(q.record["r/x*cos"]) == want).all()
+
+
 def test_the_device_matmul_reads_an_input_held_with_its_heads_split():
     """Qwen3.5's out_proj reads the gated norm, held as [B, T, H, D], as the device graph's [B, T, H D] (it raised
     "mismatch in its core dimension" before): the device MatMul on the merged codes; an input whose last axes do not
