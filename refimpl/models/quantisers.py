@@ -61,7 +61,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
-                      "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out)}}
+                      "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
+                      "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
 # 8-bit unsigned per tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its
 # operands' layouts as attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
@@ -70,6 +71,9 @@ assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
 DEVICE_FUSES_SILU = ("htp",)
+# the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
+# fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
+DEVICE_FUSES_ROTATE_HALF = ("htp",)
 
 
 def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
@@ -81,18 +85,24 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     per-head layout (attention_operands). forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
-    (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU)."""
+    (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU); a Concat of a Neg point
+    and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
         sigmoids = {f"/{pt.name}": tuple(pt.inputs) for pt in node.points if pt.onnx[0] == "Sigmoid"}
+        negs = {f"/{pt.name}": pt.inputs[0] for pt in node.points if pt.onnx[0] == "Neg" and len(pt.inputs) == 1}
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
             pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
             if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
                     and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
                 declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
+                continue
+            if pt.onnx[0] == "Concat" and arithmetic in DEVICE_FUSES_ROTATE_HALF and len(pt.inputs) == 2 \
+                    and pt.inputs[0] in negs:
+                declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
             declared.append((where, pt.onnx[0], pt.inputs))
         for where, op, inputs in declared:
