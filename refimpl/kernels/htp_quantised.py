@@ -101,8 +101,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul and Softmax (a structural model, not code for code):
-the sections at the end of this file.
+Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul, Softmax (a structural model, not code for code) and
+RoPE's fused rotate_half: the sections at the end of this file.
 """
 
 import numpy as np

@@ -716,7 +716,8 @@ def htp_op(n, codes, fused: bool = False):
     (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
     for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
     codes, or None where not modelled (or an input is not read, or an encoding is per axis). fused: a Mul of x and
-    its own Sigmoid's codes, which the HTP computes as its fused SiLU product."""
+    its own Sigmoid's codes, which the HTP computes as its fused SiLU product; a Concat of a Neg and another tensor
+    on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's)."""
     from refimpl.kernels import htp_quantised
     if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
@@ -736,6 +737,8 @@ def htp_op(n, codes, fused: bool = False):
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Neg":
         return htp_quantised.neg(q0, e0, out)
+    if n.op_type == "Concat" and fused and len(codes) == 3 and _attr(n, "axis") in (-1, np.ndim(q0) - 1):
+        return htp_quantised.rotate_half(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sigmoid":
         return htp_quantised.sigmoid(q0, e0, out)
     if n.op_type == "MatMul" and codes[1][1] is not None and np.asarray(codes[1][0]).dtype == np.uint16 \
@@ -794,6 +797,11 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
         q = producer.get(quantiser(n.input[1]) or "")
         s = producer.get(q.input[0]) if q is not None else None
         return s is not None and s.op_type == "Sigmoid" and quantiser(s.input[0]) == quantiser(n.input[0]) is not None
+    def negated(n):  # a Concat of a Neg (rotate_half's [-x2 | x1]): the Neg's input, which the HTP reads instead
+        d = producer.get(n.input[0]) if n.op_type == "Concat" and len(n.input) == 2 else None
+        q = producer.get(d.input[0]) if d is not None and d.op_type == "DequantizeLinear" else None
+        neg = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
+        return neg.input[0] if neg is not None and neg.op_type == "Neg" else None
 
     rows = []
     with products.onnxruntime_cpu():
@@ -805,8 +813,10 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             if any(x is None for x in ins):
                 continue
             want = values[q.output[0]]
-            mine = htp_op(n, [codes(i) for i in n.input if i] + [(None, (inits[q.input[1]], inits[q.input[2]]))],
-                          fused=silu(n)) if htp else None
+            x2 = negated(n) if htp else None
+            read = [codes(i) for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            mine = htp_op(n, read + [(None, (inits[q.input[1]], inits[q.input[2]]))],
+                          fused=silu(n) or x2 is not None) if htp else None
             if mine is not None:
                 share, step = codes_agreement(np.broadcast_to(mine, want.shape), want)
                 rows.append((q.output[0], n.op_type, n.name, share, step))

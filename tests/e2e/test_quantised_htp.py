@@ -439,14 +439,14 @@ def test_the_htp_arithmetic_reproduces_the_htps_adds_sqrts_and_means_on_its_own_
     """refimpl's model of the HTP's quantised Add, Sqrt, ReduceMean, Mul, Div and Neg (kernels/htp_quantised.py),
     quantiser by quantiser on the HTP run's own input codes (quantised.replayed(htp=True)): every one of the dense
     W8A16 model's 37 Adds (residual adds, +eps, RoPE's sums, the mask add), 17 Sqrts, 17 ReduceMeans, 17 Divs
-    (RMSNorm's x / sqrt), 8 Negs (RoPE's rotate_half), 4 Sigmoids and 62 Muls (the 4 SiLU products x * sigmoid(x)
-    as the HTP's fused product) identical, and its 36 MatMuls (28 projections, 8 attention products) within one code
+    (RMSNorm's x / sqrt), 8 Negs and 8 Concats (RoPE's rotate_half, fused), 4 Sigmoids and 62 Muls (the 4 SiLU
+    products x * sigmoid(x) as the HTP's fused product) identical, and its 36 MatMuls (28 projections, 8 attention products) within one code
     (17 whole, median 99.9 %), where ONNX Runtime's CPU arithmetic on the same inputs leaves 17, 0, 1, 0, 1, 0, 4 and
     0 of them identical (Sqrt ~40 codes off, Div median 32 %, up to 12; MatMuls up to 387 codes off)."""
     case, qm, qdq, f, q, dumps, root = diffed
     values = {p.stem: np.load(p) for p in dumps["htp"].glob("*.npy")}
     after, before = Q.replayed(qm, values, htp=True), Q.replayed(qm, values)
-    for op, count in (("Add", 37), ("Sqrt", 17), ("ReduceMean", 17), ("Neg", 8), ("Sigmoid", 4)):
+    for op, count in (("Add", 37), ("Sqrt", 17), ("ReduceMean", 17), ("Neg", 8), ("Sigmoid", 4), ("Concat", 8)):
         rows = [r for r in after if r[1] == op]
         assert len(rows) == count and all(r[3] == 1.0 for r in rows), [r for r in rows if r[3] < 1]
     mul = [r for r in after if r[1] == "Mul"]          # the 4 SiLU products x * sigmoid(x) fused (silu_product)
@@ -586,6 +586,52 @@ def test_htp_quantised_neg_is_its_q18_rescale_in_eighths():
         assert Q.codes_agreement(htp_quantised.neg(codes, (sx, zx), (so, zo)), dev) == (1.0, 0), zx
         peer.append(Q.codes_agreement(cpu, dev)[0])
     assert min(peer) < 0.95, peer              # the model's encoding: 90.6 %
+
+
+def rotate_half_graph(x: tuple, neg: tuple, out: tuple, n: int = 1024, d: int = 128) -> bytes:
+    """RoPE's rotate_half as the dense W8A16 graph has it: x [n, d] -> QDQ -> Slice x1 = x[:, :d/2], x2 = x[:, d/2:]
+    (each QDQ in x's encoding) -> Neg(x2) -> QDQ(neg) -> Concat(-x2, x1) -> Q(out) "yq"; the Neg's codes "nq"."""
+    inits = [nh.from_array(np.array(v, t), k) for k, v, t in (
+        ("sx", x[0], np.float32), ("zx", x[1], np.uint16), ("sn", neg[0], np.float32), ("zn", neg[1], np.uint16),
+        ("so", out[0], np.float32), ("zo", out[1], np.uint16),
+        ("s0", [0], np.int64), ("h", [d // 2], np.int64), ("e", [d], np.int64), ("ax", [-1], np.int64))]
+    qdq = [n for a, b, s, z in (("x", "xd", "sx", "zx"), ("x1", "x1d", "sx", "zx"), ("x2", "x2d", "sx", "zx"),
+                                ("n", "nd", "sn", "zn"))
+           for n in (helper.make_node("QuantizeLinear", [a, s, z], [f"{a}q"] if a != "n" else ["nq"]),
+                     helper.make_node("DequantizeLinear", [f"{a}q" if a != "n" else "nq", s, z], [b]))]
+    nodes = qdq[:2] + [helper.make_node("Slice", ["xd", "s0", "h", "ax"], ["x1"]),
+                       helper.make_node("Slice", ["xd", "h", "e", "ax"], ["x2"])] + qdq[2:6] + [
+        helper.make_node("Neg", ["x2d"], ["n"])] + qdq[6:] + [
+        helper.make_node("Concat", ["nd", "x1d"], ["y"], axis=-1),
+        helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
+    graph = helper.make_graph(nodes, "rotate_half", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, d])],
+                              [helper.make_tensor_value_info(o, TensorProto.UINT16, None) for o in ("yq", "nq")],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def test_htp_fuses_ropes_rotate_half_into_one_rescale_of_x_per_half():
+    """The HTP's Concat(Neg(x2), x1) (htp_quantised.rotate_half) does not read the Neg's quantiser: each half is
+    x's codes rescaled straight into the Concat's encoding (-x2 by the Neg's arithmetic, x1 the same unnegated; a
+    Q18 multiplier of the float32 ratio, ties even). Over every input code on each half, at the dense W8A16 model's
+    first k_rope encodings and one not used to build the model: every code (measured 100 % on 22 of 23 encodings,
+    98.9 % of -x2 on the last; the CPU EP's exact requantisation of the Neg's codes: 72 % and 51 % of -x2
+    here, up to 8345 codes off, as the HTP's Neg quantiser holds them)."""
+    from refimpl.kernels import htp_quantised
+    c1 = np.arange(65536).reshape(1024, 64)
+    codes = np.concatenate([c1, (c1 * 7919 + 13) % 65536], axis=-1)              # x1 | x2: every code in each
+    for x, neg, out in (((1.0118e-04, 29676), (9.72902e-05, 37291), (1.0319723e-04, 35157)),
+                        ((2.1432381e-04, 59604), (1.5369747e-04, 12692), (1.5785688e-04, 5739))):
+        x, neg, out = ((np.float32(s), z) for s, z in (x, neg, out))
+        model = rotate_half_graph(x, neg, out)
+        cpu = Q.run(Q.cpu_session(model), {"x": on_grid(codes, *x)})["yq"]
+        dev = Q.run(Q.htp_session(model, optimize=False), {"x": on_grid(codes, *x)})
+        mine = htp_quantised.rotate_half(codes[:, 64:], x, codes[:, :64], x, out)
+        assert Q.codes_agreement(mine, dev["yq"]) == (1.0, 0), x
+        assert Q.codes_agreement(htp_quantised.neg(codes[:, 64:], x, neg), dev["nq"]) == (1.0, 0), x   # its own
+        assert Q.codes_agreement(cpu[:, :64], dev["yq"][:, :64])[0] < 0.9, x
 
 
 def test_htp_quantised_softmax_model_is_closer_to_the_htp_than_the_cpu_ep():

@@ -110,6 +110,33 @@ def test_neg_rounds_in_eighths_half_up_so_seven_sixteenths_round_up():
     assert H.neg([0, 65535], (1.0, z), (2.0 ** -4, z)).tolist() == [65535, 0]     # saturated
 
 
+def test_rotate_half_rescales_x_straight_into_the_concats_encoding_and_the_device_fuses_it():
+    """The HTP's Concat(Neg(x2), x1) (htp_quantised.rotate_half) reads x2's codes, not the Neg's: each half x's
+    codes times a Q18 multiplier of the float32 ratio into eighths, as Neg's; declared for RoPE's rotate_half point."""
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    z = 2 ** 15
+    q = np.arange(0, 65536, 97)
+    y = H.rotate_half(q, (1.0, z), q, (1.0, z), (1.0, z))                       # r = 1: [-x2 | x1] exactly
+    assert (y[: q.size] == np.clip(2 * z - q, 0, 65535)).all() and (y[q.size:] == q).all()
+    # the -x2 half is the Neg's arithmetic (its encoding skipped), whatever the other half
+    sx, so = float(np.float32(1.0118e-04)), float(np.float32(1.0319723e-04))
+    assert (H.rotate_half(q, (sx, 29676), q[::-1], (sx, 29676), (so, 35157))[: q.size] ==
+            H.neg(q, (sx, 29676), (so, 35157))).all()
+    # r = 7/16: +7/16 of a code is 3.5 eighths, rounded up to 4, then half: 1 (exact rounding: 0); 5/16 -> 0
+    assert H.rescale_in_eighths([z + 1, z + 1], (7 / 16, z), (1.0, 100)).tolist() == [101, 101]
+    assert H.rescale_in_eighths([z + 1], (5 / 16, z), (1.0, 100)).tolist() == [100]
+    # the multiplier rounds the float32 ratio's r 2^18 to even: 4.5 -> 4 (half up: 5); q' = 22938 steps are 2.8
+    # eighths (5: 3.5, rounded up to 4, then half a code: 1)
+    assert H.rescale_in_eighths([z + 22938], (4.5 * 2.0 ** -18, z), (1.0, 100)).tolist() == [100]
+    assert H.rescale_in_eighths([0, 65535], (4.0, z), (1.0, z)).tolist() == [0, 65535]          # saturated
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
+    assert ops["model.layers.0.self_attn.k_rope/rotate_half"] == (
+        "RotateHalf", ("model.layers.0.self_attn.k_rope/x2", "model.layers.0.self_attn.k_rope/x1"))
+    assert ops["model.layers.0.self_attn.k_rope/-x2"][0] == "Neg"                # its own quantiser still the Neg's
+
+
 def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_times_its_own_sigmoid():
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import graph
