@@ -442,7 +442,8 @@ def test_the_htp_arithmetic_reproduces_the_htps_adds_sqrts_and_means_on_its_own_
     (RMSNorm's x / sqrt), 8 Negs and 8 Concats (RoPE's rotate_half, fused), 4 Sigmoids and 62 Muls (the 4 SiLU
     products x * sigmoid(x) as the HTP's fused product) identical, and its 36 MatMuls (28 projections, 8 attention
     products) within one code (17 whole, median 99.9 %), where ONNX Runtime's CPU arithmetic on the same inputs leaves
-    17, 0, 1, 0, 1, 0, 4 and 0 of them identical (Sqrt ~40 codes off, Div median 32 %, up to 12; MatMuls up to 387 codes off)."""
+    17, 0, 1, 0, 1, 0, 4 and 0 of them identical (Sqrt ~40 codes off, Div median 32 %, up to 12; MatMuls up to 387
+    codes off)."""
     case, qm, qdq, f, q, dumps, root = diffed
     values = {p.stem: np.load(p) for p in dumps["htp"].glob("*.npy")}
     after, before = Q.replayed(qm, values, htp=True), Q.replayed(qm, values)
