@@ -340,14 +340,22 @@ NEG_EIGHTHS_BITS = 3              # its terms in eighths of an output code, each
 
 def neg(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's quantised Neg.  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
-    (sx, zx), (so, zo) = x, out
+    (sx, _), (so, _) = x, out
     r = np.float64(np.float32(sx)) / np.float64(np.float32(so))                   # r = s_x / s_o
-    m = np.int64(multiplier(r, NEG_MULTIPLIER_BITS))                              # m = round(r 2^18)
+    return rescale_in_eighths(qx, x, out, multiplier(r, NEG_MULTIPLIER_BITS), negate=True, qrange=qrange)
+
+
+def rescale_in_eighths(qx, x: tuple, out: tuple, m: int, negate: bool = False, qrange: tuple = UINT16) -> np.ndarray:
+    """x's codes rescaled by the Q18 multiplier m into the output encoding in eighths of a code (negated: Neg, and
+    the -x2 of the fused rotate_half; not: its x1).  qx: codes; x, out: (scale, zero point), per tensor.  -> int64
+    codes, qx's shape."""
+    (_, zx), (_, zo) = x, out
     sh = NEG_MULTIPLIER_BITS - NEG_EIGHTHS_BITS
+    sign = np.int64(-1 if negate else 1)
     qp = np.asarray(qx, np.int64) - np.int64(2 ** 15)                              # q' = q_x - 2^15 (int16)
-    t = round_half_up_shift(-qp * m, sh)                                           # -q' r in eighths
-    z = round_half_up_shift(np.int64(int(zx) - 2 ** 15) * m, sh)                   # z' r in eighths
-    y = (t + z + (1 << (NEG_EIGHTHS_BITS - 1))) >> NEG_EIGHTHS_BITS                # floor((t + Z + 4) / 8)
+    t = round_half_up_shift(sign * qp * np.int64(m), sh)                           # +-q' r in eighths
+    z = round_half_up_shift(np.int64(int(zx) - 2 ** 15) * np.int64(m), sh)         # z' r in eighths
+    y = (t - sign * z + (1 << (NEG_EIGHTHS_BITS - 1))) >> NEG_EIGHTHS_BITS         # floor((t -+ Z + 4) / 8)
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
 
 
@@ -584,28 +592,11 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
 #     Z   = floor(((z_x - 2^15) m + 2^14) / 2^15)         z' r in eighths, rounded half up
 #     q_o = clip(floor((t -+ Z + 4) / 8) + z_o, 0, 2^16 - 1)
 
-ROTATE_HALF_MULTIPLIER_BITS = 18  # the fused rotate_half's rescale s_x / s_o: Q18 (as the Neg's)
-ROTATE_HALF_EIGHTHS_BITS = 3      # ... into eighths of an output code
-
-
-def rescale_in_eighths(qx, x: tuple, out: tuple, negate: bool = False, qrange: tuple = UINT16) -> np.ndarray:
-    """One half of the HTP's fused rotate_half: x's codes rescaled into the output encoding (negated: -x2).  qx:
-    codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
-    (sx, zx), (so, zo) = x, out
-    r = np.float32(np.float32(sx) / np.float32(so))                                 # r = s_x / s_o in float32
-    m = np.int64(np.rint(np.float64(r) * 2.0 ** ROTATE_HALF_MULTIPLIER_BITS))       # m = round(r 2^18), ties even
-    sh = ROTATE_HALF_MULTIPLIER_BITS - ROTATE_HALF_EIGHTHS_BITS
-    sign = np.int64(-1 if negate else 1)
-    qp = np.asarray(qx, np.int64) - np.int64(2 ** 15)                              # q' = q_x - 2^15 (int16)
-    t = round_half_up_shift(sign * qp * m, sh)                                     # +-q' r in eighths
-    z = round_half_up_shift(np.int64(int(zx) - 2 ** 15) * m, sh)                   # z' r in eighths
-    y = (t - sign * z + (1 << (ROTATE_HALF_EIGHTHS_BITS - 1))) >> ROTATE_HALF_EIGHTHS_BITS   # floor((t -+ Z + 4) / 8)
-    return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
-
-
 def rotate_half(qx2, x2: tuple, qx1, x1: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's fused Concat(Neg(x2), x1) over the last axis (RoPE's rotate_half).  qx2, qx1: the halves' codes
     [..., h] (before the Neg: its quantiser is not read); x2, x1, out: (scale, zero point), per tensor.
     -> int64 codes [..., 2h]."""
-    return np.concatenate([rescale_in_eighths(qx2, x2, out, negate=True, qrange=qrange),     # -x2
-                           rescale_in_eighths(qx1, x1, out, qrange=qrange)], axis=-1)         # x1
+    def m(x: tuple) -> int:                                                       # round(float32(s_x / s_o) 2^18)
+        return multiplier(np.float32(np.float32(x[0]) / np.float32(out[0])), NEG_MULTIPLIER_BITS)
+    return np.concatenate([rescale_in_eighths(qx2, x2, out, m(x2), negate=True, qrange=qrange),     # -x2
+                           rescale_in_eighths(qx1, x1, out, m(x1), qrange=qrange)], axis=-1)         # x1

@@ -125,12 +125,14 @@ def test_rotate_half_rescales_x_straight_into_the_concats_encoding_and_the_devic
     assert (H.rotate_half(q, (sx, 29676), q[::-1], (sx, 29676), (so, 35157))[: q.size] ==
             H.neg(q, (sx, 29676), (so, 35157))).all()
     # r = 7/16: +7/16 of a code is 3.5 eighths, rounded up to 4, then half: 1 (exact rounding: 0); 5/16 -> 0
-    assert H.rescale_in_eighths([z + 1, z + 1], (7 / 16, z), (1.0, 100)).tolist() == [101, 101]
-    assert H.rescale_in_eighths([z + 1], (5 / 16, z), (1.0, 100)).tolist() == [100]
+    def x1_half(q1, x1, out):                                                    # rotate_half's x1 half alone
+        return H.rotate_half(np.full(len(q1), z), x1, q1, x1, out)[len(q1):].tolist()
+    assert x1_half([z + 1, z + 1], (7 / 16, z), (1.0, 100)) == [101, 101]
+    assert x1_half([z + 1], (5 / 16, z), (1.0, 100)) == [100]
     # the multiplier rounds the float32 ratio's r 2^18 to even: 4.5 -> 4 (half up: 5); q' = 22938 steps are 2.8
     # eighths (5: 3.5, rounded up to 4, then half a code: 1)
-    assert H.rescale_in_eighths([z + 22938], (4.5 * 2.0 ** -18, z), (1.0, 100)).tolist() == [100]
-    assert H.rescale_in_eighths([0, 65535], (4.0, z), (1.0, z)).tolist() == [0, 65535]          # saturated
+    assert x1_half([z + 22938], (4.5 * 2.0 ** -18, z), (1.0, 100)) == [100]
+    assert x1_half([0, 65535], (4.0, z), (1.0, z)) == [0, 65535]                # saturated
     ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
     assert ops["model.layers.0.self_attn.k_rope/rotate_half"] == (
         "RotateHalf", ("model.layers.0.self_attn.k_rope/x2", "model.layers.0.self_attn.k_rope/x1"))
