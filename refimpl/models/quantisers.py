@@ -63,10 +63,10 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
-# inputs an op of the device arithmetic takes as they are stored: (bits, signed, only with a weight): MatMul's weight,
-# 8-bit unsigned per tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its
-# operands' layouts as attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False, False), "Mul": (16, False, False)}
+# inputs an op of the device arithmetic takes as they are stored: (bits, signed): MatMul's weight, 8-bit unsigned per
+# tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its operands' layouts as
+# attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
+DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -109,7 +109,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
-            reads = weights == [False, True] or (not any(weights) and not DEVICE_WEIGHTS.get(op, (0, 0, False))[2])
+            reads = weights == [False, True] or not any(weights)                    # x W, or no weight
             if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
@@ -252,7 +252,7 @@ class Quantisers:
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
             enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
-            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op][:2]) or (
+            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op]) or (
                 op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
             self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
