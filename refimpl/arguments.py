@@ -95,8 +95,8 @@ def precision_flags(p) -> None:
                         "are placed by that graph's structure, docs/precision.md)")
     p.add_argument("--device-arithmetic", choices=DEVICE_ARITHMETICS,
                    help="with --encodings MODEL_QDQ.onnx: the ops a quantised device computes on codes, as that device "
-                        "computes them (htp: Add, Mul, Div, Sqrt, ReduceMean, W8A16 MatMul as measured on the HTP "
-                        "simulator (docs/htp.md section 9)); default ONNX Runtime's CPU EP")
+                        "computes them (htp: the ops measured on the HTP simulator, docs/htp.md section 9); default "
+                        "ONNX Runtime's CPU EP")
     p.add_argument("--strict-encodings", action="store_true",
                    help="an activation encoding naming nothing refimpl can place is an error (default: a warning)")
     p.add_argument("--max-resident", type=size, metavar="SIZE",
