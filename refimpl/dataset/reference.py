@@ -36,6 +36,7 @@ from ..errors import FormatError, InputError, RefimplError, brief
 from ..files import discard, expect, integer, load_json, sweep, write_atomic
 from ..formats.safetensors import header_bytes, read_safetensors, write_safetensors
 from ..golden import run_convention
+from ..kernels import products
 from ..sources import load
 from ..version import __version__
 from . import compact
@@ -77,7 +78,7 @@ def window_logits(model, tokens: np.ndarray, convention: str = "hf", params: dic
         logits = c.outputs["logits"][0]
         box = c.valid.get("logits")
         rows.append(logits[box[0][1][0]:box[0][1][1]] if box else logits)
-    out = np.concatenate(rows)
+    out = rows[0] if len(rows) == 1 else np.concatenate(rows)                # (one call: its rows, not a copy)
     if out.shape[0] != len(tokens):
         raise InputError(f"convention {convention}: {out.shape[0]} logits rows for a window of {len(tokens)} tokens")
     return out
@@ -98,15 +99,19 @@ def compute_window(job: Job, tokens: np.ndarray, targets: np.ndarray) -> dict:
     """One window's stored arrays (see the module docstring)."""
     model = _model(job)
     logits = window_logits(model, tokens, job.convention, dict(job.params))[job.first:job.first + job.scored]
-    parts = []
-    for s in range(0, job.scored, ROW_CHUNK):
+    starts = range(0, job.scored, ROW_CHUNK)
+    parts = [None] * len(starts)
+
+    def chunk(i: int) -> None:                                                  # scored rows s .. s + ROW_CHUNK
+        s = starts[i]
         logp = compact.log_softmax(logits[s:s + ROW_CHUNK])
         codes, scale, floor = compact.encode(logp)
         top = top_ids(logp, job.top_k)
         rows = np.arange(logp.shape[0])
-        parts.append({"codes": codes, "scale": scale, "floor": floor,
-                      "nll": -logp[rows, targets[s:s + ROW_CHUNK]],
-                      "top_ids": top, "top_logprobs": np.take_along_axis(logp, top, -1)})
+        parts[i] = {"codes": codes, "scale": scale, "floor": floor, "nll": -logp[rows, targets[s:s + ROW_CHUNK]],
+                    "top_ids": top, "top_logprobs": np.take_along_axis(logp, top, -1)}
+
+    products.spread(chunk, len(starts))                                         # the chunks over the cores
     return with_digest({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
 

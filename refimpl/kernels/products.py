@@ -92,14 +92,22 @@ class Constant:
 
 
 def constant(b: np.ndarray, keep_float64: bool = False) -> Constant:
-    """b [..., K, N] with its column norms (float64, computed a block of columns at a time), and its float64 copy
-    when keep_float64. A float64 b (the oracle mode) needs neither: its norms are not computed."""
+    """b [..., K, N] with its column norms (float64, computed a block of columns at a time, the blocks spread over
+    the cores), and its float64 copy when keep_float64. A float64 b (the oracle mode) needs neither: its norms are
+    not computed."""
     if b.dtype == np.float64:
         return Constant(b, np.empty((*b.shape[:-2], 1, 0)))
     width = max(1, _IN_BLOCK // max(1, math.prod(b.shape[:-1])))
-    b64 = _to_float64(b) if keep_float64 else None
-    norms = np.concatenate([column_norms(b64[..., j:j + width] if keep_float64 else _to_float64(b[..., j:j + width]))
-                            for j in range(0, b.shape[-1], width)] or [np.empty((*b.shape[:-2], 1, 0))], axis=-1)
+    b64 = np.empty_like(b, np.float64) if keep_float64 else None                # (b's layout: W^T's rows contiguous)
+    norms = np.empty((*b.shape[:-2], 1, b.shape[-1]))
+
+    def block(i: int) -> None:                                                  # columns j .. j + width
+        j = slice(i * width, (i + 1) * width)
+        if keep_float64:
+            _convert(b64[..., j], b[..., j])
+        norms[..., j] = column_norms(b64[..., j] if keep_float64 else _to_float64(b[..., j]))
+
+    spread(block, -(-b.shape[-1] // width))
     return Constant(b, norms, b64)
 
 
@@ -149,8 +157,7 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
     elif out.shape != shape or out.dtype != np.float32:
         raise ValueError(f"matmul: out is {out.dtype} {out.shape}, the product float32 {shape}")
     with np.errstate(invalid="ignore", over="ignore"):
-        a64 = _to_float64(a)
-        norm_a = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]           # [..., M, 1]
+        a64, norm_a = _with_norms(a)                                            # [..., M, K], [..., M, 1]
         if _streamed(a64, b, batch):
             out[...] = _few_rows(a64, norm_a, b, const)
             return out
@@ -186,6 +193,26 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
             for j in starts:
                 block(j)
     return out
+
+
+def _with_norms(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """a [..., M, K] in float64 and its row norms ||a_i||_2 [..., M, 1]; a large a a block of rows at a time, the
+    blocks spread over the cores (a prefill's attention probabilities: 4M elements a layer at 512 tokens)."""
+    if a.size < _SPREAD_SUM:
+        a64 = _to_float64(a)
+        return a64, np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]
+    K = a.shape[-1]
+    a64, norms = np.empty(a.shape), np.empty((*a.shape[:-1], 1))
+    rows, flat, flat64, flat_norms = max(1, _SUM_BLOCK // max(1, K)), a.reshape(-1, K), a64.reshape(-1, K), \
+        norms.reshape(-1)
+
+    def block(i: int) -> None:                                                  # rows r .. r + rows
+        r = slice(i * rows, (i + 1) * rows)
+        _convert(flat64[r], flat[r])
+        flat_norms[r] = np.sqrt(np.einsum("mk,mk->m", flat64[r], flat64[r]))
+
+    spread(block, -(-flat.shape[0] // rows))
+    return a64, norms
 
 
 def _into(out: np.ndarray | None, y: np.ndarray) -> np.ndarray:
@@ -242,6 +269,10 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     spread(block, -(-N // rows))
     na = norm_a * _bound_factor(K, -(-K // step))
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
+
+
+_SUM_BLOCK = 1 << 15                        # terms of a correctly rounded sum taken at once (256 KiB of float64)
+_SPREAD_SUM = 1 << 18                       # terms from which a sum's blocks are spread over the cores
 
 
 _PLAIN_SPREAD = False                       # plain one-token products: our threads over BLAS on one thread each
@@ -468,15 +499,43 @@ def _nonfinite_products(a: np.ndarray, b: np.ndarray):
     return nan, pos_inf, neg_inf
 
 
-def sumprod(a: np.ndarray, b: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:
-    """sum_k a_k b_k along `axis` (broadcasting a and b), correctly rounded like matmul; e.g. sumprod(x, x) is
-    a sum of squares. The bound here is gamma_K sum_k |a_k b_k| itself."""
-    if np.result_type(a.dtype, b.dtype, np.float32) == np.float64 or _plain.get():
-        return np.sum(a * b, axis=axis, keepdims=keepdims)
+def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool = False) -> np.ndarray:
+    """sum_k a_k b_k along `axis` (broadcasting a and b; b None: sum_k a_k), correctly rounded like matmul; e.g.
+    sumprod(x, x) is a sum of squares. The bound here is gamma_K sum_k |a_k b_k| itself (the sum itself where no
+    term is negative: squares, or a block whose terms are all >= 0, as softmax's exps are). The sums are taken a
+    block of rows at a time (its float64 terms stay in cache) and the blocks spread over the cores."""
+    if np.result_type(a.dtype, np.float32 if b is None else b.dtype, np.float32) == np.float64 or _plain.get():
+        return np.sum(a if b is None else a * b, axis=axis, keepdims=keepdims)
+    squares = a is b
+    if b is not None and not squares:
+        a, b = np.broadcast_arrays(a, b)
+    a = np.moveaxis(a, axis, -1)
+    shape, K = a.shape[:-1], a.shape[-1]
+    a = a.reshape(-1, K)                                                        # [R, K] rows (a view if it can be)
+    if b is not None and not squares:
+        b = np.moveaxis(b, axis, -1).reshape(-1, K)
+    out = np.empty(a.shape[0], np.float32)
+    rows = max(1, _SUM_BLOCK // max(1, K))
+
+    def block(i: int) -> None:                                                  # rows r .. r + n
+        r = slice(i * rows, (i + 1) * rows)
+        if b is None:
+            p = a[r].astype(np.float64)                                         # [n, K] exact terms
+        else:
+            p = np.multiply(a[r], a[r] if squares else b[r], dtype=np.float64)  # exact products
+        c = p.sum(axis=-1)
+        nonnegative = squares or (b is None and a[r].min(initial=0) >= 0)      # (NaN compares False)
+        out[r] = _sums(p, c, c if nonnegative else np.abs(p).sum(axis=-1), K,
+                       lambda test: test(p).any(axis=-1), lambda idx: p[idx])
+
+    n = -(-a.shape[0] // rows)
     with np.errstate(invalid="ignore", over="ignore"):
-        p = np.moveaxis(np.multiply(a, b, dtype=np.float64), axis, -1)        # [..., K] exact products
-        out = _sums(p, p.sum(axis=-1), np.abs(p).sum(axis=-1), p.shape[-1],
-                    lambda test: test(p).any(axis=-1), lambda idx: p[idx])
+        if a.size >= _SPREAD_SUM:
+            spread(block, n)
+        else:
+            for i in range(n):
+                block(i)
+    out = out.reshape(shape)
     return np.expand_dims(out, axis) if keepdims else out
 
 
@@ -488,7 +547,7 @@ def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  #
     if _runtime.get():
         out = reduce_sum_onnxruntime(x, axis)
         return np.expand_dims(out, axis) if keepdims else out
-    return sumprod(x, np.ones((), np.float32), axis=axis, keepdims=keepdims)
+    return sumprod(x, None, axis=axis, keepdims=keepdims)
 
 
 def cumsum(x: np.ndarray, axis: int = -1) -> np.ndarray:

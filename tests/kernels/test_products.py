@@ -149,6 +149,27 @@ def test_sums_sum_of_squares_and_prefix_sums(shape, spread, seed):
     assert_bits(products.sum(x[0]), exact.to_float32(exact.dot(x[0], np.ones_like(x[0]))))
 
 
+def test_large_sums_are_blocked_and_spread_with_the_same_bits():
+    """A sum over many rows is taken a block of rows at a time, the blocks spread over the cores (products._SUM_BLOCK,
+    _SPREAD_SUM): every row is still its exact sum rounded once, across block boundaries, in rows whose terms are
+    all >= 0 (softmax's exps: the bound is the sum itself), mixed in sign, cancelling to a float32 tie, or not
+    finite; a sum of squares over a middle axis alike."""
+    rng = np.random.default_rng(5)
+    x = scaled(rng, (2000, 200), 20)                                    # 400,000 terms: spread, 164 rows a block
+    x[::3] = np.abs(x[::3])                                             # rows of terms >= 0
+    x[7] = 0
+    x[7, :5] = [2.0 ** 30, 1, -2.0 ** 30, 2.0 ** -24, 3 * 2.0 ** -149]  # 1 + 2^-24: a tie in float64, a subnormal
+                                                                        # over it: rounds up, to 1 + 2^-23
+    x[163:166, 5] = [np.inf, np.nan, -np.inf]                           # at a block boundary (164 rows a block)
+    got = products.sum(x, axis=-1)
+    want = np.array([np.sum(r) if not np.isfinite(r).all() else exact.to_float32(exact.dot(r, np.ones_like(r)))
+                     for r in x], F32)
+    assert_bits(got, want)
+    t = x[:40].reshape(8, 5, 200).transpose(0, 2, 1)                    # [8, 200, 5]: sums over the middle axis
+    assert got[7] == np.float32(1 + 2.0 ** -23)
+    assert_bits(products.sumprod(t, t, axis=1), exact.sum_squares(x[:40]).reshape(8, 5))
+
+
 def test_plain_blas_is_opt_in():
     rng = np.random.default_rng(0)
     a, b = scaled(rng, (4, 300), 0), scaled(rng, (300, 3), 0)
