@@ -14,7 +14,8 @@ are built) is its own. All stay resident while the timed rounds alternate betwee
 at a time, so all see the same machine state; times are medians over rounds, and every ratio is also given per
 round (min / median / max: the noise of a shared machine; /proc/loadavg is printed). The decode step is also
 compared with its memory-bandwidth bound: the bytes one step must read (every weight matrix, the tied
-embedding as lm_head, the KV cache) over the streaming-read bandwidth measured in the same run.
+embedding as lm_head, the KV cache) over the streaming-read bandwidth measured before each round (the machine's
+varies by tens of percent within minutes: 34 to 60 GB/s in one afternoon), each round's steps against its own bound.
 
     python bench/forward.py            # full 28-layer model (about 2.4 GB of float32 weights per side, and
                                        # 4.8 GB of float64 copies on the resident correctly rounded side)
@@ -290,9 +291,9 @@ class Side:
 
 # ------------------------------------------------------------------------------------------------ the report
 
-def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, contention, loads) -> None:
+def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, contention, loads) -> None:
     """r: refimpl (correctly rounded, float64 copies resident), c: the same converting the float32 weights on every
-    product, f: refimpl fast (plain BLAS), h: transformers."""
+    product, f: refimpl fast (plain BLAS), h: transformers; bws: the bandwidth measured before each round."""
     d = model_config(args.layers)
     L, Hkv, D = d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]
     W = r["weight_bytes"]
@@ -301,7 +302,7 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, con
     mean_past = args.prompt_len + (args.steps - 1) / 2
     kv_bytes = 2 * L * Hkv * D * 4 * mean_past
     step_bytes = W + kv_bytes
-    bound = step_bytes / bw["read"]
+    bound = [step_bytes / bw["read"] for bw in bws]                                # per round
     per_token = lambda x: [t / args.steps for t in x["decode_all"]]                # noqa: E731
     load = lambda side, phase: np.load(f"{out_dir}/{side}_{phase}.npy")          # noqa: E731
     rp, cp, fp, hp = (load(s, "prefill") for s in SIDES)
@@ -357,9 +358,12 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bw: dict, out_dir: str, con
           f"(weights + mean KV cache {fmt_bytes(kv_bytes)}); the resident correctly rounded side also holds "
           f"float64 copies of the matrices: {fmt_bytes(r['float64_bytes'])} (its products read those instead: a "
           f"decode step reads twice the bound's bytes)")
+    bw = min(bws, key=lambda x: x["read"])
+    reads = ", ".join(f"{x['read'] / 1e9:.1f}" for x in bws)
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))
-    print(f"bandwidth, GB/s (1 GiB float32, best of 5; copy counts read + write, for information): {rates}; "
-          f"bound uses the best read, {bw['read_method']} = {bw['read'] / 1e9:.1f} GB/s -> {fmt_s(bound)} per step")
+    print(f"bandwidth, GB/s (1 GiB float32, best of 3 per method, measured before every round: this machine's "
+          f"varies by tens of percent within minutes): best read per round {reads} -> bound "
+          f"{', '.join(fmt_s(b) for b in bound)} per step; the round with the least: {rates}")
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
@@ -417,7 +421,6 @@ def main(argv=None):
 
     if args.wait_idle:
         wait_idle(args.wait_idle)
-    bw = memory_bandwidth()
     gc.collect()
     with tempfile.TemporaryDirectory(prefix="refimpl-bench-") as out_dir:
         argv = [__file__, "--layers", str(args.layers), "--prompt-len", str(args.prompt_len),
@@ -432,8 +435,13 @@ def main(argv=None):
             s.ask("warmup")
         loads = loadavg()
         waited = timed = 0.0  # seconds some task waited for a CPU during the timed rounds, and their length
+        bws = []                  # the streaming bandwidth before each round: the bound of that round's steps
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
+            if args.wait_idle:
+                wait_idle(args.wait_idle)
+            bws.append(memory_bandwidth(repeats=3))
+            gc.collect()
             for s in (sides if i % 2 == 0 else sides[::-1]):
                 if args.wait_idle:
                     wait_idle(args.wait_idle)
@@ -449,7 +457,7 @@ def main(argv=None):
                 s.profile()
         r, c, f, h = (s.finish() for s in sides)
         contention = waited / timed if timed else None
-        report(args, r, c, f, h, bw, out_dir, contention, loads)
+        report(args, r, c, f, h, bws, out_dir, contention, loads)
 
 
 if __name__ == "__main__":
