@@ -749,6 +749,8 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)
+    if n.op_type == "ReduceSum" and len(codes) == 3 and np.size(codes[1][0]) == 1:
+        return htp_quantised.reduce_sum(q0, e0, out, int(np.ravel(codes[1][0])[0]), bool(_attr(n, "keepdims", 1)))
     return None
 
 
