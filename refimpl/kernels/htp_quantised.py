@@ -130,9 +130,9 @@ def round_half_up_shift(v: np.ndarray, bits: int) -> np.ndarray:
     return (v + (np.int64(1) << (bits - 1))) >> bits if bits > 0 else v
 
 
-def add(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
-    """The HTP's quantised Add.  qa, qb: codes (broadcastable); a, b, out: (scale, zero point) of each, per tensor.
-    -> int64 codes of the output, broadcast shape."""
+def add(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16, sign: int = 1) -> np.ndarray:
+    """The HTP's quantised Add (sign -1: its Sub, a - b).  qa, qb: codes (broadcastable); a, b, out: (scale, zero
+    point) of each, per tensor.  -> int64 codes of the output, broadcast shape."""
     (sa, za), (sb, zb), (so, zo) = a, b, out
     ra = np.float64(np.float32(sa)) / np.float64(np.float32(so))                  # r_a = s_a / s_o
     rb = np.float64(np.float32(sb)) / np.float64(np.float32(so))                  # r_b = s_b / s_o
@@ -140,8 +140,14 @@ def add(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.nd
     ma, mb = multiplier(ra, k), multiplier(rb, k)                                  # m_i = round(r_i 2^k)
     na = np.asarray(qa, np.int64) - np.int64(za)                                   # n_a = q_a - z_a
     nb = np.asarray(qb, np.int64) - np.int64(zb)                                   # n_b = q_b - z_b
-    acc = np.int64(ma) * na + np.int64(mb) * nb                                    # m_a n_a + m_b n_b   (Q(k))
+    acc = np.int64(ma) * na + np.int64(sign * mb) * nb                             # m_a n_a +- m_b n_b   (Q(k))
     return np.clip(round_half_up_shift(acc, k) + np.int64(zo), *qrange)            # q_o, saturated
+
+
+def sub(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Sub a - b: its Add with the second input's multiplier negated (m_a n_a - m_b n_b, the
+    same shift and rounding half up).  -> int64 codes, broadcast shape."""
+    return add(qa, a, qb, b, out, qrange, sign=-1)
 
 
 SQRT_SCALE_BITS = 15              # Sqrt's requantisation s_x^(1/2) / s_o: a 15-bit mantissa

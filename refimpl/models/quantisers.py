@@ -52,8 +52,10 @@ def _chain(enc) -> tuple:
 # the ops a device arithmetic computes on its inputs' codes: op -> f(codes, ((scale, zero point) of each input),
 # (scale, zero point) of the output) -> codes (kernels/htp_quantised.py: each measured on the HTP simulator)
 DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
+                      "Sub": lambda q, e, out: htp_quantised.sub(q[0], e[0], q[1], e[1], out),
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
+                      "ReduceSum": lambda q, e, out: htp_quantised.reduce_sum(q[0], e[0], out),   # last axis, kept
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
@@ -115,7 +117,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     return out
 
 
-BROADCASTING = ("Add", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Sub", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
 
 
 def attention_operands(codes: list, shape: tuple):
@@ -238,6 +240,8 @@ class Quantisers:
             if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
                 return None
             codes[0] = a.reshape(*a.shape[:-2], -1)
+        if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
+            return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
             return None                                                             # modelled (htp_quantised.softmax)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))

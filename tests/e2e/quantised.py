@@ -724,6 +724,8 @@ def htp_op(n, codes, fused: bool = False):
     (q0, e0), out = codes[0], codes[-1][1]
     if n.op_type == "Add" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.add(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Sub" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.sub(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sqrt":
         return htp_quantised.sqrt(q0, e0, out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None and fused:
@@ -735,6 +737,10 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Gemm" and len(codes) == 3 and codes[1][1] is not None and codes[1][0].ndim == 2 \
+            and np.asarray(codes[1][0]).dtype == np.uint8 and not _attr(n, "transA", 0) \
+            and _attr(n, "alpha", 1.0) == 1:          # the router's x W^T, no bias: the MatMul
+        return htp_quantised.matmul(q0, e0, codes[1][0].T if _attr(n, "transB", 0) else codes[1][0], codes[1][1], out)
     if n.op_type == "Neg":
         return htp_quantised.neg(q0, e0, out)
     if n.op_type == "Concat" and fused and len(codes) == 3 and _attr(n, "axis") in (-1, np.ndim(q0) - 1):
