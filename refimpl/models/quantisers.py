@@ -60,6 +60,7 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
+                      "DivConstant": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out, constant=True),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
@@ -88,7 +89,9 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
     (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU); a Concat of a Neg point
-    and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF)."""
+    and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF); a
+    Div by a constant of the graph (q / sqrt(D_k)) the op "DivConstant" (the HTP folds it where its output encoding is
+    the input's / c)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
@@ -106,7 +109,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                     and pt.inputs[0] in negs:
                 declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
-            declared.append((where, pt.onnx[0], pt.inputs))
+            constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
+            declared.append((where, "DivConstant" if constant else pt.onnx[0], pt.inputs))   # x / c: may fold
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
@@ -117,7 +121,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     return out
 
 
-BROADCASTING = ("Add", "Sub", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Sub", "Mul", "Div", "DivConstant", "SiLU")   # device ops whose inputs broadcast
 
 
 def attention_operands(codes: list, shape: tuple):

@@ -711,13 +711,14 @@ def refimpl_op(n, ins):
     return None
 
 
-def htp_op(n, codes, fused: bool = False):
+def htp_op(n, codes, fused: bool = False, constant: bool = False):
     """A computing node of the QDQ model in the HTP's quantised arithmetic where refimpl models it
     (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
     for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
     codes, or None where not modelled (or an input is not read, or an encoding is per axis). fused: a Mul of x and
     its own Sigmoid's codes, which the HTP computes as its fused SiLU product; a Concat of a Neg and another tensor
-    on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's)."""
+    on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's). constant:
+    the second input is a constant of the graph (a quantised initializer: Qwen3.5's Div by sqrt(D_k))."""
     from refimpl.kernels import htp_quantised
     if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
@@ -733,7 +734,7 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
-        return htp_quantised.div(q0, e0, codes[1][0], codes[1][1], out)
+        return htp_quantised.div(q0, e0, codes[1][0], codes[1][1], out, constant=constant)
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
@@ -823,8 +824,10 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             want = values[q.output[0]]
             x2 = negated(n) if htp else None
             read = [codes(i) for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            d1 = producer.get(n.input[1]) if len(n.input) > 1 else None
+            constant = d1 is not None and d1.op_type == "DequantizeLinear" and d1.input[0] in inits
             mine = htp_op(n, read + [(None, (inits[q.input[1]], inits[q.input[2]]))],
-                          fused=silu(n) or x2 is not None) if htp else None
+                          fused=silu(n) or x2 is not None, constant=constant) if htp else None
             if mine is not None:
                 share, step = codes_agreement(np.broadcast_to(mine, want.shape), want)
                 rows.append((q.output[0], n.op_type, n.name, share, step))
