@@ -652,3 +652,74 @@ def test_htp_quantised_softmax_model_is_closer_to_the_htp_than_the_cpu_ep():
         model = Q.codes_agreement(htp_quantised.softmax(q, (sx, zx), (1 / 65535, 0)), dev)
         peer = Q.codes_agreement(cpu, dev)
         assert model[0] > 0.95 and model[0] > peer[0] + 0.05 and model[1] <= 8, (sx, model, peer)
+
+
+# ---------------------------------------------------------------------------------------------- ReduceSum, Sub, Div / c
+# the MoE's and Qwen3.5's remaining ops (docs/htp.md §9 "The HTP's quantised arithmetic")
+
+def test_htp_quantised_reduce_sum_is_reduce_means_multiplier_on_the_codes():
+    """The HTP's uint16 ReduceSum (htp_quantised.reduce_sum: ReduceMean's int16 multiplier of s_x / s_o; below a ratio
+    of 1/2 ReduceMean's arithmetic, from 1/2 the codes summed with the zero points' term truncated apart) on random
+    codes at four encodings of the 80 it was checked on (not those it was read from): the last axis (N = 16, r 1.35
+    and 0.07), a middle one (N = 2, r 2.03) and the MoE's sum over its k = 2 slots: every code (measured 99.5 % of
+    the 80 sweeps' codes, 76 of them whole, max 1; the CPU EP's exact QuantizeLinear 2-75 %)."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(12)
+    peer = []
+    for (sx, zx), (so, zo), shape, axis in (((3.5826906e-04, 30726), (2.65352e-04, 33772), (512, 16), 1),
+                                            ((2.8351604e-05, 42613), (4.010499e-04, 18467), (512, 16), 1),
+                                            ((1.918295e-03, 64386), (9.46027e-04, 15400), (32, 2, 16), 1),
+                                            ((4.3569817e-05, 36486), (5.207973e-05, 35827), (256, 2, 8), 1)):
+        sx, so = np.float32(sx), np.float32(so)
+        r, n = sx / so, shape[axis]
+        half = int(max(50, min(zx, 65535 - zx, 0.9 * 25000 / (n * r), (min(zo, 65535 - zo) + 500) / (n * r))))
+        q = np.clip(rng.integers(zx - half, zx + half + 1, shape), 0, 65535)
+        model = qdq_op("ReduceSum", [("x", sx, zx, list(shape))], (so, zo), [("axes", np.array([axis], np.int64))])
+        cpu, dev = both(model, {"x": on_grid(q, sx, zx)})
+        assert Q.codes_agreement(htp_quantised.reduce_sum(q, (sx, zx), (so, zo), axis), dev) == (1.0, 0), (r, n)
+        peer.append(Q.codes_agreement(cpu, dev)[0])
+    assert max(peer) < 0.9, peer
+
+
+def test_htp_quantised_sub_is_its_add_with_the_second_multiplier_negated():
+    """The HTP's uint16 Sub (htp_quantised.sub: Add's int16 multipliers at their shared shift, m_a n_a - m_b n_b
+    rounded half up) on random codes at three encodings (equal scales: ties; Qwen3.5's v - S^T k, a ratio of 0.003;
+    ratios 1 and 0.59): every code (measured 100 % on 6 sweeps and on Qwen3.5's 24 Subs on the HTP's own inputs;
+    the CPU EP 67-85 %)."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(3)
+    n = 8192
+    for (ra, rb), (za, zb, zo) in (((0.5, 0.5), (32768, 20000, 30000)), ((1.0, 0.003), (3610, 34142, 6104)),
+                                   ((0.99999, 0.59), (29000, 35000, 30000))):
+        so = np.float32(1e-4)
+        sa, sb = np.float32(ra * so), np.float32(rb * so)
+        qa, qb = rng.integers(0, 65536, n), rng.integers(0, 65536, n)
+        model = qdq_op("Sub", [("a", sa, za, [n]), ("b", sb, zb, [n])], (so, zo))
+        cpu, dev = both(model, {"a": on_grid(qa, sa, za), "b": on_grid(qb, sb, zb)})
+        assert Q.codes_agreement(htp_quantised.sub(qa, (sa, za), qb, (sb, zb), (so, zo)), dev) == (1.0, 0), (ra, rb)
+        assert Q.codes_agreement(cpu, dev)[0] < 0.9, (ra, rb)
+
+
+def test_htp_folds_a_div_by_a_constant_into_its_output_encoding():
+    """A Div by a uint16 constant (Qwen3.5's q / sqrt(D_k): Div(x, 4)) whose output encoding is the input's / 4, its
+    zero point the input's (the graph's own encoding), over every input code: the HTP's codes are the input's
+    (htp_quantised.div(constant=True)), where the Div model computing it is 70 % (2 codes off); at another output
+    encoding (a ratio of 0.77, z_o moved) it is the Div model, every code (measured: folded at 4 encodings, the Div
+    model at 6 others, 100 % each)."""
+    import onnx
+
+    from refimpl.kernels import htp_quantised
+    codes = np.arange(65536)
+    sa, za, sb, qc = np.float32(2.1423095e-05), 20739, np.float32(6.103609e-05), 65535     # Qwen3.5's first
+    for ratio, dz in ((1.0, 0), (1.3, 100)):
+        so, zo = np.float32(np.float64(sa) / (qc * np.float64(sb)) * ratio), za + dz
+        m = onnx.load_from_string(qdq_op("Div", [("a", sa, za, [65536])], (so, zo)))
+        m.graph.initializer.extend([nh.from_array(np.array(qc, np.uint16), "c"), nh.from_array(np.array(sb), "c_s"),
+                                    nh.from_array(np.array(0, np.uint16), "c_z")])
+        m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["c", "c_s", "c_z"], ["c_d"]))
+        next(n for n in m.graph.node if n.op_type == "Div").input.append("c_d")
+        _, dev = both(m.SerializeToString(), {"a": on_grid(codes, sa, za)})
+        mine = htp_quantised.div(codes, (sa, za), np.array([qc]), (sb, 0), (so, zo), constant=True)
+        assert Q.codes_agreement(mine, dev) == (1.0, 0), ratio
+        computed = htp_quantised.div(codes, (sa, za), np.array([qc]), (sb, 0), (so, zo))
+        assert (ratio == 1.0) == (Q.codes_agreement(computed, dev)[0] < 0.9), ratio
