@@ -64,6 +64,7 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
+                      "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed): MatMul's weight, 8-bit unsigned per
@@ -244,6 +245,8 @@ class Quantisers:
             if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
                 return None
             codes[0] = a.reshape(*a.shape[:-2], -1)
+        if op == "Exp" and (np.asarray(codes[0], np.int64) > int(encs[0][1])).any():
+            return None                    # x > 0: another path of the HTP's Exp, not modelled
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not

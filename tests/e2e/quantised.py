@@ -748,6 +748,8 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
         return htp_quantised.rotate_half(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sigmoid":
         return htp_quantised.sigmoid(q0, e0, out)
+    if n.op_type == "Exp" and (np.asarray(q0, np.int64) <= int(e0[1])).all():     # x <= 0: modelled
+        return htp_quantised.exp(q0, e0, out)
     if n.op_type == "MatMul" and codes[1][1] is not None and np.asarray(codes[1][0]).dtype == np.uint16 \
             and np.asarray(q0).dtype == np.uint16:                  # the attention's products
         return htp_quantised.matmul16(q0, e0, codes[1][0], codes[1][1], out)
