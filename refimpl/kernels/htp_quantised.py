@@ -35,13 +35,15 @@ QuantizeLinear of the true root is 2 % identical there, 60-88 codes off): x * rs
     range), the "Sqrt every code off by ~42" of the model's replay.
 
 ReduceMean over the last axis (measured: 100 % of codes identical on the dense W8A16 model's 17 ReduceMeans on
-their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 code):
+their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 code; from r = 1/2, on Qwen3.5's 3 of
+[32, 16] and 5 one-op sweeps at r 0.5-1.3, every code): ReduceSum's arithmetic (further on) at r = s_x / (N s_o),
 
     r   = s_x / (N s_o)
     k   = the largest k with floor(r 2^k + 1/4) <= 2^15 - 1
     m   = floor(r 2^k + 1/4)                            an int16 multiplier, rounded up only from 3/4 of a step
-    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      a whole step added before the floor: the mean
-                                                                    lands half a code above the rounded one
+    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      k > 15 (r < 1/2): a whole step added before
+                                                                    the floor: the mean lands half a code above
+                                                                    the rounded one (from r = 1/2: rounded half up)
 
 MatMul, uint16 activations x uint8 weights per tensor (measured: 99.9 % of codes identical, max 1 (median of the
 dense W8A16 model's 28 projections on their own inputs; 12 of 28 whole, min 99.4 %; were median 98.3 %, up to 227
@@ -226,41 +228,45 @@ def mean_multiplier(r: float) -> tuple[int, int]:
 
 
 def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
-    """The HTP's quantised ReduceMean over the last axis (keepdims).  qx: codes [..., N]; x, out: (scale, zero
-    point), per tensor.  -> int64 codes [..., 1]."""
+    """The HTP's quantised ReduceMean over the last axis (keepdims): ReduceSum's arithmetic (reduce_steps) at
+    r = s_x / (N s_o).  qx: codes [..., N]; x, out: (scale, zero point), per tensor.  -> int64 codes [..., 1]."""
     (sx, zx), (so, zo) = x, out
-    n = np.asarray(qx, np.int64) - np.int64(zx)                                    # n_i = q_i - z_x
-    r = np.float64(np.float32(sx)) / (n.shape[-1] * np.float64(np.float32(so)))   # r = s_x / (N s_o)
-    m, k = mean_multiplier(r)
-    acc = np.int64(m) * n.sum(axis=-1, keepdims=True)                               # m sum_i n_i   (Q(k))
-    return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                          # floor(acc / 2^k + 1) + z_o
+    q = np.asarray(qx, np.int64)
+    r = np.float64(np.float32(sx)) / (q.shape[-1] * np.float64(np.float32(so)))   # r = s_x / (N s_o)
+    return reduce_steps(q, r, zx, zo, -1, True, qrange)
 
 
 # ReduceSum over one axis, uint16 (Qwen3.5's l2norm sums of squares over the last axis and the delta rule's S^T k, S^T q
 # over Dk, the MoE's top-k weights' sum and its expert terms summed over the k slots; measured: 99.5 % of codes
 # identical, max 1, over 80 one-op sweeps of random codes at random encodings (s_x / s_o 0.05-3, zero points 0-65535,
 # N = 2 and 16, the last and a middle axis), 76 of them every code; the CPU EP's exact QuantizeLinear 2-75 %):
-# ReduceMean's multiplier of r = s_x / s_o; below r = 1/2 (a shift over 15) ReduceMean's arithmetic, from r = 1/2 the
-# codes themselves summed and the zero points' term truncated apart:
+# ReduceMean's multiplier of r = s_x / s_o; below r = 1/2 (a shift over 15) a whole step added, from r = 1/2 the
+# codes themselves summed and the zero points' term truncated apart (ReduceMean the same at r = s_x / (N s_o)):
 #
 #     r   = s_x / s_o
 #     m   = floor(r 2^k + 1/4), k the largest shift with m <= 2^15 - 1      (mean_multiplier)
-#     k > 15:  q_o = clip(floor(m sum_i (q_i - z_x) / 2^k + 1) + z_o, 0, 2^16 - 1)     a whole step added: ReduceMean's
+#     k > 15:  q_o = clip(floor(m sum_i (q_i - z_x) / 2^k + 1) + z_o, 0, 2^16 - 1)     a whole step added
 #     k <= 15: q_o = clip(floor((m sum_i q_i + 2^(k-1)) / 2^k) - floor(m N z_x / 2^k) + z_o, 0, 2^16 - 1)
 #
 # so from r = 1/2 every code carries the zero point term's truncation (a constant 0-1 code, 1/2 + frac(m N z_x / 2^k)
-# over the sum's rounding, as measured on each sweep), below it the half code ReduceMean's has. Not located: the
+# over the sum's rounding, as measured on each sweep), below it a half code up. Not located: the
 # multiplier's rounding at some ratios (4 of 80 sweeps, 82-99 % identical, 1 code: r 2^k with a fraction of
 # 0.58-0.79 rounded up or down against floor(. + 1/4), r near 1 rounded up from 0.68).
-REDUCE_SUM_SPLIT = 15             # ReduceSum's shift above which it is ReduceMean's arithmetic (r < 1/2)
+REDUCE_SUM_SPLIT = 15             # the shift above which a reduction adds a whole step (r < 1/2), below it rounds
 
 
 def reduce_sum(qx, x: tuple, out: tuple, axis: int = -1, keepdims: bool = True, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's quantised ReduceSum over one axis.  qx: codes; x, out: (scale, zero point), per tensor.
     -> int64 codes, qx's shape with the axis reduced (kept as 1 with keepdims)."""
     (sx, zx), (so, zo) = x, out
-    q = np.asarray(qx, np.int64)
-    m, k = mean_multiplier(np.float64(np.float32(sx)) / np.float64(np.float32(so)))   # r = s_x / s_o
+    r = np.float64(np.float32(sx)) / np.float64(np.float32(so))                    # r = s_x / s_o
+    return reduce_steps(np.asarray(qx, np.int64), r, zx, zo, axis, keepdims, qrange)
+
+
+def reduce_steps(q: np.ndarray, r: float, zx, zo, axis: int, keepdims: bool, qrange: tuple = UINT16) -> np.ndarray:
+    """ReduceSum's (and ReduceMean's) arithmetic: the codes q summed over axis times r's int16 multiplier.
+    -> int64 codes."""
+    m, k = mean_multiplier(r)
     if k > REDUCE_SUM_SPLIT:
         acc = np.int64(m) * (q - np.int64(zx)).sum(axis=axis, keepdims=keepdims)    # m sum_i n_i   (Q(k))
         return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                      # floor(acc / 2^k + 1) + z_o
