@@ -350,11 +350,14 @@ class Hook:
         return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
 
     def operand(self, point: str, value) -> None:
-        """value: the quantised value held at `point` after data movement (duplicated, broadcast: the same codes),
-        as the ops reading it there take it; the device arithmetic computes them on it."""
-        held = self.quantisers.held.get(f"{self.node}/{point}")
+        """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:
+        the gated delta rule's q) after data movement (duplicated, broadcast, transposed: the same codes), as the ops
+        reading it there take it; the device arithmetic computes them on it."""
+        key = f"{self.node}/{point}"
+        key = key if key in self.quantisers.held else f"{self.node.rpartition('.')[0]}.{point}"
+        held = self.quantisers.held.get(key)
         if held is not None:
-            self.quantisers.held[f"{self.node}/{point}"] = (value, held[1])
+            self.quantisers.held[key] = (value, held[1])
 
 
 NONE = Quantisers()
