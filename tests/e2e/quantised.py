@@ -720,7 +720,11 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's). constant:
     the second input is a constant of the graph (a quantised initializer: Qwen3.5's Div by sqrt(D_k))."""
     from refimpl.kernels import htp_quantised
-    if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
+    if any(c is None for c in codes):
+        return None
+    codes = [(c[0], tuple(np.reshape(v, ()) for v in c[1])) if c[1] is not None and np.size(c[1][0]) == 1 else c
+             for c in codes]                      # a one-element scale (a Gemm's bias): per tensor
+    if any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
     (q0, e0), out = codes[0], codes[-1][1]
     if n.op_type == "Add" and len(codes) == 3 and codes[1][1] is not None:
@@ -738,10 +742,15 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
-    if n.op_type == "Gemm" and len(codes) == 3 and codes[1][1] is not None and codes[1][0].ndim == 2 \
+    if n.op_type == "Gemm" and len(codes) in (3, 4) and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8 and not _attr(n, "transA", 0) \
-            and _attr(n, "alpha", 1.0) == 1:          # the router's x W^T, no bias: the MatMul
-        return htp_quantised.matmul(q0, e0, codes[1][0].T if _attr(n, "transB", 0) else codes[1][0], codes[1][1], out)
+            and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1:   # x W (+ b): the MatMul, its int32 bias
+        bias = (codes[2][0], codes[2][1][0]) if len(codes) == 4 and codes[2][1] is not None \
+            and np.asarray(codes[2][0]).dtype == np.int32 and not np.any(codes[2][1][1]) else None
+        if len(codes) == 4 and bias is None:
+            return None
+        return htp_quantised.matmul(q0, e0, codes[1][0].T if _attr(n, "transB", 0) else codes[1][0], codes[1][1], out,
+                                    bias=bias)
     if n.op_type == "Neg":
         return htp_quantised.neg(q0, e0, out)
     if n.op_type == "Concat" and fused and len(codes) == 3 and _attr(n, "axis") in (-1, np.ndim(q0) - 1):
