@@ -58,6 +58,7 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "ReduceSum": lambda q, e, out: htp_quantised.reduce_sum(q[0], e[0], out),   # last axis, kept
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
+                      "Gemm": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out, bias=(q[2], e[2][0])),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "DivConstant": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out, constant=True),
@@ -70,7 +71,10 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed): MatMul's weight, 8-bit unsigned per
 # tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its operands' layouts as
 # attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False)}
+DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False), "Gemm": (8, False)}
+# biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
+# 32-bit signed per tensor
+DEVICE_BIASES = {"Gemm": (32, True)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -84,9 +88,9 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
-    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight, and per-token values,
-    are left out; a MatMul of two activations (the attention's products) is computed in the device graph's
-    per-head layout (attention_operands). forms: {"node/point": the op of the other
+    w (an op of DEVICE_WEIGHTS, x W only, or x W + b of DEVICE_BIASES: their codes). Other ops reading a weight, and
+    per-token values, are left out; a MatMul of two activations (the attention's products) is computed in the device
+    graph's per-head layout (attention_operands). forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
     (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU); a Concat of a Neg point
@@ -116,7 +120,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
-            reads = weights == [False, True] or not any(weights)                    # x W, or no weight
+            reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
+                op in DEVICE_BIASES and weights == [False, True, True])
             if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
@@ -222,7 +227,8 @@ class Quantisers:
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
         op, inputs = self.ops[name]
-        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op) for i in inputs]
+        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op, bias=n == 2)
+                for n, i in enumerate(inputs)]                                          # x, W, b
         if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
                                                                                          if h[0] is not None))):
             return None
@@ -257,13 +263,14 @@ class Quantisers:
             return None                    # q_norm's [B, T, H, D]); in another layout (transposed) it is not the op's
         return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
 
-    def _weight_held(self, name: str, op: str):
-        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS: its bits and
-        sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
+    def _weight_held(self, name: str, op: str, bias: bool = False):
+        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS, or a bias:
+        DEVICE_BIASES: its bits and sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's
+        arithmetic then)."""
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
             enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
-            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op]) or (
+            ok = enc is not None and (_per_tensor_integer(enc, *(DEVICE_BIASES if bias else DEVICE_WEIGHTS)[op]) or (
                 op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
             self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
