@@ -251,7 +251,8 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 # so from r = 1/2 every code carries the zero point term's truncation (a constant 0-1 code, 1/2 + frac(m N z_x / 2^k)
 # over the sum's rounding, as measured on each sweep), below it a half code up. Not located: the
 # multiplier's rounding at some ratios (4 of 80 sweeps, 82-99 % identical, 1 code: r 2^k with a fraction of
-# 0.58-0.79 rounded up or down against floor(. + 1/4), r near 1 rounded up from 0.68).
+# 0.58-0.79 rounded up or down against floor(. + 1/4), r near 1 rounded up from 0.68; read directly on 80 more ratios
+# r 0.5-1: floor(r 2^15 + 1/4) on 77, fractions 0.68 and 0.69 up, 0.80 down; the replays' 3 reductions left).
 REDUCE_SUM_SPLIT = 15             # the shift above which a reduction adds a whole step (r < 1/2), below it rounds
 
 
