@@ -119,6 +119,7 @@ def _recurrent_points(q, k, v, g, beta, initial_state, use_qk_l2norm, at):
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm)
     B, Hv, T, Dk = k.shape
     S = at("state", S) if initial_state is not None else S                       # S0 (zeros: exact on any grid)
+    at.operand("q", q)                                  # q as the Div reads it: head-major, GVA-repeated (same codes)
     q = at("q/sqrt(Dk)", q / at("sqrt(Dk)", q.dtype.type(math.sqrt(Dk))))       # q / sqrt(Dk)
     o = np.empty_like(v)                                                         # [B, Hv, T, Dv]
     for t in range(T):

@@ -52,21 +52,29 @@ def _chain(enc) -> tuple:
 # the ops a device arithmetic computes on its inputs' codes: op -> f(codes, ((scale, zero point) of each input),
 # (scale, zero point) of the output) -> codes (kernels/htp_quantised.py: each measured on the HTP simulator)
 DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1], e[1], out),
+                      "Sub": lambda q, e, out: htp_quantised.sub(q[0], e[0], q[1], e[1], out),
                       "Sqrt": lambda q, e, out: htp_quantised.sqrt(q[0], e[0], out),
                       "ReduceMean": lambda q, e, out: htp_quantised.reduce_mean(q[0], e[0], out),
+                      "ReduceSum": lambda q, e, out: htp_quantised.reduce_sum(q[0], e[0], out),   # last axis, kept
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
+                      "Gemm": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out, bias=(q[2], e[2][0])),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
+                      "DivConstant": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out, constant=True),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
+                      "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: (bits, signed): MatMul's weight, 8-bit unsigned per
 # tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its operands' layouts as
 # attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False)}
+DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False), "Gemm": (8, False)}
+# biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
+# 32-bit signed per tensor
+DEVICE_BIASES = {"Gemm": (32, True)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -80,13 +88,15 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     """{node or "node/point": (op, the names its inputs' quantisers hold)} of the declared ops the device arithmetic
     computes on codes (graph declarations: refimpl/graph.py; a residual add node is an Add of its inputs). Inputs:
     "/p", "const:p" and "input:p" are the node's point p; a tap "n" or "n/p" itself; "weight:w" the stored weight
-    w (an op of DEVICE_WEIGHTS, x W only: its weight's codes). Other ops reading a weight, and per-token values,
-    are left out; a MatMul of two activations (the attention's products) is computed in the device graph's
-    per-head layout (attention_operands). forms: {"node/point": the op of the other
+    w (an op of DEVICE_WEIGHTS, x W only, or x W + b of DEVICE_BIASES: their codes). Other ops reading a weight, and
+    per-token values, are left out; a MatMul of two activations (the attention's products) is computed in the device
+    graph's per-head layout (attention_operands). forms: {"node/point": the op of the other
     declared form (graph.Point.also) the device graph computes it in} (onnx_placement.Placement.forms: x^2 as
     Mul(x, x), x * 1 / sqrt as Div(x, sqrt)): that form's op and inputs. A Mul of x and its own Sigmoid point
     (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU); a Concat of a Neg point
-    and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF)."""
+    and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF); a
+    Div by a constant of the graph (q / sqrt(D_k)) the op "DivConstant" (the HTP folds it where its output encoding is
+    the input's / c)."""
     ops = DEVICE_OPS[arithmetic]
     out = {}
     for name, node in nodes.items():
@@ -104,18 +114,20 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                     and pt.inputs[0] in negs:
                 declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
-            declared.append((where, pt.onnx[0], pt.inputs))
+            constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
+            declared.append((where, "DivConstant" if constant else pt.onnx[0], pt.inputs))   # x / c: may fold
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
-            reads = weights == [False, True] or not any(weights)                    # x W, or no weight
+            reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
+                op in DEVICE_BIASES and weights == [False, True, True])
             if op in ops and "@" not in "".join(inputs) and reads:
                 out[where] = (op, held)
     return out
 
 
-BROADCASTING = ("Add", "Mul", "Div", "SiLU")   # device ops whose inputs broadcast
+BROADCASTING = ("Add", "Sub", "Mul", "Div", "DivConstant", "SiLU")   # device ops whose inputs broadcast
 
 
 def attention_operands(codes: list, shape: tuple):
@@ -215,7 +227,8 @@ class Quantisers:
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
         op, inputs = self.ops[name]
-        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op) for i in inputs]
+        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op, bias=n == 2)
+                for n, i in enumerate(inputs)]                                          # x, W, b
         if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
                                                                                          if h[0] is not None))):
             return None
@@ -238,6 +251,10 @@ class Quantisers:
             if a.ndim < 2 or a.shape[-2] * a.shape[-1] != np.shape(codes[1])[0]:  # into out_proj's [.., H D])
                 return None
             codes[0] = a.reshape(*a.shape[:-2], -1)
+        if op == "Exp" and (np.asarray(codes[0], np.int64) > int(encs[0][1])).any():
+            return None                    # x > 0: another path of the HTP's Exp, not modelled
+        if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
+            return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
             return None                                                             # modelled (htp_quantised.softmax)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
@@ -246,13 +263,14 @@ class Quantisers:
             return None                    # q_norm's [B, T, H, D]); in another layout (transposed) it is not the op's
         return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
 
-    def _weight_held(self, name: str, op: str):
-        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS: its bits and
-        sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's arithmetic then)."""
+    def _weight_held(self, name: str, op: str, bias: bool = False):
+        """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS, or a bias:
+        DEVICE_BIASES: its bits and sign, per tensor); None where it is not so (a per-channel int4 weight: the CPU EP's
+        arithmetic then)."""
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
             enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
-            ok = enc is not None and (_per_tensor_integer(enc, *DEVICE_WEIGHTS[op]) or (
+            ok = enc is not None and (_per_tensor_integer(enc, *(DEVICE_BIASES if bias else DEVICE_WEIGHTS)[op]) or (
                 op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
             self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
@@ -339,11 +357,14 @@ class Hook:
         return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
 
     def operand(self, point: str, value) -> None:
-        """value: the quantised value held at `point` after data movement (duplicated, broadcast: the same codes),
-        as the ops reading it there take it; the device arithmetic computes them on it."""
-        held = self.quantisers.held.get(f"{self.node}/{point}")
+        """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:
+        the gated delta rule's q) after data movement (duplicated, broadcast, transposed: the same codes), as the ops
+        reading it there take it; the device arithmetic computes them on it."""
+        key = f"{self.node}/{point}"
+        key = key if key in self.quantisers.held else f"{self.node.rpartition('.')[0]}.{point}"
+        held = self.quantisers.held.get(key)
         if held is not None:
-            self.quantisers.held[f"{self.node}/{point}"] = (value, held[1])
+            self.quantisers.held[key] = (value, held[1])
 
 
 NONE = Quantisers()

@@ -711,19 +711,26 @@ def refimpl_op(n, ins):
     return None
 
 
-def htp_op(n, codes, fused: bool = False):
+def htp_op(n, codes, fused: bool = False, constant: bool = False):
     """A computing node of the QDQ model in the HTP's quantised arithmetic where refimpl models it
     (refimpl/kernels/htp_quantised.py): codes, per input, (its codes, (scale, zero point)), or (a constant, None)
     for a plain initializer (ReduceMean's axes), and last the output's (None, (scale, zero point)); its output
     codes, or None where not modelled (or an input is not read, or an encoding is per axis). fused: a Mul of x and
     its own Sigmoid's codes, which the HTP computes as its fused SiLU product; a Concat of a Neg and another tensor
-    on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's)."""
+    on the last axis (RoPE's rotate_half), which the HTP computes from the Neg's input (codes[0]: x2's). constant:
+    the second input is a constant of the graph (a quantised initializer: Qwen3.5's Div by sqrt(D_k))."""
     from refimpl.kernels import htp_quantised
-    if any(c is None for c in codes) or any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
+    if any(c is None for c in codes):
+        return None
+    codes = [(c[0], tuple(np.reshape(v, ()) for v in c[1])) if c[1] is not None and np.size(c[1][0]) == 1 else c
+             for c in codes]                      # a one-element scale (a Gemm's bias): per tensor
+    if any(c[1] is not None and np.ndim(c[1][0]) != 0 for c in codes):
         return None
     (q0, e0), out = codes[0], codes[-1][1]
     if n.op_type == "Add" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.add(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Sub" and len(codes) == 3 and codes[1][1] is not None:
+        return htp_quantised.sub(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sqrt":
         return htp_quantised.sqrt(q0, e0, out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None and fused:
@@ -731,16 +738,27 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
-        return htp_quantised.div(q0, e0, codes[1][0], codes[1][1], out)
+        return htp_quantised.div(q0, e0, codes[1][0], codes[1][1], out, constant=constant)
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Gemm" and len(codes) in (3, 4) and codes[1][1] is not None and codes[1][0].ndim == 2 \
+            and np.asarray(codes[1][0]).dtype == np.uint8 and not _attr(n, "transA", 0) \
+            and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1:   # x W (+ b): the MatMul, its int32 bias
+        bias = (codes[2][0], codes[2][1][0]) if len(codes) == 4 and codes[2][1] is not None \
+            and np.asarray(codes[2][0]).dtype == np.int32 and not np.any(codes[2][1][1]) else None
+        if len(codes) == 4 and bias is None:
+            return None
+        return htp_quantised.matmul(q0, e0, codes[1][0].T if _attr(n, "transB", 0) else codes[1][0], codes[1][1], out,
+                                    bias=bias)
     if n.op_type == "Neg":
         return htp_quantised.neg(q0, e0, out)
     if n.op_type == "Concat" and fused and len(codes) == 3 and _attr(n, "axis") in (-1, np.ndim(q0) - 1):
         return htp_quantised.rotate_half(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Sigmoid":
         return htp_quantised.sigmoid(q0, e0, out)
+    if n.op_type == "Exp" and (np.asarray(q0, np.int64) <= int(e0[1])).all():     # x <= 0: modelled
+        return htp_quantised.exp(q0, e0, out)
     if n.op_type == "MatMul" and codes[1][1] is not None and np.asarray(codes[1][0]).dtype == np.uint16 \
             and np.asarray(q0).dtype == np.uint16:                  # the attention's products
         return htp_quantised.matmul16(q0, e0, codes[1][0], codes[1][1], out)
@@ -749,6 +767,8 @@ def htp_op(n, codes, fused: bool = False):
     if n.op_type == "ReduceMean" and len(codes) == 3 and bool(_attr(n, "keepdims", 1)) \
             and np.ravel(codes[1][0]).tolist() in ([-1], [q0.ndim - 1]):
         return htp_quantised.reduce_mean(q0, e0, out)
+    if n.op_type == "ReduceSum" and len(codes) == 3 and np.size(codes[1][0]) == 1:
+        return htp_quantised.reduce_sum(q0, e0, out, int(np.ravel(codes[1][0])[0]), bool(_attr(n, "keepdims", 1)))
     return None
 
 
@@ -815,8 +835,10 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             want = values[q.output[0]]
             x2 = negated(n) if htp else None
             read = [codes(i) for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            d1 = producer.get(n.input[1]) if len(n.input) > 1 else None
+            constant = d1 is not None and d1.op_type == "DequantizeLinear" and d1.input[0] in inits
             mine = htp_op(n, read + [(None, (inits[q.input[1]], inits[q.input[2]]))],
-                          fused=silu(n) or x2 is not None) if htp else None
+                          fused=silu(n) or x2 is not None, constant=constant) if htp else None
             if mine is not None:
                 share, step = codes_agreement(np.broadcast_to(mine, want.shape), want)
                 rows.append((q.output[0], n.op_type, n.name, share, step))

@@ -652,3 +652,121 @@ def test_htp_quantised_softmax_model_is_closer_to_the_htp_than_the_cpu_ep():
         model = Q.codes_agreement(htp_quantised.softmax(q, (sx, zx), (1 / 65535, 0)), dev)
         peer = Q.codes_agreement(cpu, dev)
         assert model[0] > 0.95 and model[0] > peer[0] + 0.05 and model[1] <= 8, (sx, model, peer)
+
+
+# ---------------------------------------------------------------------------------------------- ReduceSum, Sub, Div / c
+# the MoE's and Qwen3.5's remaining ops (docs/htp.md §9 "The HTP's quantised arithmetic")
+
+def test_htp_quantised_reduce_sum_is_reduce_means_multiplier_on_the_codes():
+    """The HTP's uint16 ReduceSum (htp_quantised.reduce_sum: ReduceMean's int16 multiplier of s_x / s_o; below a ratio
+    of 1/2 ReduceMean's arithmetic, from 1/2 the codes summed with the zero points' term truncated apart) on random
+    codes at four encodings of the 80 it was checked on (not those it was read from): the last axis (N = 16, r 1.35
+    and 0.07), a middle one (N = 2, r 2.03) and the MoE's sum over its k = 2 slots: every code (measured 99.5 % of
+    the 80 sweeps' codes, 76 of them whole, max 1; the CPU EP's exact QuantizeLinear 2-75 %)."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(12)
+    peer = []
+    for (sx, zx), (so, zo), shape, axis in (((3.5826906e-04, 30726), (2.65352e-04, 33772), (512, 16), 1),
+                                            ((2.8351604e-05, 42613), (4.010499e-04, 18467), (512, 16), 1),
+                                            ((1.918295e-03, 64386), (9.46027e-04, 15400), (32, 2, 16), 1),
+                                            ((4.3569817e-05, 36486), (5.207973e-05, 35827), (256, 2, 8), 1)):
+        sx, so = np.float32(sx), np.float32(so)
+        r, n = sx / so, shape[axis]
+        half = int(max(50, min(zx, 65535 - zx, 0.9 * 25000 / (n * r), (min(zo, 65535 - zo) + 500) / (n * r))))
+        q = np.clip(rng.integers(zx - half, zx + half + 1, shape), 0, 65535)
+        model = qdq_op("ReduceSum", [("x", sx, zx, list(shape))], (so, zo), [("axes", np.array([axis], np.int64))])
+        cpu, dev = both(model, {"x": on_grid(q, sx, zx)})
+        assert Q.codes_agreement(htp_quantised.reduce_sum(q, (sx, zx), (so, zo), axis), dev) == (1.0, 0), (r, n)
+        peer.append(Q.codes_agreement(cpu, dev)[0])
+    assert max(peer) < 0.9, peer
+
+
+def test_htp_quantised_sub_is_its_add_with_the_second_multiplier_negated():
+    """The HTP's uint16 Sub (htp_quantised.sub: Add's int16 multipliers at their shared shift, m_a n_a - m_b n_b
+    rounded half up) on random codes at three encodings (equal scales: ties; Qwen3.5's v - S^T k, a ratio of 0.003;
+    ratios 1 and 0.59): every code (measured 100 % on 6 sweeps and on Qwen3.5's 24 Subs on the HTP's own inputs;
+    the CPU EP 67-85 %)."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(3)
+    n = 8192
+    for (ra, rb), (za, zb, zo) in (((0.5, 0.5), (32768, 20000, 30000)), ((1.0, 0.003), (3610, 34142, 6104)),
+                                   ((0.99999, 0.59), (29000, 35000, 30000))):
+        so = np.float32(1e-4)
+        sa, sb = np.float32(ra * so), np.float32(rb * so)
+        qa, qb = rng.integers(0, 65536, n), rng.integers(0, 65536, n)
+        model = qdq_op("Sub", [("a", sa, za, [n]), ("b", sb, zb, [n])], (so, zo))
+        cpu, dev = both(model, {"a": on_grid(qa, sa, za), "b": on_grid(qb, sb, zb)})
+        assert Q.codes_agreement(htp_quantised.sub(qa, (sa, za), qb, (sb, zb), (so, zo)), dev) == (1.0, 0), (ra, rb)
+        assert Q.codes_agreement(cpu, dev)[0] < 0.9, (ra, rb)
+
+
+def test_htp_folds_a_div_by_a_constant_into_its_output_encoding():
+    """A Div by a uint16 constant (Qwen3.5's q / sqrt(D_k): Div(x, 4)) whose output encoding is the input's / 4, its
+    zero point the input's (the graph's own encoding), over every input code: the HTP's codes are the input's
+    (htp_quantised.div(constant=True)), where the Div model computing it is 70 % (2 codes off); at another output
+    encoding (a ratio of 0.77, z_o moved) it is the Div model, every code (measured: folded at 4 encodings, the Div
+    model at 6 others, 100 % each)."""
+    import onnx
+
+    from refimpl.kernels import htp_quantised
+    codes = np.arange(65536)
+    sa, za, sb, qc = np.float32(2.1423095e-05), 20739, np.float32(6.103609e-05), 65535     # Qwen3.5's first
+    for ratio, dz in ((1.0, 0), (1.3, 100)):
+        so, zo = np.float32(np.float64(sa) / (qc * np.float64(sb)) * ratio), za + dz
+        m = onnx.load_from_string(qdq_op("Div", [("a", sa, za, [65536])], (so, zo)))
+        m.graph.initializer.extend([nh.from_array(np.array(qc, np.uint16), "c"), nh.from_array(np.array(sb), "c_s"),
+                                    nh.from_array(np.array(0, np.uint16), "c_z")])
+        m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["c", "c_s", "c_z"], ["c_d"]))
+        next(n for n in m.graph.node if n.op_type == "Div").input.append("c_d")
+        _, dev = both(m.SerializeToString(), {"a": on_grid(codes, sa, za)})
+        mine = htp_quantised.div(codes, (sa, za), np.array([qc]), (sb, 0), (so, zo), constant=True)
+        assert Q.codes_agreement(mine, dev) == (1.0, 0), ratio
+        computed = htp_quantised.div(codes, (sa, za), np.array([qc]), (sb, 0), (so, zo))
+        assert (ratio == 1.0) == (Q.codes_agreement(computed, dev)[0] < 0.9), ratio
+
+
+def test_htp_quantised_exp_is_its_15_bit_table_rescaled_then_shifted_by_the_octave():
+    """The HTP's uint16 Exp of x <= 0 (htp_quantised.exp: y = -x log2(e) from a 15-bit multiplier, its measured 15-bit
+    2^-f at f's top 16 bits times the output rescale's 15-bit mantissa, then shifted right by y's integer part) over
+    every input code at or below the zero point, at Qwen3.5's first exp(g) encoding and one with a zero point inside
+    the range and a coarse output (neither read for the table): every code (measured 100 % on 10 sweeps and Qwen3.5's
+    24 Exps; the CPU EP's exact QuantizeLinear 42-85 %, 2-9 codes)."""
+    from refimpl.kernels import htp_quantised
+    codes = np.arange(65536)
+    for (sx, zx), (so, zo) in (((6.3157e-4, 65535), (4.0392088e-06, 0)), ((3e-4, 40000), (1e-3, 0))):
+        sx, so = np.float32(sx), np.float32(so)
+        cpu, dev = both(qdq_op("Exp", [("x", sx, zx, [65536])], (so, zo)), {"x": on_grid(codes, sx, zx)})
+        low = codes <= zx                                           # x <= 0
+        assert Q.codes_agreement(htp_quantised.exp(codes, (sx, zx), (so, zo))[low], dev[low]) == (1.0, 0), zx
+        assert Q.codes_agreement(cpu[low], dev[low])[0] < 0.9, zx
+
+
+def test_htp_quantised_gemm_adds_its_int32_bias_truncated_to_the_accumulators_unit():
+    """The HTP's Gemm of uint16 activations, uint8 weights and an int32 bias (Qwen3.5's in_proj_a with dt_bias fused;
+    htp_quantised.matmul(bias=...): the W8A16 MatMul, the bias added to the products' sum after their low 8 bits are
+    dropped, in each column's accumulator unit 2^8 s_a s_w r (its rescale r included) truncated towards zero) on random
+    codes and biases, nearly every column rescaled: measured 99.96 % and 99.87 %, max 1 (the MatMul's own residual;
+    Qwen3.5's 3 on the HTP's own inputs every code), where the MatMul without the bias is 0-21 %, the CPU EP 2-30 %."""
+    import onnx
+
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(8)
+    cases = (((7 / 65535, 37449), (0.02 / 255, 200), (1.5 / 65535, 30000), 32, 3e6),
+             ((1e-4, 20000), (0.003, 121), (2e-4, 40000), 64, 1e5))
+    for (sa, za), (sw, zw), (so, zo), k, span in cases:
+        sa, sw, so = np.float32(sa), np.float32(sw), np.float32(so)
+        sb = np.float32(sa * sw)
+        qa, qw = rng.integers(0, 65536, (16, k)), rng.integers(0, 256, (k, 512)).astype(np.uint8)
+        qb = rng.integers(-span, span, 512).astype(np.int32)
+        m = onnx.load_from_string(qdq_op("Gemm", [("a", sa, za, [16, k])], (so, zo)))
+        m.graph.initializer.extend([nh.from_array(qw, "w"), nh.from_array(np.array(sw), "w_s"),
+                                    nh.from_array(np.array(zw, np.uint8), "w_z"), nh.from_array(qb, "b"),
+                                    nh.from_array(np.array(sb), "b_s"), nh.from_array(np.array(0, np.int32), "b_z")])
+        m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["w", "w_s", "w_z"], ["w_d"]))
+        m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["b", "b_s", "b_z"], ["b_d"]))
+        next(n for n in m.graph.node if n.op_type == "Gemm").input.extend(["w_d", "b_d"])
+        cpu, dev = both(m.SerializeToString(), {"a": on_grid(qa, sa, za)})
+        share, step = Q.codes_agreement(htp_quantised.matmul(qa, (sa, za), qw, (sw, zw), (so, zo), bias=(qb, sb)), dev)
+        assert share >= 0.998 and step <= 1, (zw, share, step)
+        assert Q.codes_agreement(htp_quantised.matmul(qa, (sa, za), qw, (sw, zw), (so, zo)), dev)[0] < 0.5, zw
+        assert Q.codes_agreement(cpu, dev)[0] < 0.9, zw

@@ -31,9 +31,15 @@ def test_sqrt_table_is_a_staircase_and_exact_at_powers_of_four():
     assert H.sqrt([2 ** 14, 2 ** 12, 0], (sx, 0), (so, 0)).tolist() == [2 ** 15, 2 ** 14, 0]
 
 
-def test_reduce_mean_adds_a_whole_step():
-    # mean of codes 1, 2 (r = 1 / 2, exact): 1.5 -> floor(1.5 + 1) = 2; of 2, 2 -> 3 (ONNX: 2, 2)
-    assert H.reduce_mean([[1, 2], [2, 2]], (1.0, 0), (1.0, 0)).ravel().tolist() == [2, 3]
+def test_reduce_mean_adds_a_whole_step_below_a_ratio_of_one_half():
+    # r = s_x / (N s_o) = 1 / 4 (a shift over 15): mean of codes 1, 2 -> floor(0.75 + 1) = 1; 2, 2 -> floor(1 + 1) = 2
+    assert H.reduce_mean([[1, 2], [2, 2]], (1.0, 0), (2.0, 0)).ravel().tolist() == [1, 2]
+    # r = 1 / 2 (measured on the simulator: 100 % of 4096 rows): the codes summed, rounded half up: 1.5 -> 2, 2 -> 2
+    assert H.reduce_mean([[1, 2], [2, 2]], (1.0, 0), (1.0, 0)).ravel().tolist() == [2, 2]
+    # ReduceSum from r = 1 / 2: the codes' sum rounded half up, the zero points' term truncated apart:
+    # (4 - 3 + 5 - 3) / 2 = 1.5 -> floor(9 / 2 + 1/2) - floor(2 * 3 / 2) = 5 - 3
+    assert H.reduce_sum([[4, 5]], (0.5, 3), (1.0, 0)).ravel().tolist() == [2]
+    assert H.reduce_sum([[5, 6]], (0.5, 3), (1.0, 0)).ravel().tolist() == [3]      # 2.5 -> 3 (ONNX: 2)
 
 
 def test_div_reciprocal_is_within_5e_4_and_the_quotient_is_sign_symmetric():
