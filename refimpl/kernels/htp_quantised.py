@@ -511,7 +511,7 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 # one-op graphs whose rows hold the maximum, a swept element and elements far enough below it to have no exp, each
 # row's reciprocal read off the maximum's output, the swept element's exp off its own): the exps are 15-bit integers,
 # the device's table of 2^-f at a Q16 fraction of y = (x_max - x) log2(e) shifted right by y's integer part; their sum
-# S, halved, indexes the device's reciprocal tables (S < 2^17); each probability is E_i r floored, in units of 2^-16:
+# S, halved, indexes the device's reciprocal tables; each probability is E_i r floored, in units of 2^-16:
 #
 #     n_i = q_max - q_i                                     the row's steps below its maximum (integers)
 #     M   = floor(s_x log2(e) 2^(22 - k)) 2^k               y's multiplier, Q22 truncated to a 16-bit mantissa (k the
@@ -522,28 +522,28 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 #     E_i = T(f_i) >> i_i                                   T: the device's table (SOFTMAX_EXP_TABLE, T(0) = 32767,
 #                                                           within -2.3..+1.9 of 32768 2^-f: four smooth quadratic
 #                                                           pieces per octave, their fixed-point form not found)
-#     S   = sum_i E_i,  h = floor(S / 2)
-#     q_i = floor(E_i R_13(h) / 2^13)                       S < 2^16: R_13 ~ 2^28 / h (SOFTMAX_SMALL_RECIP_TABLE)
-#           floor(E_i R_15(h) / 2^15)                       2^16 <= S < 2^17: R_15 ~ 2^30 / h (SOFTMAX_RECIP_TABLE)
-#           floor(E_i round(2^(31 + e) / h) / 2^(16 + e))   S in [2^(16 + e), 2^(17 + e)), e >= 1: NOT the device's
-#                                                           (a 16-bit reciprocal of all of h's bits, its table not
-#                                                           resolved: 99.0-99.7 % of those rows' codes, max 1)
+#     S   = sum_i E_i,  h = floor(S / 2) in [2^(14 + l), 2^(15 + l))     the half-sum and its level l
+#     q_i = floor(E_i R_l(h) / 2^(13 + 2 l))                l = 0, 1, 2 (S < 2^18): R_0 ~ 2^28 / h, R_1 ~ 2^30 / h,
+#                                                           R_2 ~ 2^32 / h, the device's tables (SOFTMAX_RECIP_TABLES)
+#           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 3 (S >= 2^18, eight maxima's worth): NOT the
+#                                                           device's (a 16-bit reciprocal of all of h's bits, not
+#                                                           resolved: 99.0-99.6 % of those rows' codes, max 1)
 #     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535, ONNX
 #           Runtime's QNN config; other output encodings are requantised otherwise: not modelled)
 #
-# The tables (T at every f, R_13 and R_15 at every h) were read off the simulator (exps at 555,000 fractions of 160
-# multipliers: one value per Q16 fraction, none at Q17), not fitted; the reciprocals are not the correctly rounded
-# quotients (round(2^30 / h) is 87 % of R_15). Against the device: docs/htp.md §9. With s_x log2(e) >= ~1 (y's
-# multiplier at 2^22) the simulator runs another kernel (exps of more than 15 bits); rows of 2 elements too.
+# The tables (T at every f, R_l at every h of its level) were read off the simulator (exps at 555,000 fractions of
+# 160 multipliers: one value per Q16 fraction, none at Q17; R_2 from a million random rows), not fitted; the
+# reciprocals are not the correctly rounded quotients (round(2^30 / h) is 87 % of R_1, round(2^32 / h) 85 % of R_2).
+# Against the device: docs/htp.md §9. With s_x log2(e) >= ~1 (y's multiplier at 2^22) the simulator runs another
+# kernel (exps of more than 15 bits); rows of 2 elements too.
 SOFTMAX_Y_BITS = 22               # Softmax's y = n s_x log2(e): a Q22 multiplier of the integer steps n,
 SOFTMAX_MULTIPLIER_BITS = 16      # truncated to a 16-bit mantissa
 SOFTMAX_FRACTION_BITS = 16        # T's index: y's fraction in Q16
 SOFTMAX_EXP_BITS = 15             # the exps: 15-bit integers, the row's maximum 2^15 - 1
-SOFTMAX_SMALL_RECIP_SHIFT = 13    # S < 2^16: the probabilities E R_13(h) / 2^13
-SOFTMAX_RECIP_SHIFT = 15          # 2^16 <= S < 2^17: E R_15(h) / 2^15; above, E r / 2^(16 + e)
+SOFTMAX_RECIP_SHIFT = 13          # level l's probabilities E R_l(h) / 2^(13 + 2 l), l <= 2; 2^(15 + l) above
 # The tables as their successive decreases (bytes, zlib, base64), read off the simulator (module comment above):
-# T(f) for f = 0..2^16 - 1 from 32767; R_13(h) for h = 2^14 - 1..2^15 - 1 from 16384; R_15(h) for h = 2^15..2^16 - 1
-# from 32767.
+# T(f) for f = 0..2^16 - 1 from 32767; R_0(h) for h = 2^14 - 1..2^15 - 1 from 16384 (S = 32767, a lone maximum,
+# has h = 2^14 - 1); R_1(h) for h = 2^15..2^16 - 1 from 32767; R_2(h) for h = 2^16..2^17 - 1 from 65534.
 SOFTMAX_EXP_STEPS = (
     "eNrtWIlyGzcMlf3/H91x26S2RRLvAkk5nUyStZYE3gXuWo+3x8efx8fft4//f198/H1/fLr4+8O3Txe/tn3Z/2XVr21f9v/T5ff+t38/WOFACno8SE"
     "BPBf+r7O6HAM0lHzj0rdDTfgfZtDKUHY0i5WaVJiIWhIpEISL5KlZilrLsn8MU955Dz4F9N92cN20sTfFZlgYOGduOnC+Oiu3N2Fiw+ZC7AqmU28/D"
@@ -574,7 +574,7 @@ SOFTMAX_EXP_STEPS = (
     "hvbeYmJjce2Jy3tQpzZva/T/5uDm01CyhY/I1FziIJFLW7/sPW/xfdq+jBrdu0/yvuWDn8Fi8sEfg+bG0u0br2lw2bqfuP3iZq/98Ut1+Il7/gIAhE"
     "AA")
 
-SOFTMAX_SMALL_RECIP_STEPS = (
+SOFTMAX_RECIP0_STEPS = (
     "eNrdUwlS40AMlPn/o4EqkngcHd06Ji4WiKW+JM9kDzk2/JNRk0zuJjwlBIyCEAQgUuuJVg6wA5tz/1t8XXp7FaAulwEIVhgJcXaR0UqUwQpBnyCsL3"
     "ZFAKkqHWGsyAiUxoRqDvgzL4nhEtdDBWDN0/yRJxUF2T0rA+YLRFjT+bJYqibH4wQh1SgqgfzzsosxmCSGfAXshRi3JMnlIV+v8onrCV5M8bGM/l3J"
     "kVuA0T1e8DxLCwsrQnCq/97nECQVHGkqozAG0uOxCQ7NzFfHg3NaftWXt8Zls4HZkQMFTkwUHADoAEVkBlE7+KWyxNt2gB2DAAp9RpIdJOhlmgLiwS"
@@ -585,7 +585,7 @@ SOFTMAX_SMALL_RECIP_STEPS = (
     "7fIpxxVSNK+TvIDzfDmhDuFKSkH64m5E3UsHm7sMU2oMqIPxt7q9wmWZoniJJ0CzJPJnT3Lvv0GXvDnPu2Q4rPQPeC89Q4DUoIGSlNyIu24ahdf4d8"
     "A102IAE=")
 
-SOFTMAX_RECIP_STEPS = (
+SOFTMAX_RECIP1_STEPS = (
     "eNrlVYd22zAMhPT/H530OalFCuOwSLltapME7g6Dw3Rs/kfXxRngFIZvIFEdjADEGWIl/EEn1dgpa00ZqaSXkClksSHkBVDZMo6FVyEXSKI6FJ2D5c"
     "94kjNVOlxz25wHh6CUAeoUtwrmjMIhqbaJbXB4GhwwYBpnHuVkfDBD5HdGhzzMBkH5HNyG4Dec5PxIC89AEeSU1mkh9RIo4jJtPoBrEfCLpqjDDcoI"
     "FelnIUmzZoiCV00drpK1bMTpqJvYR8Mvpq5ORHokjzJmLLxMcpt/TKfsEkUsfXkvLNbYJDQNdO/JlELxQth3VJQKKLs6kIZEFvyGOWGYgRXUo8Qdpt"
@@ -602,6 +602,35 @@ SOFTMAX_RECIP_STEPS = (
     "HrJgN+DFKMagGG4CFGjlcn0Ky3SvufSfxzu7Qq+8cIrWW2obfg1iBsUBM1qryb1KuTF2nJoZ/baWpjNVAaJB4itt1ZTivXKFwslmrGlFBLQm4C7CXV"
     "zFDo5kx7iXWajfx92NVqG6WWCxj2HlqJuwEVASc4eep29acND5ZfQCqCdcvUEyscq6DF5LRltcBmZwC3nJKflmqur6KbWifaRi/wPAeYWRaq9ubcQG"
     "hCVJGebFqI7NQty6SUsdq1212jUBPICeuD9sOTtCS1QaZJ7iGhnvY56AuMIUAA")
+SOFTMAX_RECIP2_STEPS = (
+    "eNrtWIliGysMJP7/j359bdPsgq7RBRunRwzSzOhArB2P8fHWf8aDI429Iq3MUQgf6ciRAfmFeJkijjhixPyjyjtcvoE6hnwKDZFAe4Y5bDUbjTa3qS"
+    "WwE5Rk8UBwwwAJIH8koonUXiGFwBZwuqHOXQLQShomAZwSDBJZ3x2/5us1CqKAaz9ENycj6pd2v0uJMprjOIAjIG1kpFCHeFuG1flCg3hNJl8BaOsi"
+    "B5viGeqIFBgSshhGQlgo6TVIU2RiQVPEhkMayscTd4RTDTn/PEXH3w8pY8Wu79ncz/XdgccYoJ+fl5aHZuaLoWkhvBMIuhLglYDeTRTskMS1cCwu5Q"
+    "TB0GTypp8d1CjE4wyaS4hp4ASfc0n78qOFUYArm1pHyjAWeBLcDqADnUn+9yNRilJ2ytvsY/78q/I5GNGOyWTVlVIQyrh9RFVrGfThDXM29zrH7+/R"
+    "x7WXv1drQ7j2SP3L3tnLDIOkIcHNkeTMC2EQhEGKRBwALkh3uRWmy/r3vkRT694ITxFQQK4HMOgwp7oD9TGsPSBLt9F8DlLbfmZwHH+WEChEckUoFW"
+    "r6T53/oOeQGxcW/hpoOn8+NIzrh4j/TUrUjwGXrB4jV/yQ5PyBcRdzgecZNB4aHjPDxOStC8AR9S2Ri1fD3Ex5kvREPYOZg5c7Li7jEemOW0OAzpRa"
+    "QpZmaMQ/5hMxiAkPstgLXM99oBT6FxiKj1fwYjxfHUZDZrrvDTFL+oGGMVKZ/nQQqdwEQF3TKsp3pSqnz6uo+sIEYMEsZjkYoGDHhKW6BBCnSJw9wj"
+    "PakEPZ/jqBNh5a9VXbrMg3UDkp1qqUD7XO5As6lJjjgx9Cr2wYwTbUJLviwFkIlSbdalR1nbDL1wTB5gcJZKXO2O/9bz3hDMmRniR0uP4I6xMAE/r8"
+    "XWEwEuBsU6RQ5QYnhfIIDsdpTfd6OXwsGgZl6tZGZIANAwjiPWDTYQy6rh3K1K/ffagJyvNJOkCpAWjfLSnmCOIOFpaFsZCzmY1LeVjUam6myx0wCF"
+    "FXiGSaYkvXci5P0DKHKXPNGV6SvrkMAWg1TECkeHnWVweJLJgbAFcww0QONhwUDHLe7GTBLjmRfOs4f1fFsVGE141oPGJjhEtmUBd2JxBSLevpMzOF"
+    "yq4ijiOaPt6Zj4cubR5tx+EvHSI+Kdp6zkJROpUf00b1oaTFNKTBSk3dhxrDTOlQzhP8kSBRHEC4B2BE7YgFHcNd06vVctKSBPNnYxojXIWFhK9YTV"
+    "eslu6xSVLpiFDO1aA1ic8fppudzSqRNedM1uGgFntMFa8zhRE1NYOJG+gJd7mmxBNGfOjIGZFSNtnLwtoIHsXkYWgT2Q+7iikpuZE5L6nM+7SgUe5v"
+    "A5iEFH5+qzEq30dnPqL5TcxYODGPVBD+M4t+5S/7+5ASb7RaptH9pS+4EHuKRoZwveYPDZYssNvALec50FNcxdakDW8ChsU6Z9rTEhS0LLw8rdkx+M"
+    "nOFGF7jIh0TT6ORjVIOcNulQtACqghfRwkPm4dWrfnMXIxxvp4595ieDVyq3L5VInyUs5Uapx8KlLtekOMIeSTkLdkRqCUXCRYc7Rn0FllGjbKwpg/"
+    "8yKhPhEa6gsnRbShbLOuRtWLT1HUsvw02gWIc/mCkiUwx8oUTNwD5nogl5E1s2lid5PupyWv1cWwiGeeILnHGXW3ALIgRlAWTLmk6/wZw4JthUqCW+"
+    "5smislxxHNqToS5p8T7iJCldtFgSH0Blof7IUV5jV0W6I/fx1/3zup02UTBFJEzHEcxGB1rMhaujOaYAQ7BJQtZkt9geAtZjC/0OBaQIuvBWAtMAVZ"
+    "f1uwdxc8SsLBiCt5Ky1hzdF7a2fFrgoWBTseLGFBP6EdVZ2p0Q0ZW8jlVKepV+kkUtywQWF5rMT0me2/1fRLvEvMWAq5NWlDNZEVhcsjg3h8l3dIuG"
+    "QpACdy6fcFMX1vY8yDr+zW9OmLkmnjj0TbL8K3KLf42FxpHb2VTHWaS56+M+RvB3OF5IyrnVqPgAgmNkCq2BRVSYDP4zJLfAvvdmII10zsJazfbw4x"
+    "NLWccrMG5s9rvtu82JyiqQbu7O4ySlCpcbbo1IGuDxHTmxEbkD+7uW6ugWwbqKxvTuo4KXWhC2rU2cYNF1vOfDDcLFLlzExxxCxPoRW+NoVKUO2rVr"
+    "6lGk7JuOAquS9eYxADc9aiXWUXtJUadxwE/Cb7k2DHmQtIJu/BoDAlzMwSeFxg8OWxQTvJ7bhKQAkV8rSCC/iKaZNuTDAvthOaQGuSa1nvEctXb1DZ"
+    "i+7Xow3bhUKwAjJs3SUONyA9TAo1xb8DVIb0wN2cLHa+To/se6R5dteOj7AthUJ8OrQ1YghQ4fOS8yiHBTCbO4Cp1IMs9RLZCVTFPon4XTeN3B7BA2"
+    "i4gj8Qb0xmzE4TOAnk7KoXFCo1JT1xH0ojpTE/r/DrWZK1FIPrsjfMPhArkP65LrPXh7a1VXurQ1CVpoz+JRFsJ5Nf2RlAdsnd+JRliWj70uJArDXJ"
+    "qOGRczkC82jHAbAEUoW8/YoYpzlchov6MTDw5f24Lrmj3E8QONnQKVMLYo7OZLPqddiA/IC+KM/SeKuLFYrNvQTqJIAzSvccRAs5zyW3SdggzULJEU"
+    "sU80P3wV0MLynAi1FrlPISqtGrTLQl794u/eT+zf5xnX98MQf1simzJ+ieobKJfCynmLAXugXXCTolVkMt29xF1HRfn+DWMKcFaBfZbu2itwCTuU8x"
+    "bRYqgNgO8gCKxkcnNNpIlJ+67yPngZuU5i+SkibMORsVNKeGvRfOk3iTzZm6JYQs0eJ88qlbzd1yDcKbtFzQHaRSoXbxb7Z6VqguYgU8T/Ngfr1rg0"
+    "wIm0s+Nt5Tgx0ILBM41H4U7QB3o8ghkh5wgBOnpilkC21Q/87Jpb+8dXZnKLVzH4dOgjXJlPkPIj7F0axxUpwjAhRYTpTcCC8KtCOhs3DtlDR2hdBB"
+    "kc5efoOIjdQS/LNAZfTjPJ0S5cAkXo1Mi+pB20cFO4HwaEQWqVDnXUz79I5EnqFbbX6UUJfYQa4DmYe7WxRaIe1KAGyr4lHKx1MCtCB1Pz1ZpkiuSH"
+    "JDiI3hHp7Wt/r/+vV//AdcYX//")
 
 
 def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
@@ -612,8 +641,9 @@ def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
 
 
 SOFTMAX_EXP_TABLE = _decreasing_table(SOFTMAX_EXP_STEPS, 2 ** SOFTMAX_EXP_BITS - 1)       # T(f), f in Q16
-SOFTMAX_SMALL_RECIP_TABLE = _decreasing_table(SOFTMAX_SMALL_RECIP_STEPS, 2 ** 14)          # R_13(h), h >= 2^14 - 1
-SOFTMAX_RECIP_TABLE = _decreasing_table(SOFTMAX_RECIP_STEPS, 2 ** 15 - 1)                  # R_15(h), h >= 2^15
+SOFTMAX_RECIP_TABLES = (_decreasing_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),                  # R_0(h), h >= 2^14 - 1
+                        _decreasing_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
+                        _decreasing_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2))              # R_2(h), h >= 2^16
 
 
 def softmax_multiplier(sx: float) -> int:
@@ -635,13 +665,14 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
     e_x = SOFTMAX_EXP_TABLE[f] >> i                                                 # E_i = T(f_i) >> i_i
     s = e_x.sum(axis=-1, keepdims=True)                                             # S
     h = s >> 1                                                                      # h = floor(S / 2)
-    small = (e_x * SOFTMAX_SMALL_RECIP_TABLE[np.clip(h - (2 ** 14 - 1), 0, 2 ** 14)]) >> SOFTMAX_SMALL_RECIP_SHIFT
-    mid = (e_x * SOFTMAX_RECIP_TABLE[np.clip(h - 2 ** 15, 0, 2 ** 15 - 1)]) >> SOFTMAX_RECIP_SHIFT
-    e = np.zeros_like(s)
-    while ((s >> e) >= 1 << 17).any():
-        e = np.where((s >> e) >= 1 << 17, e + 1, e)                                 # S in [2^(16 + e), 2^(17 + e))
-    big = (e_x * (((np.int64(1) << (31 + e)) + (h >> 1)) // np.maximum(h, 1))) >> (16 + e)   # E round(2^(31+e) / h)
-    p = np.where(s < 1 << 16, small, np.where(e == 0, mid, big))                   # p 2^16, floored
+    level = np.zeros_like(h)
+    while ((h >> level) >= 1 << 15).any():
+        level = np.where((h >> level) >= 1 << 15, level + 1, level)                # h in [2^(14 + l), 2^(15 + l))
+    p = (e_x * ((np.int64(1) << (30 + level)) // h)) >> (15 + level)                # l >= 3: floor(2^(30 + l) / h)
+    for lv, table in enumerate(SOFTMAX_RECIP_TABLES):
+        first = 2 ** 14 - 1 if lv == 0 else 2 ** (14 + lv)
+        r = table[np.clip(h - first, 0, len(table) - 1)]                           # R_l(h)
+        p = np.where(level == lv, (e_x * r) >> (SOFTMAX_RECIP_SHIFT + 2 * lv), p)   # E R_l(h) / 2^(13 + 2 l)
     k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
     y_o = p if k == 1.0 else np.floor(p * k).astype(np.int64)
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated
