@@ -531,8 +531,8 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 #     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535, ONNX
 #           Runtime's QNN config; other output encodings are requantised otherwise: not modelled)
 #
-# The tables (T at every f, R_l at every h of its level) were read off the simulator (exps at 555,000 fractions of
-# 160 multipliers: one value per Q16 fraction, none at Q17; R_2 from a million random rows), not fitted; the
+# The tables (T at every f, R_l at every h of its level) were read off the simulator (646,000 exps at 160
+# multipliers: one value per Q16 fraction, conflicts at Q15; R_2 from a million random rows), not fitted; the
 # reciprocals are not the correctly rounded quotients (round(2^30 / h) is 87 % of R_1, round(2^32 / h) 85 % of R_2).
 # Against the device: docs/htp.md §9. With s_x log2(e) >= ~1 (y's multiplier at 2^22) the simulator runs another
 # kernel (exps of more than 15 bits); rows of 2 elements too.
