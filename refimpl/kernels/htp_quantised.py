@@ -523,17 +523,19 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 #                                                           within -2.3..+1.9 of 32768 2^-f: four smooth quadratic
 #                                                           pieces per octave, their fixed-point form not found)
 #     S   = sum_i E_i,  h = floor(S / 2) in [2^(14 + l), 2^(15 + l))     the half-sum and its level l
-#     q_i = floor(E_i R_l(h) / 2^(13 + 2 l))                l = 0, 1, 2 (S < 2^18): R_0 ~ 2^28 / h, R_1 ~ 2^30 / h,
-#                                                           R_2 ~ 2^32 / h, the device's tables (SOFTMAX_RECIP_TABLES)
-#           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 3 (S >= 2^18, eight maxima's worth): NOT the
-#                                                           device's (a 16-bit reciprocal of all of h's bits, not
-#                                                           resolved: 99.0-99.6 % of those rows' codes, max 1)
+#     q_i = floor(E_i R_l(h) / 2^(13 + 2 l))                l = 0, 1, 2: R_0 ~ 2^28 / h, R_1 ~ 2^30 / h, R_2 ~ 2^32 / h
+#           floor(E_i R_3(h) / 2^18)                        l = 3: R_3 ~ 2^33 / h (S < 2^19): the device's tables
+#                                                           (SOFTMAX_RECIP_TABLES), each of all of h's bits
+#           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 4 (S >= 2^19, sixteen maxima's worth): NOT the
+#                                                           device's (its 16-bit reciprocal of all of h's bits, not
+#                                                           tabulated: 99.1 % of level-4 rows' reciprocals, max 1 code)
 #     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535, ONNX
 #           Runtime's QNN config; other output encodings are requantised otherwise: not modelled)
 #
 # The tables (T at every f, R_l at every h of its level) were read off the simulator (646,000 exps at 160
-# multipliers: one value per Q16 fraction, conflicts at Q15; R_2 from a million random rows), not fitted; the
-# reciprocals are not the correctly rounded quotients (round(2^30 / h) is 87 % of R_1, round(2^32 / h) 85 % of R_2).
+# multipliers: one value per Q16 fraction, conflicts at Q15; R_2 and R_3 from 1 and 3.8 million random rows), not
+# fitted; the reciprocals are not the correctly rounded quotients (round(2^30 / h) is 87 % of R_1, round(2^32 / h)
+# 85 % of R_2, floor(2^33 / h) 81 % of R_3) nor one level's table at another's h / 2 (R_2(h / 2): 66 % of R_3).
 # Against the device: docs/htp.md §9. With s_x log2(e) >= ~1 (y's multiplier at 2^22) the simulator runs another
 # kernel (exps of more than 15 bits); rows of 2 elements too.
 SOFTMAX_Y_BITS = 22               # Softmax's y = n s_x log2(e): a Q22 multiplier of the integer steps n,
@@ -543,7 +545,9 @@ SOFTMAX_EXP_BITS = 15             # the exps: 15-bit integers, the row's maximum
 SOFTMAX_RECIP_SHIFT = 13          # level l's probabilities E R_l(h) / 2^(13 + 2 l), l <= 2; 2^(15 + l) above
 # The tables as their successive decreases (bytes, zlib, base64), read off the simulator (module comment above):
 # T(f) for f = 0..2^16 - 1 from 32767; R_0(h) for h = 2^14 - 1..2^15 - 1 from 16384 (S = 32767, a lone maximum,
-# has h = 2^14 - 1); R_1(h) for h = 2^15..2^16 - 1 from 32767; R_2(h) for h = 2^16..2^17 - 1 from 65534.
+# has h = 2^14 - 1); R_1(h) for h = 2^15..2^16 - 1 from 32767; R_2(h) for h = 2^16..2^17 - 1 and R_3(h) for
+# h = 2^17..2^18 - 1 from 65534 (R_2 and R_3 near the ratios' exact values hold either of two reciprocals that give
+# the same codes for every 15-bit exp: the lower one).
 SOFTMAX_EXP_STEPS = (
     "eNrtWIlyGzcMlf3/H91x26S2RRLvAkk5nUyStZYE3gXuWo+3x8efx8fft4//f198/H1/fLr4+8O3Txe/tn3Z/2XVr21f9v/T5ff+t38/WOFACno8SE"
     "BPBf+r7O6HAM0lHzj0rdDTfgfZtDKUHY0i5WaVJiIWhIpEISL5KlZilrLsn8MU955Dz4F9N92cN20sTfFZlgYOGduOnC+Oiu3N2Fiw+ZC7AqmU28/D"
@@ -631,6 +635,36 @@ SOFTMAX_RECIP2_STEPS = (
     "wIm0s+Nt5Tgx0ILBM41H4U7QB3o8ghkh5wgBOnpilkC21Q/87Jpb+8dXZnKLVzH4dOgjXJlPkPIj7F0axxUpwjAhRYTpTcCC8KtCOhs3DtlDR2hdBB"
     "kc5efoOIjdQS/LNAZfTjPJ0S5cAkXo1Mi+pB20cFO4HwaEQWqVDnXUz79I5EnqFbbX6UUJfYQa4DmYe7WxRaIe1KAGyr4lHKx1MCtCB1Pz1ZpkiuSH"
     "JDiI3hHp7Wt/r/+vV//AdcYX//")
+SOFTMAX_RECIP3_STEPS = (
+    "eNrtmNGW3DYMQ539/4/uQ89pN8l6REkACFJq2t0ZibiAaFl2+jzP8+v+Efy5sWSWFbA+mDy5VmgpYZZzivFMLE/O8inJL8ibpmlXJwk6i6lkmBuo5v"
+    "B2LQdgN2hUl0FbHNKSUmtUFI+BBILZ/F65EFbgq0QJKmVgtBByYRKv4he5vFKR8ThXOlciqkYIwYy+H42oCZVUkIZIxEjH+JB1GkkJmKRUrZZv63AA"
+    "CfKUD5ZcjkYM25hAwBA5hBNGhTBh0+9ajKTMAPp5WMfiIVUIuB3KPGeJmF9/fgBT4wsi9kPfVfNfhfjGKlI5rC61gCJNnPEtRg7FioW5FBAqMIW0WA"
+    "qQgREFLBuYc0XiQotJ42rEAMVAuBZTnUzMMtImyxfIpzyloXkdBFxkULlSLtWg1CgECSZk+9v3+JHQyc2cf3ya3w+E3r1keo0a3djEdseybZphL8mq"
+    "GBtkq6lb3vCdzZhbFU8cUgw6uDm/VcXi7w6v9o7piyoc3n0kNwoMmmMwkmYMiIIW2Ezb1WKEUmT8y/vhPHhnUwVFghAGgwrOEhcv5bo7jTW5Nmbyse"
+    "GPtwIoH3PybUcs5sdFXi+a3+T8Ip1IFwcilkItTRv83pB8+/52/4ZeOTSreEv96yG3CRt/tP8nbg1uoOSpH8ZH74uxKVjy0D3DT1hoSO+cwgALeLgV"
+    "zPBEnvs73WbsBM1Q/to3Soacj58X+NqX8JZCfczkDS/+ek5CeWQ56zW/Dy3eTcBFKSZea4AKL/1SWfCewDhlAV//njJ+gjp8ywX927ndu2acBbmSzO"
+    "l48V5DMgDgXoTuvYxVgAZSMUQVtwgqnBibGxbJxSnn+sLJR7s8OcODV5GVBn9/Kg8eKajQWpQq2PT+GdHgMjlzcpJ5owAuo3Ieg8DY/XfGwKJnVSkL"
+    "/97YgdMhDAWcVNJyN8U8OkeXJgUBHDE0HpMawTPNfzylVGv2viIfPHfkyw+LOhfm/tvq3wKxdoNGDsPzrgsSxEq9Gyq7R3mL1yrjz8K9e3P416ro2x"
+    "W5MSbVXZDT+wlUh4tfB8OziJ4EgzuZsaqNaZI0Abst+rP09e3t05vdgDZ+HQwvMfQMgUx8Pc+zsndRE0kcYnnGOoWjjlZ4H3LG16dJ4PUifIKQ+xFL"
+    "nzyUDIKVvD6/3l9BfigZvb8uH3Ox1yFCtwASQwvp99mTxNeMVzwlFpEKT8ox75WIKIs54Avzox/yhch9eThPX9DgQ39lbwyTvwcB9lcJ9cXXH95ffO"
+    "SwH+74/cSR24JqBom70czc0jIiKkgOt7Uu96mTaUkE1yf60Jkpn2RKSCX0qVNeDrJaI7EmwFiyUCEd8GRXsMh3sjccjM/eMyibQeFs+6aogzCLWQeR"
+    "FxuxaOoKqYjkxdjXpEphBDQogf7pJMmLY/iLSD+5rU2tHYGAYwCuHXED92DQYpQrmGLp2Jw+ZJuUsefndo9w3khobVUQbhgAnBVsYGFpM1LDRA1Als"
+    "tYzpP1IAt1Xmii+tuELsawDrY99iPvbdr9ywW74JiFu3wsZdNeag7dLMr1SAAXmimGoBcm66wxvK+eAY+JIteXFBhXOGFrcu6QLU8kLl7pwT1nOBGU"
+    "rFDBakyZQanTWb5FDI4twZbJDdOJvFIbsq3DokQvy5Pmyz0xJBwJScSKLRLtTCM0iHjbcf/79dwG1GzImSFqGxwE9IDkAooIdW7HCTjFydSkwgRayS"
+    "IRpX5BU3WTSRtkN1yHiSJ8ebUxQso9dbAHz8SAWuUIR8kSwYlO5wwUdBDrC5ULYc1nM0BlS1N1eAiZqMQ3iST/cnJIR6xUXLBeVhKoT46rZ1fE3dHQ"
+    "aCMUQ5TArDDt5SJO7bMOZ0GGlRnCnpVvY52g0oev53luH3Y+HBShN+wAKVHhgNYXykA2RqT5WrZYmYSWaVJsuLQT3beQwXHcbYkbIA2eZlVzad271M"
+    "LmDHGt8oKGlII6rokaHkZKruHvM9TFNhPoaKQt9UYUsCw1Xs/ERLRO1HWj26Qxmy43MIBVVLS6ZUfW8uEi1ZoDa8uI7lcfqYXeDAImMXA0poquskgy"
+    "swxQMNld1f1xf4R/3CWdFquPXbn8/jH3xV5p8jLkxbaV2KYzM7DInVNIWpH5Ym7N8Yg7bc8lCKsjD5+pZGHla5UdN7giyk2MGISIwoNgC214NG5SSV"
+    "6xw2LjReLtoNuN5NXlidYXhrPPNslbTov2Hfy9p7UnOmcBdgGnp9bY9HUu/QVDmUrUMmROTruSYokA8DBWifhd//EFMiuyVEAyk+YAaW0xVKIKvvi0"
+    "n5lr0YbFt6DFluUty/fjTMNP6SfrpnFrBEE8T+fuusMU9aLYlc0/nT4Wo9ICFoJFMPo7dSIgKtRLqwXCng1linPU4+OCF5GNk/MrJLgDOwN/PRo3qb"
+    "h8wTrDSG9CxM3DzHdk3cqujx6Ln155OSt1oDqY4d51Owx3yLN7QL48MjbT8heo1RQHBiY9/Ns5r7z4UMMtpR0/sJEN8SvxswvrZedCYtfTF2PF3RaB"
+    "AFdUQ6rbTPl7koBxh9GQoNvI4PpmHrCWF7VskP3In1+B97cy9oa5V/3+hP68LejVGutA8fNVGiWtf5UNKkBdcbCbxWrNeb29MqxgEf31/P9PXviUDd"
+    "2utAXP1xRRVDDNxOOv+oLvtPLaV8Ha6OaB8E4CFXdCPHE8vY2hsHZe/sP05kGyWRWDDP5PFqaNEhP5hqg9hCQe18IWXk5gzAYmRNK4dEfeeeB8E1gR"
+    "Z96Zk26zqwxKQAf5OuY9+u4ZPwywu1xGTsbu6Znjrirpy11jqyB1HHI4o/9zwgnMXOv6k5m6ItlFtItaHHcLDrEtKGribgEvFeKOLb7OkC72ZCRSTN"
+    "/Vz71m4jaCHrF2RSRhdsobGLfzv1OwqWqWeaGc19wigFnFNfP27FjYH2xa721TSZZpmpm8NcScRSfzwqoMxD4Orn4ZagU7agm3431/3R7cZndby6H2"
+    "PZzKsS9NnOZYfWuhtZWZ4gh4t1JvZ1PLirHOCpuf0rwHJa3vZE+zhrxMSQvvc/BFo9zRidFzI7UGGkuP4B9V1NT9ai7CiKg2SPbzsr8La/b1rqyN/0"
+    "VWZFzRRd+qHkF6iYsz862OzJs4fPM39PBXKSN0j1LP807vTPfJcCzFuSxIadSQxtSKITqG6hiutKuHvFWKo3FkrAjf08bU3ixG0Xh3Wfd35PfX8+2f"
+    "fwBmGX//")
 
 
 def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
@@ -643,7 +677,8 @@ def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
 SOFTMAX_EXP_TABLE = _decreasing_table(SOFTMAX_EXP_STEPS, 2 ** SOFTMAX_EXP_BITS - 1)       # T(f), f in Q16
 SOFTMAX_RECIP_TABLES = (_decreasing_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),                  # R_0(h), h >= 2^14 - 1
                         _decreasing_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
-                        _decreasing_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2))              # R_2(h), h >= 2^16
+                        _decreasing_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2),              # R_2(h), h >= 2^16
+                        _decreasing_table(SOFTMAX_RECIP3_STEPS, 2 ** 16 - 2))              # R_3(h), h >= 2^17
 
 
 def softmax_multiplier(sx: float) -> int:
@@ -668,11 +703,12 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
     level = np.zeros_like(h)
     while ((h >> level) >= 1 << 15).any():
         level = np.where((h >> level) >= 1 << 15, level + 1, level)                # h in [2^(14 + l), 2^(15 + l))
-    p = (e_x * ((np.int64(1) << (30 + level)) // h)) >> (15 + level)                # l >= 3: floor(2^(30 + l) / h)
+    p = (e_x * ((np.int64(1) << (30 + level)) // h)) >> (15 + level)                # l >= 4: floor(2^(30 + l) / h)
     for lv, table in enumerate(SOFTMAX_RECIP_TABLES):
         first = 2 ** 14 - 1 if lv == 0 else 2 ** (14 + lv)
         r = table[np.clip(h - first, 0, len(table) - 1)]                           # R_l(h)
-        p = np.where(level == lv, (e_x * r) >> (SOFTMAX_RECIP_SHIFT + 2 * lv), p)   # E R_l(h) / 2^(13 + 2 l)
+        shift = SOFTMAX_RECIP_SHIFT + min(2 * lv, lv + 2)                           # 13 + 2 l; 18 at l = 3
+        p = np.where(level == lv, (e_x * r) >> shift, p)                            # E R_l(h) / 2^shift
     k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
     y_o = p if k == 1.0 else np.floor(p * k).astype(np.int64)
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated
