@@ -640,16 +640,18 @@ def test_htp_fuses_ropes_rotate_half_into_one_rescale_of_x_per_half():
 def test_htp_quantised_softmax_model_matches_the_htp():
     """The HTP's uint16 Softmax (htp_quantised.softmax: its exp table at a Q16 fraction of y, the Q22 multiplier
     truncated to 16 bits, its reciprocal tables of the half-sum, floored) on rows of random scores with a causal-like
-    mask, at three encodings not used to read the tables: every code of the rows whose exps sum below 2^18 (the
+    mask, at four encodings not used to read the tables: every code of the rows whose exps sum below 2^19 (the
     tables' reach), and within one code above, where the model's reciprocal is not the device's (measured 100 %,
-    100 % and 99.84 % of all codes, max 1, with 0, 0 and 25 % of the rows above; the CPU EP's exact QuantizeLinear
-    84.9 %, 86.7 % and 62.8 %, max 15, 11 and 7). Rows of 2 are another kernel: not modelled."""
+    100 %, 100 % and 99.95 % of all codes, max 1, the last with 89 % of its rows above; the CPU EP's exact
+    QuantizeLinear 84.9 %, 86.7 %, 62.8 % and 62.8 %, max 15, 11, 7 and 1). Rows of 2 are another kernel: not
+    modelled."""
     from refimpl.kernels import htp_quantised
     rng = np.random.default_rng(7)
-    for sx, zx, cols, span in ((0.02, 60000, 32, 3000), (0.005, 40000, 16, 20000), (0.0153, 65000, 32, 300)):
+    for sx, zx, rows, cols, span in ((0.02, 60000, 2048, 32, 3000), (0.005, 40000, 2048, 16, 20000),
+                                     (0.0153, 65000, 2048, 32, 300), (0.0153, 65000, 256, 128, 100)):
         sx = np.float32(sx)
-        q = rng.integers(65535 - span, 65536, (2048, cols))
-        for r in range(0, 2048, 2):
+        q = rng.integers(65535 - span, 65536, (rows, cols))
+        for r in range(0, rows, 2):
             q[r, r % (cols - 2) + 3:] = 0                                             # masked: code 0
         cpu, dev = both(qdq_op("Softmax", [("x", sx, zx, list(q.shape))], (np.float32(1 / 65535), 0)),
                         {"x": on_grid(q, sx, zx)})
@@ -657,7 +659,7 @@ def test_htp_quantised_softmax_model_matches_the_htp():
         n = q.max(-1, keepdims=True) - q
         y = n * htp_quantised.softmax_multiplier(sx)                                   # the exps' sum per row
         s = (htp_quantised.SOFTMAX_EXP_TABLE[(y >> 6) & 0xFFFF] >> np.minimum(y >> 22, 15)).sum(-1)
-        within = s < 1 << 18
+        within = s < 1 << 19
         assert Q.codes_agreement(mine[within], dev[within]) == (1.0, 0), sx
         model, peer = Q.codes_agreement(mine, dev), Q.codes_agreement(cpu, dev)
-        assert model[0] > 0.998 and model[1] <= 1 and peer[0] < 0.9, (sx, model, peer)
+        assert model[0] > 0.999 and model[1] <= 1 and peer[0] < 0.9, (sx, model, peer)
