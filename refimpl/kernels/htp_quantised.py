@@ -103,7 +103,7 @@ divisor's integer steps, rounded half up, sign-magnitude:
     (symmetric about the zero point, where ONNX rounds the signed value to even). n_b <= 0 (a divisor at or below its
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
-Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul, Softmax (a structural model, not code for code),
+Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul, Softmax (its exps' and reciprocals' tables),
 RoPE's fused rotate_half, ReduceSum, the Div by a constant (folded) and Exp: the sections further on (Sub: Add's).
 """
 
@@ -587,73 +587,208 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
     return y
 
 
-# Softmax over the last axis, uint16 (rows of 3 or more elements; measured, QNN 2.51 HTP v75 simulator): a structural
-# model, not code for code. Measured: the exps are 15-bit integers E_i = T(f_i) >> i_i with the row's maximum at
-# T(0) = 32767 (on dyadic input steps E(y + 1) = E(y) >> 1 for 100 % of 180k codes), T within -2..+2 of 32768 2^-f
-# (four quadratic pieces per octave, modelled by a fixed-point quadratic per piece fitted to the measured table,
-# 80 % of its 4096 points exact, the rest within 1: SOFTMAX_EXP_PIECES; the device's own not found); y = (q_max - q_x) M
-# / 2^22 with M = floor(s_x log2(e) 2^22) (the multiplier's truncation fits six input scales' exp slopes within 7e-5);
-# the probabilities floor(E_i r / 2^(13 + ...)) with r ~ 1 / sum E (every row of six one-op sweeps, given E and r:
-# ~2^29 / S for S < 2^16, a 14-bit r; ~2^31 / (S >> e), a 15-bit r, above: the reciprocal itself is within 1.3 units
-# of these, its formula not found: modelled as the rounded quotient, of S with its lowest bit dropped below 2^16);
-# the output codes are p 2^16 for both (1 / 65535, 0) and (2^-16, 0) (identical codes). Rows of 2 elements are
-# another kernel (12 % of its codes the same), not modelled. Against the device: 96.6-98.3 % of codes on the dense
-# W8A16 model's 4 attention Softmaxes on the HTP's own inputs (CPU EP 91.8-94.2 %), max 1-4 codes; 83-95 % on the
-# MoE's 4 routers, max 1 (CPU EP 3-30 %, up to 46); 83-99 % on 7 random-row sweeps at other encodings (CPU EP
-# 41-88 %), max 4-8 (the reciprocal's and T's units): docs/htp.md §9.
+# Softmax over the last axis, uint16 (rows of 3 or more elements; measured on the QNN 2.51 HTP v75 simulator with
+# one-op graphs whose rows hold the maximum, a swept element and elements far enough below it to have no exp, each
+# row's reciprocal read off the maximum's output, the swept element's exp off its own): the exps are 15-bit integers,
+# the device's table of 2^-f at a Q16 fraction of y = (x_max - x) log2(e) shifted right by y's integer part; their sum
+# S, halved, indexes the device's reciprocal tables; each probability is E_i r floored, in units of 2^-16:
 #
 #     n_i = q_max - q_i                                     the row's steps below its maximum (integers)
-#     M   = floor(s_x log2(e) 2^22)                         y's multiplier, Q22, truncated
-#     i_i = floor(n_i M / 2^22),  f_i = (n_i M mod 2^22) / 2^22      y = -x log2(e): its integer part and fraction
-#     v   = f_i 2^2 - p, p = floor(4 f_i)                  the piece p of f_i and its place v in it (Q15: V = v 2^15)
-#     T   = c0 + floor((V (c1 + floor((c2 V + h2) / 2^15)) + h1) / 2^15)     the piece's quadratic, h: 0 or 2^14
-#     E_i = min(T, 32767) >> i_i                            the 15-bit exp (the device's own table: within 1)
-#     S   = sum_i E_i
-#     q_i = floor(E_i round(2^29 / S') / 2^13),  S' = 2 floor(S / 2)                    S < 2^16
-#           floor(E_i min(round(2^31 / m), 2^15 - 1) / 2^(15 + e)),  m = S >> e in [2^16, 2^17)     above
-#     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535; other
-#           output encodings not measured)
+#     M   = floor(s_x log2(e) 2^(22 - k)) 2^k               y's multiplier, Q22 truncated to a 16-bit mantissa (k the
+#                                                           least shift that fits it: every attention Softmax's s_x
+#                                                           ~0.015 has k = 1)
+#     y_i = n_i M                                           y in Q22
+#     i_i = floor(y_i / 2^22),  f_i = floor(y_i / 2^6) mod 2^16      y's integer part; its fraction in Q16
+#     E_i = T(f_i) >> i_i                                   T: the device's table (SOFTMAX_EXP_TABLE, T(0) = 32767,
+#                                                           within -2.3..+1.9 of 32768 2^-f: four smooth quadratic
+#                                                           pieces per octave, their fixed-point form not found)
+#     S   = sum_i E_i,  h = floor(S / 2) in [2^(14 + l), 2^(15 + l))     the half-sum and its level l
+#     q_i = floor(E_i R_l(h) / 2^(13 + 2 l))                l = 0, 1, 2: R_0 ~ 2^28 / h, R_1 ~ 2^30 / h, R_2 ~ 2^32 / h
+#           floor(E_i R_3(h) / 2^18)                        l = 3: R_3 ~ 2^33 / h (S < 2^19): the device's tables
+#                                                           (SOFTMAX_RECIP_TABLES), each of all of h's bits
+#           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 4 (S >= 2^19, sixteen maxima's worth): NOT the
+#                                                           device's (its 16-bit reciprocal of all of h's bits, not
+#                                                           tabulated: 99.1 % of level-4 rows' reciprocals, max 1 code)
+#     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535, ONNX
+#           Runtime's QNN config; other output encodings are requantised otherwise: not modelled)
+#
+# The tables (T at every f, R_l at every h of its level) were read off the simulator (646,000 exps at 160
+# multipliers: one value per Q16 fraction, conflicts at Q15; R_2 and R_3 from 1 and 3.8 million random rows), not
+# fitted; the reciprocals are not the correctly rounded quotients (round(2^30 / h) is 87 % of R_1, round(2^32 / h)
+# 85 % of R_2, floor(2^33 / h) 81 % of R_3) nor one level's table at another's h / 2 (R_2(h / 2): 66 % of R_3).
+# Against the device: docs/htp.md §9. With s_x log2(e) >= ~1 (y's multiplier at 2^22) the simulator runs another
+# kernel (exps of more than 15 bits); rows of 2 elements too.
+SOFTMAX_Y_BITS = 22               # Softmax's y = n s_x log2(e): a Q22 multiplier of the integer steps n,
+SOFTMAX_MULTIPLIER_BITS = 16      # truncated to a 16-bit mantissa
+SOFTMAX_FRACTION_BITS = 16        # T's index: y's fraction in Q16
+SOFTMAX_EXP_BITS = 15             # the exps: 15-bit integers, the row's maximum 2^15 - 1
+SOFTMAX_RECIP_SHIFT = 13          # level l's probabilities E R_l(h) / 2^(13 + 2 l), l <= 2; 2^(15 + l) above
+# The tables as their successive decreases (bytes, zlib, base64), read off the simulator (module comment above):
+# T(f) for f = 0..2^16 - 1 from 32767; R_0(h) for h = 2^14 - 1..2^15 - 1 from 16384 (S = 32767, a lone maximum,
+# has h = 2^14 - 1); R_1(h) for h = 2^15..2^16 - 1 from 32767; R_2(h) for h = 2^16..2^17 - 1 and R_3(h) for
+# h = 2^17..2^18 - 1 from 65534 (R_2 and R_3 near the ratios' exact values hold either of two reciprocals that give
+# the same codes for every 15-bit exp: the lower one).
+SOFTMAX_EXP_STEPS = (
+    "eNrtWIlyGzcMlf3/H91x26S2RRLvAkk5nUyStZYE3gXuWo+3x8efx8fft4//f198/H1/fLr4+8O3Txe/tn3Z/2XVr21f9v/T5ff+t38/WOFACno8SE"
+    "BPBf+r7O6HAM0lHzj0rdDTfgfZtDKUHY0i5WaVJiIWhIpEISL5KlZilrLsn8MU955Dz4F9N92cN20sTfFZlgYOGduOnC+Oiu3N2Fiw+ZC7AqmU28/D"
+    "BByaRXsfB5A8Rg/flydAizAGkdUQ4QNAwoqDjqaJRo/KKFnOMFxhfCfIA+KPX6g8+KZl+gVKkTS6SQ9UISQNeizwi8db/mI8QesLR+HAxeRI2X6xYa"
+    "ag5NGDtz2VWyAG2kcs6+tRpaGpopb8WKHVkQA8Ddz9ywOxTp64TYrOSvL8NkFOerWsWXVIQKsFYVCGxGpIBpWPuCiFnqbYBHq0SCCEuzAJExm0FURF"
+    "RRF1mQZWM0RPH1CtEKJeGT0dBz8CZGJIGZT2ZE6XAm/vWk6pojAW6kVl184Ujf4ey8p5QlDBwRtNqrRXUISfwjqE3yMDVqeJPTsdEmnJ8rwdNdfaha"
+    "ivJqA6aEuFDMseFjPS+zkOWuGYHkwhxmDJDpuH2X6ZSjAEiV29pPFdUHRnOXWxrqeU2r/0pSamjaIDcdxisZ93gdeDaUYyW/k7e7ETZchoBqgHEAKi"
+    "Q/nCJE5dTNnBnIOunNU2KoNGhmQ9fxYObhTf0rOdLO3omlf4W8GCzyPYPpGqlgziNDKEONJcLDhhBk5TawarN3TN6OE5hTzDvMTN10zTnZWBJsa4mA"
+    "A0f7Pa2IxIZSXj/NQq+MwPq5gwMGn20CQKBXCYwjrbt3Kdbt/TA1Hx0SA1hF6imG4/PbMJ9rr4g6YifDsWLjMiTA/TjoepB0OV3B9RcXQr2pUHlJPB"
+    "u8WlIX2L9Ay9xTvFgZ3cWpxIxUjX01XOZARiHZkoDkwPzBdMfCw6+YqMv6odD1xzcEwe0NOoDZm5jZIaYdjfHqvTLP78q6nPkRgaNf5K57Gq+jVodt"
+    "XRdxfj16D1S4HHe/Yd49df255hz8/DomkpxibYLNhabVQX0c4hl9YGqhvj3/inDYqyQ1q+8ziZZXY9CaMM9V6Vh7MTtggkfjxoZDUFCGfpmY8JP8RS"
+    "8G7GQowBg0X+8OkVQc1LFpac7aGEU10rE7UPS4QO7GH2GtUGBnkekgWDhhA1M8SPcOD3XJ5Xgix7FLnOkydsxlp4U4uEVbQANavo8WrrwrvG1HJ2tw"
+    "pC0UMSyRMdPT2FbUuFw9ZZ2g67UcLsLjJaYCCJiYFGEhq5pgKtYKoXWvbyKX3Pl8sUk4FlDxXL+UygLI94tdHjQxnkVIr9SyIcz7qgl4Tx7Zc9DM3h"
+    "77KeDGxXyDzYtNri8SHkRZ75xWVMwgV84PwJgoXtFC3SxwDVJWhX1VVrNTsp1MCiI1XsI4THi04vB2Q3M6ScXSJYGzduKxFwJfR7uQoZDRwykt3xBs"
+    "8S9VT93iBjZ8JDuWr9/sMALKazVhCZeU4C2XnYbkNCj2yJ0BVrfhaC+6d2TjygYVn796qdxVIEqlEXulZaDIkMF1ggpdM4rBKvqlHRXs+Z48FaglUK"
+    "ga4B2B0FkiFBJcaxAsMBGQPkCThUaIbrQdSEBUJA6oI7D9QvduFi0CEhJdy8i9At7tFgqbbLMCYW6OzItYfkpgZbPYhguUKXq5Z++mh0PddteP22vq"
+    "0vXeEDl7JiyWchurQ6l+2lS2FvC+wZjzYY0yRhutRMC4GsjjCYUjUkghh2jPsZqsI2K0Ab0wDbUXsyETslSkqYlLgbS+x+k4fuk0e+jwrPGNMihpoi"
+    "xfmomkq0ehRob6B6OJVImQg7pfkCXcac0eUy2Fm10XMZ45UQQ4+e5BE9EeU7cAl8ueH7JrpaTeB7Vbvakj28sIEM5CfYXtOPZrmeixgzrM33lhobOv"
+    "89+SH7Vy5396/CTGYBBVYfRvmeWhggAwJgSvP9mHjHR8C/wADrwoLIeMg2F/wwDirLR0mAmcSfvVG/GC5v4IfpdspmQzGM0xfIBJwuNqHtYv4xajH9"
+    "Qqu2NEnpHzVDsKyDaJvObbwukeLAFoELcbK4w/Bz97v6RfdHw9Rf7KI2+3pOvubrA4A/jIoHEPdk6wnza/7w/MUs9wTMmYn0mw/GMLFbxXzx/Nma7e"
+    "R/VrS9Zh4hEyybg5wLU7s1RP4PJUPVz+zIHiZbhGFPtv5hIMLUpczR/ln+6WEOsGRQtxFjTlavS8BMT47Q7rR+PGm/sEGmw/8k/niy6CeT0WaPMj0q"
+    "M4xj/mlNk5V5+c5SNm0yYwrrp0fGwIJK5ji7vRhyGCCaLd6MdnCBXxMdZklhsR2BMPNT6pK5QoyftT+rP+U/OQzUMDVRhn6aQdY8I2euu2VTMoWWHW"
+    "FQtUSfTHto2srYYtr6k12qN4sbJU9umYzZJKSc5ufI4PDbkFUnQ4dKqzYtlMOFkzK16R/kfAbMYn6T/iczo0B+PgyanSGJXSGZWjlu2aH+GH9/FZus"
+    "9KqoTJgxK5mWq3TKCkx2Mss4e154ykQ518CkluUwSSxl/MswxVw6Wqw8JhKes8PUSYxN1ovxT41pYnutsmmGqZ+xTKYMSlrfzFYDb2obUpjPdJ45T3"
+    "dOiHdQgqyEtNybet2K61BmGhQ6JEJOP1CTXmA5sXMpaIO9q3ew8AYoHXKPXjIOAA2nhsKYIblXka1qFv9cQutlfxTn8DWMywzNZoZbYCXrHyPW2Mnm"
+    "dBfq+2vtBnL3ZotzSO0jrfLA/rTVKb1HD4x+yFygzhQLaH1Rr4OYD0HZxLPr9ksKtr9ub7NASC7hvMvIW5c3iBtbHktUh5qJ7W2Fw9svxJVo1FcOb3"
+    "SMhw6kQ5EcpRYMh9vv8/KyTkdickVYbvs5WHSYoYv5/4xWx0sFE7aHdvtWQpEe2CfVvgSW3eu+2k2abMJ5tNZVem3FEdq7leQBFULAWtX2SeSBvAQr"
+    "hvbeYmJjce2Jy3tQpzZva/T/5uDm01CyhY/I1FziIJFLW7/sPW/xfdq+jBrdu0/yvuWDn8Fi8sEfg+bG0u0br2lw2bqfuP3iZq/98Ut1+Il7/gIAhE"
+    "AA")
 
-SOFTMAX_Y_BITS = 22               # Softmax's y = n s_x log2(e): a truncated Q22 multiplier of the integer steps n
-SOFTMAX_EXP_BITS = 15             # its exps: 15-bit integers, the row's maximum 2^15 - 1
-SOFTMAX_PIECE_BITS = 15           # T's pieces: four per octave of f, the place in a piece in Q15
-# T(f) per piece (c2, c1, c0, h1, h2): the least-squares quadratic of the HTP's exps measured on a 1/4096 grid of f (QNN
-# 2.51 HTP v75 simulator, s_x log2(e) = 2^-12: every f of the grid at i = 0), its coefficients searched in Q15 with
-# each rounding: 74-86 % of each piece's points exact, the rest within 1 (not the device's own coefficients)
-SOFTMAX_EXP_PIECES = ((450, -5662, 32767, 0, 1 << 14), (380, -4764, 27555, 0, 1 << 14), (319, -4005, 23171, 0, 0),
-                      (269, -3369, 19484, 1 << 14, 1 << 14))
-SOFTMAX_SMALL_RECIP_BITS = 29     # S < 2^16: r = round(2^29 / S'), the probabilities E r / 2^13
-SOFTMAX_RECIP_BITS = 31           # S >= 2^16: r = round(2^31 / m) (int16), m = S >> e in [2^16, 2^17)
+SOFTMAX_RECIP0_STEPS = (
+    "eNrdUwlS40AMlPn/o4EqkngcHd06Ji4WiKW+JM9kDzk2/JNRk0zuJjwlBIyCEAQgUuuJVg6wA5tz/1t8XXp7FaAulwEIVhgJcXaR0UqUwQpBnyCsL3"
+    "ZFAKkqHWGsyAiUxoRqDvgzL4nhEtdDBWDN0/yRJxUF2T0rA+YLRFjT+bJYqibH4wQh1SgqgfzzsosxmCSGfAXshRi3JMnlIV+v8onrCV5M8bGM/l3J"
+    "kVuA0T1e8DxLCwsrQnCq/97nECQVHGkqozAG0uOxCQ7NzFfHg3NaftWXt8Zls4HZkQMFTkwUHADoAEVkBlE7+KWyxNt2gB2DAAp9RpIdJOhlmgLiwS"
+    "8OU1U+tCg0+fXlW3Pez9VfWK4hz5Z5GdfsvLe+pxxBClKvb2dJqxApUB7Pw2t+KDOut2NusMKmzT4B8zumLWhurtlNwrEjgYGvCZsrWcnpv+6yc+hQ"
+    "m+W2dc7ziXM/xg0bOgtQcfWwjPGXRjljFTYOQH1z4zCMSwWO1z15cy/8soJLkuCuzqC7eHTJ7sVxK7//nO+GG/HwXI91zez/uUvghLhDkiXbiDJc0C"
+    "UhGmjmJ6TFxo7m7ckybdTKmtLFkKI3zUnqCfRhxBoTyZ5dlYHxR1/S2KNNHqhsCNMho4IZ67xyjZxBIwkCJZmDFiiIzyiBiK7E1Ie52kAurAothqpv"
+    "VIDUDI3utiapcEE8EyIp0Yj59NwTkZOU1T6UYZNosfz54KOv3xQwoUoMdSzdr4ewhKWODcMuk7c18JiEFKbkqikbM7DZP/y1zmRkwKStVVdWbOVIoi"
+    "7fIpxxVSNK+TvIDzfDmhDuFKSkH64m5E3UsHm7sMU2oMqIPxt7q9wmWZoniJJ0CzJPJnT3Lvv0GXvDnPu2Q4rPQPeC89Q4DUoIGSlNyIu24ahdf4d8"
+    "A102IAE=")
+
+SOFTMAX_RECIP1_STEPS = (
+    "eNrlVYd22zAMhPT/H530OalFCuOwSLltapME7g6Dw3Rs/kfXxRngFIZvIFEdjADEGWIl/EEn1dgpa00ZqaSXkClksSHkBVDZMo6FVyEXSKI6FJ2D5c"
+    "94kjNVOlxz25wHh6CUAeoUtwrmjMIhqbaJbXB4GhwwYBpnHuVkfDBD5HdGhzzMBkH5HNyG4Dec5PxIC89AEeSU1mkh9RIo4jJtPoBrEfCLpqjDDcoI"
+    "FelnIUmzZoiCV00drpK1bMTpqJvYR8Mvpq5ORHokjzJmLLxMcpt/TKfsEkUsfXkvLNbYJDQNdO/JlELxQth3VJQKKLs6kIZEFvyGOWGYgRXUo8Qdpt"
+    "NOcT5caurhHHZ95qqmj1asIwwIAeBpc9iEo4XK7l4deDEzHigFPVdPDAKcKCUNBx1AKLUbgL4vdn54zYbduuwbOdKC3WpdJ9m0eAh09tMFqlLhemnO"
+    "omaTNBcowwRdi8MFCTDlWoB1ACLvOsviLxGjgKViOAyfJwZbirZlqFgBJ8vc9J/d66m9ElGUvPNn0GloOEP6gcRUSPyxd4QdpYTqgf0wikJrLgLF8H"
+    "wX7jeXLDB/Ku3OztPpqIvRASl7iiHFJogdEI+wNOWbRYeoz0SPt4H04AE173ipIaoDNNwuCVJkQbKCcpY8gbsX1W7B4i5ZMb8mJ707G+jpsDF/l8Ft"
+    "dhTb8gWgpgeDuxD4F6kXy2bzYsGSR6sVF0yJJ1hkFZs0xNEK8NqvsXfxueRiBiOkrHRlGyYj4dkktUWuxKjxro3CHcP4nrE+DQJozleVzVnQgeIJSe"
+    "ItEho9v/lzCD3cfS0cXbEjtr7dX62P1taUQzdNKuFthICeqRiIA0x96AoNL8Sr87hFFBiH3pZyrwJSOTlBUD71SVE9WzvS9fW19mT4VVFDDC86gFZF"
+    "bsZgDwnthqIvbI13m6CWKDFdh0NpL9wtIAtn513AEDxAKKEWixRKvwY6/r+/9/ld0ic9keRfSUfmM8S9Y0D8N1HNT3pIxQhwreMbfP2OdI3riqHDKH"
+    "O31KgUT/X+24jJKhnPP7nY2RNSUMnCzjNCQveMzVVSYILpbTdvrRZGCKIcFCs7QZ5pMbur7DU3hZVs5CjiNnBL5RjrG2hthiMYGBdkDuUHIvqAbDTw"
+    "afEvhqsJRcFlY/ZySBgtTi8t4qeaQihsGXK7zXLeuhjVT8M/ZtLD2eEIAxetwTQXmAu8HlAAG6d8/uDExViyCdVr92TBflOOEVTKSI+/fSE2iMA64Y"
+    "ta40yiywy1vFZrzHU9ZU5ByI+nVhxuEq4S41KNiBV+pRNZREoGNJkVef9CgENSnKtPBDOXyNwvkmDxKQ+dzvZEtiClgLruQuDu4osyIblg4R6oCGfC"
+    "eJ1JTTWQXFs8JcjpAqXAIXKKtGHcK9UOibGVQ6CbYFkp0vdgvSZ6nkUE2GtykkqfmkA78xMc5aSHrSrBnCFA2W/gfIGC7WaEu9hjy0N9CiXatQTV00"
+    "HrJgN+DFKMagGG4CFGjlcn0Ky3SvufSfxzu7Qq+8cIrWW2obfg1iBsUBM1qryb1KuTF2nJoZ/baWpjNVAaJB4itt1ZTivXKFwslmrGlFBLQm4C7CXV"
+    "zFDo5kx7iXWajfx92NVqG6WWCxj2HlqJuwEVASc4eep29acND5ZfQCqCdcvUEyscq6DF5LRltcBmZwC3nJKflmqur6KbWifaRi/wPAeYWRaq9ubcQG"
+    "hCVJGebFqI7NQty6SUsdq1212jUBPICeuD9sOTtCS1QaZJ7iGhnvY56AuMIUAA")
+SOFTMAX_RECIP2_STEPS = (
+    "eNrtWIliGysMJP7/j359bdPsgq7RBRunRwzSzOhArB2P8fHWf8aDI429Iq3MUQgf6ciRAfmFeJkijjhixPyjyjtcvoE6hnwKDZFAe4Y5bDUbjTa3qS"
+    "WwE5Rk8UBwwwAJIH8koonUXiGFwBZwuqHOXQLQShomAZwSDBJZ3x2/5us1CqKAaz9ENycj6pd2v0uJMprjOIAjIG1kpFCHeFuG1flCg3hNJl8BaOsi"
+    "B5viGeqIFBgSshhGQlgo6TVIU2RiQVPEhkMayscTd4RTDTn/PEXH3w8pY8Wu79ncz/XdgccYoJ+fl5aHZuaLoWkhvBMIuhLglYDeTRTskMS1cCwu5Q"
+    "TB0GTypp8d1CjE4wyaS4hp4ASfc0n78qOFUYArm1pHyjAWeBLcDqADnUn+9yNRilJ2ytvsY/78q/I5GNGOyWTVlVIQyrh9RFVrGfThDXM29zrH7+/R"
+    "x7WXv1drQ7j2SP3L3tnLDIOkIcHNkeTMC2EQhEGKRBwALkh3uRWmy/r3vkRT694ITxFQQK4HMOgwp7oD9TGsPSBLt9F8DlLbfmZwHH+WEChEckUoFW"
+    "r6T53/oOeQGxcW/hpoOn8+NIzrh4j/TUrUjwGXrB4jV/yQ5PyBcRdzgecZNB4aHjPDxOStC8AR9S2Ri1fD3Ex5kvREPYOZg5c7Li7jEemOW0OAzpRa"
+    "QpZmaMQ/5hMxiAkPstgLXM99oBT6FxiKj1fwYjxfHUZDZrrvDTFL+oGGMVKZ/nQQqdwEQF3TKsp3pSqnz6uo+sIEYMEsZjkYoGDHhKW6BBCnSJw9wj"
+    "PakEPZ/jqBNh5a9VXbrMg3UDkp1qqUD7XO5As6lJjjgx9Cr2wYwTbUJLviwFkIlSbdalR1nbDL1wTB5gcJZKXO2O/9bz3hDMmRniR0uP4I6xMAE/r8"
+    "XWEwEuBsU6RQ5QYnhfIIDsdpTfd6OXwsGgZl6tZGZIANAwjiPWDTYQy6rh3K1K/ffagJyvNJOkCpAWjfLSnmCOIOFpaFsZCzmY1LeVjUam6myx0wCF"
+    "FXiGSaYkvXci5P0DKHKXPNGV6SvrkMAWg1TECkeHnWVweJLJgbAFcww0QONhwUDHLe7GTBLjmRfOs4f1fFsVGE141oPGJjhEtmUBd2JxBSLevpMzOF"
+    "yq4ijiOaPt6Zj4cubR5tx+EvHSI+Kdp6zkJROpUf00b1oaTFNKTBSk3dhxrDTOlQzhP8kSBRHEC4B2BE7YgFHcNd06vVctKSBPNnYxojXIWFhK9YTV"
+    "eslu6xSVLpiFDO1aA1ic8fppudzSqRNedM1uGgFntMFa8zhRE1NYOJG+gJd7mmxBNGfOjIGZFSNtnLwtoIHsXkYWgT2Q+7iikpuZE5L6nM+7SgUe5v"
+    "A5iEFH5+qzEq30dnPqL5TcxYODGPVBD+M4t+5S/7+5ASb7RaptH9pS+4EHuKRoZwveYPDZYssNvALec50FNcxdakDW8ChsU6Z9rTEhS0LLw8rdkx+M"
+    "nOFGF7jIh0TT6ORjVIOcNulQtACqghfRwkPm4dWrfnMXIxxvp4595ieDVyq3L5VInyUs5Uapx8KlLtekOMIeSTkLdkRqCUXCRYc7Rn0FllGjbKwpg/"
+    "8yKhPhEa6gsnRbShbLOuRtWLT1HUsvw02gWIc/mCkiUwx8oUTNwD5nogl5E1s2lid5PupyWv1cWwiGeeILnHGXW3ALIgRlAWTLmk6/wZw4JthUqCW+"
+    "5smislxxHNqToS5p8T7iJCldtFgSH0Blof7IUV5jV0W6I/fx1/3zup02UTBFJEzHEcxGB1rMhaujOaYAQ7BJQtZkt9geAtZjC/0OBaQIuvBWAtMAVZ"
+    "f1uwdxc8SsLBiCt5Ky1hzdF7a2fFrgoWBTseLGFBP6EdVZ2p0Q0ZW8jlVKepV+kkUtywQWF5rMT0me2/1fRLvEvMWAq5NWlDNZEVhcsjg3h8l3dIuG"
+    "QpACdy6fcFMX1vY8yDr+zW9OmLkmnjj0TbL8K3KLf42FxpHb2VTHWaS56+M+RvB3OF5IyrnVqPgAgmNkCq2BRVSYDP4zJLfAvvdmII10zsJazfbw4x"
+    "NLWccrMG5s9rvtu82JyiqQbu7O4ySlCpcbbo1IGuDxHTmxEbkD+7uW6ugWwbqKxvTuo4KXWhC2rU2cYNF1vOfDDcLFLlzExxxCxPoRW+NoVKUO2rVr"
+    "6lGk7JuOAquS9eYxADc9aiXWUXtJUadxwE/Cb7k2DHmQtIJu/BoDAlzMwSeFxg8OWxQTvJ7bhKQAkV8rSCC/iKaZNuTDAvthOaQGuSa1nvEctXb1DZ"
+    "i+7Xow3bhUKwAjJs3SUONyA9TAo1xb8DVIb0wN2cLHa+To/se6R5dteOj7AthUJ8OrQ1YghQ4fOS8yiHBTCbO4Cp1IMs9RLZCVTFPon4XTeN3B7BA2"
+    "i4gj8Qb0xmzE4TOAnk7KoXFCo1JT1xH0ojpTE/r/DrWZK1FIPrsjfMPhArkP65LrPXh7a1VXurQ1CVpoz+JRFsJ5Nf2RlAdsnd+JRliWj70uJArDXJ"
+    "qOGRczkC82jHAbAEUoW8/YoYpzlchov6MTDw5f24Lrmj3E8QONnQKVMLYo7OZLPqddiA/IC+KM/SeKuLFYrNvQTqJIAzSvccRAs5zyW3SdggzULJEU"
+    "sU80P3wV0MLynAi1FrlPISqtGrTLQl794u/eT+zf5xnX98MQf1simzJ+ieobKJfCynmLAXugXXCTolVkMt29xF1HRfn+DWMKcFaBfZbu2itwCTuU8x"
+    "bRYqgNgO8gCKxkcnNNpIlJ+67yPngZuU5i+SkibMORsVNKeGvRfOk3iTzZm6JYQs0eJ88qlbzd1yDcKbtFzQHaRSoXbxb7Z6VqguYgU8T/Ngfr1rg0"
+    "wIm0s+Nt5Tgx0ILBM41H4U7QB3o8ghkh5wgBOnpilkC21Q/87Jpb+8dXZnKLVzH4dOgjXJlPkPIj7F0axxUpwjAhRYTpTcCC8KtCOhs3DtlDR2hdBB"
+    "kc5efoOIjdQS/LNAZfTjPJ0S5cAkXo1Mi+pB20cFO4HwaEQWqVDnXUz79I5EnqFbbX6UUJfYQa4DmYe7WxRaIe1KAGyr4lHKx1MCtCB1Pz1ZpkiuSH"
+    "JDiI3hHp7Wt/r/+vV//AdcYX//")
+SOFTMAX_RECIP3_STEPS = (
+    "eNrtmNGW3DYMQ539/4/uQ89pN8l6REkACFJq2t0ZibiAaFl2+jzP8+v+Efy5sWSWFbA+mDy5VmgpYZZzivFMLE/O8inJL8ibpmlXJwk6i6lkmBuo5v"
+    "B2LQdgN2hUl0FbHNKSUmtUFI+BBILZ/F65EFbgq0QJKmVgtBByYRKv4he5vFKR8ThXOlciqkYIwYy+H42oCZVUkIZIxEjH+JB1GkkJmKRUrZZv63AA"
+    "CfKUD5ZcjkYM25hAwBA5hBNGhTBh0+9ajKTMAPp5WMfiIVUIuB3KPGeJmF9/fgBT4wsi9kPfVfNfhfjGKlI5rC61gCJNnPEtRg7FioW5FBAqMIW0WA"
+    "qQgREFLBuYc0XiQotJ42rEAMVAuBZTnUzMMtImyxfIpzyloXkdBFxkULlSLtWg1CgECSZk+9v3+JHQyc2cf3ya3w+E3r1keo0a3djEdseybZphL8mq"
+    "GBtkq6lb3vCdzZhbFU8cUgw6uDm/VcXi7w6v9o7piyoc3n0kNwoMmmMwkmYMiIIW2Ezb1WKEUmT8y/vhPHhnUwVFghAGgwrOEhcv5bo7jTW5Nmbyse"
+    "GPtwIoH3PybUcs5sdFXi+a3+T8Ip1IFwcilkItTRv83pB8+/52/4ZeOTSreEv96yG3CRt/tP8nbg1uoOSpH8ZH74uxKVjy0D3DT1hoSO+cwgALeLgV"
+    "zPBEnvs73WbsBM1Q/to3Soacj58X+NqX8JZCfczkDS/+ek5CeWQ56zW/Dy3eTcBFKSZea4AKL/1SWfCewDhlAV//njJ+gjp8ywX927ndu2acBbmSzO"
+    "l48V5DMgDgXoTuvYxVgAZSMUQVtwgqnBibGxbJxSnn+sLJR7s8OcODV5GVBn9/Kg8eKajQWpQq2PT+GdHgMjlzcpJ5owAuo3Ieg8DY/XfGwKJnVSkL"
+    "/97YgdMhDAWcVNJyN8U8OkeXJgUBHDE0HpMawTPNfzylVGv2viIfPHfkyw+LOhfm/tvq3wKxdoNGDsPzrgsSxEq9Gyq7R3mL1yrjz8K9e3P416ro2x"
+    "W5MSbVXZDT+wlUh4tfB8OziJ4EgzuZsaqNaZI0Abst+rP09e3t05vdgDZ+HQwvMfQMgUx8Pc+zsndRE0kcYnnGOoWjjlZ4H3LG16dJ4PUifIKQ+xFL"
+    "nzyUDIKVvD6/3l9BfigZvb8uH3Ox1yFCtwASQwvp99mTxNeMVzwlFpEKT8ox75WIKIs54Avzox/yhch9eThPX9DgQ39lbwyTvwcB9lcJ9cXXH95ffO"
+    "SwH+74/cSR24JqBom70czc0jIiKkgOt7Uu96mTaUkE1yf60Jkpn2RKSCX0qVNeDrJaI7EmwFiyUCEd8GRXsMh3sjccjM/eMyibQeFs+6aogzCLWQeR"
+    "FxuxaOoKqYjkxdjXpEphBDQogf7pJMmLY/iLSD+5rU2tHYGAYwCuHXED92DQYpQrmGLp2Jw+ZJuUsefndo9w3khobVUQbhgAnBVsYGFpM1LDRA1Als"
+    "tYzpP1IAt1Xmii+tuELsawDrY99iPvbdr9ywW74JiFu3wsZdNeag7dLMr1SAAXmimGoBcm66wxvK+eAY+JIteXFBhXOGFrcu6QLU8kLl7pwT1nOBGU"
+    "rFDBakyZQanTWb5FDI4twZbJDdOJvFIbsq3DokQvy5Pmyz0xJBwJScSKLRLtTCM0iHjbcf/79dwG1GzImSFqGxwE9IDkAooIdW7HCTjFydSkwgRayS"
+    "IRpX5BU3WTSRtkN1yHiSJ8ebUxQso9dbAHz8SAWuUIR8kSwYlO5wwUdBDrC5ULYc1nM0BlS1N1eAiZqMQ3iST/cnJIR6xUXLBeVhKoT46rZ1fE3dHQ"
+    "aCMUQ5TArDDt5SJO7bMOZ0GGlRnCnpVvY52g0oev53luH3Y+HBShN+wAKVHhgNYXykA2RqT5WrZYmYSWaVJsuLQT3beQwXHcbYkbIA2eZlVzad271M"
+    "LmDHGt8oKGlII6rokaHkZKruHvM9TFNhPoaKQt9UYUsCw1Xs/ERLRO1HWj26Qxmy43MIBVVLS6ZUfW8uEi1ZoDa8uI7lcfqYXeDAImMXA0poquskgy"
+    "swxQMNld1f1xf4R/3CWdFquPXbn8/jH3xV5p8jLkxbaV2KYzM7DInVNIWpH5Ym7N8Yg7bc8lCKsjD5+pZGHla5UdN7giyk2MGISIwoNgC214NG5SSV"
+    "6xw2LjReLtoNuN5NXlidYXhrPPNslbTov2Hfy9p7UnOmcBdgGnp9bY9HUu/QVDmUrUMmROTruSYokA8DBWifhd//EFMiuyVEAyk+YAaW0xVKIKvvi0"
+    "n5lr0YbFt6DFluUty/fjTMNP6SfrpnFrBEE8T+fuusMU9aLYlc0/nT4Wo9ICFoJFMPo7dSIgKtRLqwXCng1linPU4+OCF5GNk/MrJLgDOwN/PRo3qb"
+    "h8wTrDSG9CxM3DzHdk3cqujx6Ln155OSt1oDqY4d51Owx3yLN7QL48MjbT8heo1RQHBiY9/Ns5r7z4UMMtpR0/sJEN8SvxswvrZedCYtfTF2PF3RaB"
+    "AFdUQ6rbTPl7koBxh9GQoNvI4PpmHrCWF7VskP3In1+B97cy9oa5V/3+hP68LejVGutA8fNVGiWtf5UNKkBdcbCbxWrNeb29MqxgEf31/P9PXviUDd"
+    "2utAXP1xRRVDDNxOOv+oLvtPLaV8Ha6OaB8E4CFXdCPHE8vY2hsHZe/sP05kGyWRWDDP5PFqaNEhP5hqg9hCQe18IWXk5gzAYmRNK4dEfeeeB8E1gR"
+    "Z96Zk26zqwxKQAf5OuY9+u4ZPwywu1xGTsbu6Znjrirpy11jqyB1HHI4o/9zwgnMXOv6k5m6ItlFtItaHHcLDrEtKGribgEvFeKOLb7OkC72ZCRSTN"
+    "/Vz71m4jaCHrF2RSRhdsobGLfzv1OwqWqWeaGc19wigFnFNfP27FjYH2xa721TSZZpmpm8NcScRSfzwqoMxD4Orn4ZagU7agm3431/3R7cZndby6H2"
+    "PZzKsS9NnOZYfWuhtZWZ4gh4t1JvZ1PLirHOCpuf0rwHJa3vZE+zhrxMSQvvc/BFo9zRidFzI7UGGkuP4B9V1NT9ai7CiKg2SPbzsr8La/b1rqyN/0"
+    "VWZFzRRd+qHkF6iYsz862OzJs4fPM39PBXKSN0j1LP807vTPfJcCzFuSxIadSQxtSKITqG6hiutKuHvFWKo3FkrAjf08bU3ixG0Xh3Wfd35PfX8+2f"
+    "fwBmGX//")
+
+
+def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
+    import base64
+    import zlib
+    down = np.frombuffer(zlib.decompress(base64.b64decode("".join(steps))), np.uint8)
+    return np.concatenate([[first], first - np.cumsum(down, dtype=np.int64)])
+
+
+SOFTMAX_EXP_TABLE = _decreasing_table(SOFTMAX_EXP_STEPS, 2 ** SOFTMAX_EXP_BITS - 1)       # T(f), f in Q16
+SOFTMAX_RECIP_TABLES = (_decreasing_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),                  # R_0(h), h >= 2^14 - 1
+                        _decreasing_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
+                        _decreasing_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2),              # R_2(h), h >= 2^16
+                        _decreasing_table(SOFTMAX_RECIP3_STEPS, 2 ** 16 - 2))              # R_3(h), h >= 2^17
+
+
+def softmax_multiplier(sx: float) -> int:
+    """y's multiplier M = floor(s_x log2(e) 2^22) truncated to a 16-bit mantissa (the device's)."""
+    m = int(np.floor(np.float64(np.float32(sx)) * np.log2(np.e) * 2.0 ** SOFTMAX_Y_BITS))   # Q22, truncated
+    k = max(m.bit_length() - SOFTMAX_MULTIPLIER_BITS, 0)
+    return m >> k << k                                                              # its low k bits dropped
 
 
 def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) -> np.ndarray:
-    """The HTP's quantised Softmax (a structural model: module comment above).  qx: codes, rows of >= 3 along axis;
-    x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
+    """The HTP's quantised Softmax (module comment above).  qx: codes, rows of >= 3 along axis; x, out: (scale,
+    zero point), per tensor.  -> int64 codes, qx's shape."""
     (sx, _), (so, zo) = x, out
     q = np.moveaxis(np.asarray(qx, np.int64), axis, -1)
     n = q.max(axis=-1, keepdims=True) - q                                           # n_i = q_max - q_i
-    m_y = int(np.floor(np.float64(np.float32(sx)) * np.log2(np.e) * 2.0 ** SOFTMAX_Y_BITS))   # M, Q22 truncated
-    y = n * np.int64(m_y)                                                           # n_i M   (Q22)
-    i = y >> SOFTMAX_Y_BITS                                                         # i_i
-    fq = (y & ((1 << SOFTMAX_Y_BITS) - 1)) >> (SOFTMAX_Y_BITS - SOFTMAX_PIECE_BITS - 2)   # f_i in Q17
-    piece, v = fq >> SOFTMAX_PIECE_BITS, fq & ((1 << SOFTMAX_PIECE_BITS) - 1)     # p and V
-    t = np.zeros_like(fq)
-    for k, (c2, c1, c0, h1, h2) in enumerate(SOFTMAX_EXP_PIECES):
-        inner = c1 + ((c2 * v + h2) >> SOFTMAX_PIECE_BITS)                          # c1 + c2 V / 2^15
-        t = np.where(piece == k, c0 + ((v * inner + h1) >> SOFTMAX_PIECE_BITS), t)   # T = c0 + V (...) / 2^15
-    t = np.minimum(t, 2 ** SOFTMAX_EXP_BITS - 1)
-    e_x = np.where(i < 62, t >> np.minimum(i, 62), 0)                               # E_i = T(f_i) >> i_i
+    y = n * np.int64(softmax_multiplier(sx))                                        # y_i = n_i M   (Q22)
+    i = np.minimum(y >> SOFTMAX_Y_BITS, SOFTMAX_EXP_BITS)                          # i_i (15 and over: E = 0)
+    f = (y >> (SOFTMAX_Y_BITS - SOFTMAX_FRACTION_BITS)) & ((1 << SOFTMAX_FRACTION_BITS) - 1)   # f_i in Q16
+    e_x = SOFTMAX_EXP_TABLE[f] >> i                                                 # E_i = T(f_i) >> i_i
     s = e_x.sum(axis=-1, keepdims=True)                                             # S
-    e = np.zeros_like(s)
-    while ((s >> e) >= 1 << 17).any():
-        e = np.where((s >> e) >= 1 << 17, e + 1, e)                                 # m = S >> e in [2^16, 2^17)
-    m = s >> e
-    r = np.minimum((np.int64(1) << SOFTMAX_RECIP_BITS) // m + ((np.int64(1) << SOFTMAX_RECIP_BITS) % m * 2 >= m),
-                   2 ** 15 - 1)                                                     # round(2^31 / m), int16
-    big = (e_x * r) >> (SOFTMAX_RECIP_BITS - 16 + e)                                # E r / 2^(15 + e)
-    s2 = np.maximum(s >> 1 << 1, 1)                                                  # S, its lowest bit dropped
-    small = (e_x * (((np.int64(1) << SOFTMAX_SMALL_RECIP_BITS) + (s2 >> 1)) // s2)) >> 13   # E round(2^29 / S') / 2^13
-    p = np.where(s >= 1 << 16, big, small)                                          # p 2^16, floored
+    h = s >> 1                                                                      # h = floor(S / 2)
+    level = np.zeros_like(h)
+    while ((h >> level) >= 1 << 15).any():
+        level = np.where((h >> level) >= 1 << 15, level + 1, level)                # h in [2^(14 + l), 2^(15 + l))
+    p = (e_x * ((np.int64(1) << (30 + level)) // h)) >> (15 + level)                # l >= 4: floor(2^(30 + l) / h)
+    for lv, table in enumerate(SOFTMAX_RECIP_TABLES):
+        first = 2 ** 14 - 1 if lv == 0 else 2 ** (14 + lv)
+        r = table[np.clip(h - first, 0, len(table) - 1)]                           # R_l(h)
+        shift = SOFTMAX_RECIP_SHIFT + min(2 * lv, lv + 2)                           # 13 + 2 l; 18 at l = 3
+        p = np.where(level == lv, (e_x * r) >> shift, p)                            # E R_l(h) / 2^shift
     k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
     y_o = p if k == 1.0 else np.floor(p * k).astype(np.int64)
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated
