@@ -227,7 +227,8 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 MATMUL_DROPPED_BITS = 8           # MatMul's products summed, the low 8 bits dropped (floor; the zero point's rounded)
 MATMUL_RATIO_BITS = 11            # a column's weight rescale r (its steps leave int8): Q11, rounded half up
 MATMUL_RECIP_BITS = 16            # 1 / r as a Q16 multiplier of the steps (k' = k / r rounded half up)
-MATMUL_BIAS = 0.0025              # the requantisation's constant bias, in output codes (measured 0.0024-0.0026)
+MATMUL_MULTIPLIER_BITS = 22       # the requantisation's multiplier: a 22-bit mantissa of the float32 ratio, half up
+MATMUL_BIAS_BITS = 9              # its bias: the multiplier's mantissa times 2^-9 of a code
 
 
 def matmul_column_steps(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,17 +242,31 @@ def matmul_column_steps(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(over, kp, k).clip(-128, 127), rq / 2.0 ** MATMUL_RATIO_BITS    # r = rq / 2^11 (1: untouched)
 
 
+def matmul_multiplier(a: tuple, w: tuple, out: tuple, r) -> tuple[np.ndarray, np.ndarray]:
+    """The HTP's requantisation multiplier of a MatMul's products, per column: 2^8 float32(float32(s_a s_w / s_o) r)
+    as M 2^-s, M a 22-bit integer (rounded half up).  a, w, out: (scale, zero point) (s_w per tensor, or per column);
+    r: the columns' rescales.  -> (M int64 [N], s int64 [N])."""
+    ratio = np.float32(np.float32(np.float32(a[0]) * np.float32(w[0])) / np.float32(out[0]))   # s_a s_w / s_o
+    v = np.float64(np.float32(ratio * np.asarray(r, np.float32))) * 2.0 ** MATMUL_DROPPED_BITS  # 2^8 (ratio r)
+    f, x = np.frexp(v)                                                               # v = f 2^x, f in [1/2, 1)
+    m = np.floor(f * 2.0 ** MATMUL_MULTIPLIER_BITS + 0.5).astype(np.int64)           # M = round(f 2^22), half up
+    top = m >> MATMUL_MULTIPLIER_BITS                                                # f rounded up to 1: M = 2^21
+    return m >> top, MATMUL_MULTIPLIER_BITS - x.astype(np.int64) - top              # (M, s): v ~ M 2^-s
+
+
 def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (module doc:
-    a column whose steps leave int8 rescaled, matmul_column_steps).  a, w, out: (scale, zero point).
-    -> int64 [..., N]."""
-    (sa, za), (sw, zw), (so, zo) = a, w, out
+    a column whose steps leave int8 rescaled, matmul_column_steps; the multiplier, matmul_multiplier).
+    a, w, out: (scale, zero point).  -> int64 [..., N]."""
+    (_, za), (_, zw), (_, zo) = a, w, out
     b = MATMUL_DROPPED_BITS
     k, r = matmul_column_steps(np.asarray(qw, np.int64) - np.int64(zw))          # k' (int8), r per column
     hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k' / 2^8)
     zp = (np.int64(za) * k.sum(axis=0) + (1 << (b - 1))) >> b                     # round(z_a sum k' / 2^8)
-    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) * r / np.float64(np.float32(so))
-    y = np.floor((hi - zp) * m + 0.5 + MATMUL_BIAS).astype(np.int64)              # (hi - zp) 2^8 s_a s_w r / s_o
+    m, s = matmul_multiplier(a, w, out, r)                                        # 2^8 s_a s_w r / s_o ~ M 2^-s
+    t = MATMUL_MULTIPLIER_BITS - 1 + MATMUL_BIAS_BITS                               # M 2^-30: the mantissa 2^-9
+    c = np.where(s >= t, m << np.maximum(s - t, 0), m >> np.maximum(t - s, 0))    # floor(M 2^-30 2^s): the bias
+    y = ((hi - zp) * m + (np.int64(1) << (s - 1)) + c) >> s                      # floor((hi - zp) M 2^-s + 1/2 + bias)
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
 
 
@@ -491,7 +506,8 @@ def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
     zt = -((-255 * zb) >> d) << d                                                 # 2^9 Z = 2^9 ceil(255 z_b / 2^9)
     t = 255 * (n + zb) - zt + (1 << 15) + (1 << d) - 1                              # 255 q_b - 2^9 Z + 2^15 + 2^9 - 1
     k8 = np.clip(t >> 16, -z8, 255 - z8)                                           # k_8, on the uint8 grid
-    return k8 + z8, (float(np.float64(np.float32(sb)) * 65535 / 255), z8)          # q_8, (s_b 65535 / 255, z_8)
+    s8 = np.float32(np.float32(np.float32(sb) * np.float32(65535)) / np.float32(255))   # s_b 65535 / 255, float32
+    return k8 + z8, (float(s8), z8)                                                # q_8, (s_8, z_8)
 
 
 def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
