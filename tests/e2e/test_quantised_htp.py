@@ -176,11 +176,12 @@ def test_htp_quantised_reduce_mean_is_its_truncated_multiplier_plus_one():
 
 def test_htp_quantised_matmul_drops_the_products_low_byte_and_rescales_columns_outside_int8():
     """The HTP's W8A16 MatMul (htp_quantised.matmul: sum q_a k' with its low 8 bits dropped, the zero point's term
-    rounded, requantised half up; a column whose steps k = q_w - z_w leave int8 rescaled by its own Q11 ratio and
-    its steps re-rounded) on random codes over the whole uint8 range: an asymmetric zero point with steps up to
-    +134 (z_w 121, K = 64) and down to -200 (z_w 200, K = 32), nearly every column rescaled, and a column holding
-    a single step -200 (exact on the device). Measured 100 % and 99.87 % identical, max 1; the CPU EP 21 % and 4 %,
-    the int8-only model of the last stop alike (up to 26 and 58 codes off)."""
+    rounded, requantised by a 22-bit mantissa of the float32 ratio with its bias; a column whose steps k = q_w - z_w
+    leave int8 rescaled by its own Q11 ratio and its steps re-rounded) on random codes over the whole uint8 range,
+    at encodings not used to find it: an asymmetric zero point with steps up to +134 (z_w 121, K = 64) and down to
+    -200 (z_w 200, K = 32), nearly every column rescaled, and a column holding a single step -200 (exact on the
+    device). Every code (the previous model, the exact multiplier and a 0.0025-code bias: 100 % and 99.87 %, max
+    1); the CPU EP 21 % and 4 %, the int8-only model alike (up to 26 and 58 codes off)."""
     import onnx
 
     from refimpl.kernels import htp_quantised
@@ -208,8 +209,9 @@ def test_htp_quantised_matmul_drops_the_products_low_byte_and_rescales_columns_o
 def test_htp_quantised_uint16_matmul_requantises_its_second_operand_to_uint8():
     """The HTP's uint16 x uint16 MatMul (the attention's q k^T and probs @ v; htp_quantised.matmul16: the second
     operand requantised to uint8 with its range kept, then the W8A16 MatMul) on random codes per head, at two
-    second-operand zero points held out of those its rounding was read from. Measured 99.9 % and 100 % identical,
-    max 1 (the CPU EP, the exact product quantised: 53 %, up to ~1000 codes off)."""
+    second-operand zero points held out of those its rounding was read from: every code (the uint8 operand's scale
+    s_b 65535 / 255 in float32 in the multiplier; with the previous multiplier 99.9 % and 100 %, max 1; the CPU EP,
+    the exact product quantised: 53 %, up to ~1000 codes off)."""
     from refimpl.kernels import htp_quantised
     rng = np.random.default_rng(11)
     for zb in (31000, 36000):
