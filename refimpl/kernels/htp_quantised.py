@@ -45,8 +45,8 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
 
 MatMul, uint16 activations x uint8 weights per tensor (measured: every code of the dense W8A16 model's 28
 projections on their own inputs (were 12 of 28 whole with an exact multiplier and a 0.0025-code bias, median 99.9 %),
-of 30 one-op sweeps over every activation code with K = 1 (W8A16: 14M codes, multipliers 0.03-3, zero points random;
-rescaled columns: 10M codes) and of the held-out one-op test sweeps of random codes, zero points 121 and 200, K 32
+of 90 one-op sweeps over every activation code with K = 1 (16.6M codes, multipliers 0.03-3, zero points random;
+16 with rescaled columns: 10.5M) and of the held-out one-op test sweeps of random codes, zero points 121 and 200, K 32
 and 64): the weights' steps as int8, a column whose steps leave int8 (an asymmetric zero point and a weight at the far
 end) rescaled by its own ratio r and its steps re-rounded (so its products carry the rounding of k / r: the "50-387
 codes off" of the int8-only model), the activation's codes times the steps with the low 8 bits dropped, requantised
