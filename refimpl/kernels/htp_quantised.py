@@ -64,7 +64,7 @@ by a 22-bit mantissa of the float32 ratio:
     so the multiplier is off the exact ratio by up to 2^-22 relative (2.8 float32 ulps above it measured: the
     float32 chain and the 22-bit rounding), and every code carries a bias of 0.002-0.004 code (the "0.0025" of the
     previous model): found on K = 1 sweeps (y = floor(acc m + c) is exactly linear in acc per sweep; m on the grid
-    of float32 numbers rounded to 22 bits, c - 1/2 = mantissa(m) / 512 within 5e-5 on 40 sweeps).
+    of float32 numbers rounded to 22 bits, c - 1/2 = mantissa(m) / 512 inside the feasible window of each of 40).
     Refuted on the simulator (one-op graphs, out-of-int8 weights in a column): the step saturated to int8 or
     wrapped modulo 256 (a column holding only one step, -200 to 155, is exact: slope within 1e-5 of k), a
     requantisation of the whole tensor (columns in int8 stay exact beside a rescaled one), r from max |k| / 127
