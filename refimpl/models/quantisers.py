@@ -143,7 +143,7 @@ def attention_operands(codes: list, shape: tuple):
     return None
 
 
-def _regrouped(a: tuple, b: tuple) -> bool:
+def regrouped(a: tuple, b: tuple) -> bool:
     """Shapes a and b the same axes in the same order, runs of adjacent axes merged on one side ([B, Hkv, Hq/Hkv,
     T, L] and [B, Hq, T, L]; [B, T, H D] and [B, T, H, D]); axes of 1 ignored."""
     a, b = [d for d in a if d != 1], [d for d in b if d != 1]
@@ -257,7 +257,7 @@ class Quantisers:
             return None                                                             # modelled (htp_quantised.softmax)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
         shape = np.shape(x)                # the inputs may be held with axes split or merged (q_proj's [B, T, H D]
-        if q.shape != shape and not _regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
+        if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
             return None                    # Hq/Hkv, T, L] for [B, Hq, T, L]); transposed, it is not the op's
         return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
 

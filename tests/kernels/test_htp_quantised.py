@@ -203,9 +203,9 @@ def test_the_scores_mask_add_reads_the_scores_held_with_their_heads_grouped():
     """The attention's mask Add under the HTP arithmetic: the scaled scores are held [B, Hkv, Hq/Hkv, T, L] (GQA),
     the node's output is [B, Hq, T, L]; the device Add runs on the held codes and its codes are put back merged (it
     fell back to the CPU EP's arithmetic: 96.2 % of layer 0's attn_scores codes on the dense W8A16 HTP dump, now
-    100 %). A layout that only transposes the axes is not the op's (_regrouped)."""
+    100 %). A layout that only transposes the axes is not the op's (regrouped)."""
     from refimpl.kernels.attention import attention_scores
-    from refimpl.models.quantisers import _regrouped
+    from refimpl.models.quantisers import regrouped
     rng = np.random.default_rng(0)
     e_s, e_m, e_o = enc(2e-4, 30000), enc(1e-3, 65535), enc(4e-4, 60000)   # ties: half a code
     q = Quantisers(outputs={"s": e_o}, points={"s": {"scaled": e_s, "mask": e_m}}, arithmetic="htp",
@@ -217,8 +217,8 @@ def test_the_scores_mask_add_reads_the_scores_held_with_their_heads_grouped():
     held = e_s.codes(q.record["s/scaled"]).reshape(1, 4, 3, 5)                 # [B, Hkv, rep, T, L] -> [B, Hq, T, L]
     want = H.add(held, (2e-4, 30000), e_m.codes(mask), (1e-3, 65535), (4e-4, 60000))
     assert y.shape == (1, 4, 3, 5) and (e_o.codes(y) == want).all()
-    assert _regrouped((1, 2, 2, 3, 5), (1, 4, 3, 5)) and _regrouped((2, 3, 20), (2, 3, 4, 5))
-    assert not _regrouped((1, 3, 4, 5), (1, 4, 3, 5)) and not _regrouped((6, 4), (4, 6))
+    assert regrouped((1, 2, 2, 3, 5), (1, 4, 3, 5)) and regrouped((2, 3, 20), (2, 3, 4, 5))
+    assert not regrouped((1, 3, 4, 5), (1, 4, 3, 5)) and not regrouped((6, 4), (4, 6))
 
 
 def test_sigmoid_table_is_monotone_symmetric_and_within_two_steps_of_the_sigmoid():
