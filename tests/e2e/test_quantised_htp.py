@@ -11,8 +11,9 @@ the planted faults the first excess at their taps.
 
 Cost: one dense export (~25 s on the shared machine), two quantisations, a handful of HTP compiles (~1 s each);
 the isolated-op tests ~1 s each; refimpl's diff: its goldens and dumps ~6 s, the honest runs ~8 s, the offset fault
-~2.4 s; under device_matrix the other two faults ~14 s and the replay ~2.3 s (a load of ~8 on 2 cores). MoE and Qwen3.5
-are measured by `python tests/e2e/quantised.py [diff]` (their exports take 1-2 min each), not here."""
+~2.4 s; under device_matrix the other two faults ~14 s, the replay ~2.3 s (a load of ~8 on 2 cores) and the three
+faults on the HTP with its arithmetic ~6 s. MoE and Qwen3.5 are measured by `python tests/e2e/quantised.py [diff]`
+(their exports take 1-2 min each), not here."""
 
 import numpy as np
 import pytest
@@ -411,6 +412,38 @@ def test_refimpl_diff_names_a_saturating_residual_add_and_a_wrong_channel_scale(
     d = Q.diff(f4, q4, qdq4, dump, root / "channel.json")
     assert d.first == Q.tap_of(q4, qdq4, tap), d.first
     assert "scaled by 1.02" in d.fault, d.fault
+
+
+@pytest.mark.device_matrix
+def test_on_the_htp_each_planted_fault_is_the_first_excess_at_its_tap(diffed, dense_w4):
+    """With the HTP's arithmetic in the quantised golden (`--device-arithmetic htp`) the honest HTP run's layer 0 is
+    explained, every tensor (its first excess: layer 1's attn_scores, measured excess 0.080 W8A16, 0.017 W4A16), so
+    each planted fault run on the HTP simulator is the first excess at its own tap, classified: the second residual
+    add's zero point + 1 (model.layers.0: an offset of +1 code, excess 0.0065), the first residual add's range
+    halved (attn_residual: clipped, 7.3), one output channel of o_proj's W4A16 weight scale x1.02 (o_proj: that
+    channel's gain, 0.015). Without the HTP's mask Add and MatMul multiplier the first excess was layer 0's
+    attn_scores (0.22), before every tap."""
+    case, qm, qdq, f, _, _, root = diffed
+    checkpoint = case.path.parent / "checkpoint"
+    qdq4 = case.path.with_name(f"qdq_w4a16_{case.path.stem}.onnx")
+    goldens = {}
+    for mix, path in (("w8", qdq), ("w4", qdq4)):
+        goldens[mix] = root / f"golden-htp-{mix}"
+        assert Q.cli("golden", "--model", checkpoint, *Q.GOLDEN_ARGS, "--encodings", path, "--codes",
+                     "--device-arithmetic", "htp", "--out", goldens[mix]) == 0
+    honest = Q.diff(f, goldens["w8"], qdq, Q.device_dumps(case, qm, root / "htp-honest", devices=("htp",))["htp"],
+                    root / "htp-honest.json")
+    assert all(v == "explained" for k, v in honest.verdicts.items() if k.startswith("model.layers.0")), honest.first
+    classes = {"activation offset off by one": "codes offset by +1", "saturating residual add": "clipped at",
+               "wrong per-channel weight scale": "slices 3 of axis 2 scaled by 1.02"}
+    for name, (_, faulty, tap) in Q.fault_models(qm, dense_w4).items():
+        w4 = name.startswith("wrong")
+        q, path = (goldens["w4"], qdq4) if w4 else (goldens["w8"], qdq)
+        dump = Q.device_dumps(case, faulty, root / f"htp-{name.replace(' ', '-')}", devices=("htp",),
+                              dequantised=name.startswith("saturating"))["htp"]
+        d = Q.diff(f, q, path, dump, root / f"htp-{name.replace(' ', '-')}.json")
+        assert d.first == Q.tap_of(q, path, tap), (name, d.first)
+        assert d.fault.startswith(classes[name]), (name, d.fault)
 
 
 @pytest.mark.device_matrix
