@@ -505,10 +505,11 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
 # of codes" between the exact product and the HTP's), and the first keeps all 16. Every code of 7 of the dense W8A16
 # model's 8 (the 8th: 1 code in a column of the uint8 operand rescaled out of int8), 7 of the MoE's 8 (the 8th: its
 # multiplier a tie at 22 bits which the device rounded down, 2 codes), Qwen3.5's 2, 32 K = 1 sweeps over every code
-# of the first operand, the one-op test's 2 held-out sweeps. Not found: random sweeps with the uint8 operand's
-# columns rescaled (z_8 136) are 99.9 % in those columns (16 of 20544 codes, +-1); at the MoE's encodings the
-# multiplier is one unit under the model (131k codes of random sweeps every one with M - 1): no float32 chain tried
-# (3480 orders of s_a, s_b, s_o, 65535, 255, 257) gives both it and the other 57.
+# of the first operand, the one-op test's 2 held-out sweeps. Not found: random sweeps whose uint8 operand has columns
+# rescaled are 99.8-100 % (z_8 136: 16 of 32768 codes, all in rescaled columns; 156: 13 of 8192; 47, 175: every
+# code; +-1; the rescale in s_8's float32 (s_a float32(s_8 r) / s_o) fits the first, not the others); at the MoE's
+# encodings the multiplier is one unit under the model (131k codes of random sweeps every one with M - 1): no float32
+# chain tried (3480 orders of s_a, s_b, s_o, 65535, 255, 257) gives both it and the other 57.
 MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
 
 
