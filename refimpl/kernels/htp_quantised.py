@@ -507,7 +507,9 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
 # multiplier a tie at 22 bits which the device rounded down, 2 codes), Qwen3.5's 2, 32 K = 1 sweeps over every code
 # of the first operand, the one-op test's 2 held-out sweeps. Not found: random sweeps whose uint8 operand has columns
 # rescaled are 99.8-100 % (z_8 136: 16 of 32768 codes, all in rescaled columns; 156: 13 of 8192; 47, 175: every
-# code; +-1; the rescale in s_8's float32 (s_a float32(s_8 r) / s_o) fits the first, not the others); at the MoE's
+# code; +-1; the rescale in s_8's float32 (s_a float32(s_8 r) / s_o) fits the first, not the others; K = 1 sweeps
+# of such columns, 16 encodings, every first-operand code: 88 of 96 columns every code, 8 (2 with r = 1) 18-236 of
+# 65536 codes off, two of them fitting no multiplier at all: the rescaled steps' rounding too); at the MoE's
 # encodings the multiplier is one unit under the model (131k codes of random sweeps every one with M - 1): no float32
 # chain tried (3480 orders of s_a, s_b, s_o, 65535, 255, 257) gives both it and the other 57.
 MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
