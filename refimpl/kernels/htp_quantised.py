@@ -45,28 +45,35 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
                                                                     the floor: the mean lands half a code above
                                                                     the rounded one (from r = 1/2: rounded half up)
 
-MatMul, uint16 activations x uint8 weights per tensor (measured: 99.9 % of codes identical, max 1 (median of the
-dense W8A16 model's 28 projections on their own inputs; 12 of 28 whole, min 99.4 %; were median 98.3 %, up to 227
-codes off, with the int8-only model) and 99.7-100 % on one-op sweeps of random codes, zero points 30-200, K 32-256):
-the weights' steps as int8, a column whose steps leave int8 (an asymmetric zero point and a weight at the far end)
-rescaled by its own ratio r and its steps re-rounded (so its products carry the rounding of k / r: the "50-387 codes
-off" of the int8-only model), the activation's codes times the steps with the low 8 bits dropped:
+MatMul, uint16 activations x uint8 weights per tensor (measured: every code of the dense W8A16 model's 28
+projections on their own inputs (were 12 of 28 whole with an exact multiplier and a 0.0025-code bias, median 99.9 %),
+of 90 one-op sweeps over every activation code with K = 1 (16.6M codes, multipliers 0.03-3, zero points random;
+16 with rescaled columns: 10.5M) and of the held-out one-op test sweeps of random codes, zero points 121 and 200, K 32
+and 64): the weights' steps as int8, a column whose steps leave int8 (an asymmetric zero point and a weight at the far
+end) rescaled by its own ratio r and its steps re-rounded (so its products carry the rounding of k / r: the "50-387
+codes off" of the int8-only model), the activation's codes times the steps with the low 8 bits dropped, requantised
+by a 22-bit mantissa of the float32 ratio:
 
     k_ij  = q_w,ij - z_w                                the weight steps
     r_j   = round(max(max_i k_ij / 127, -min_i k_ij / 128) 2^11) / 2^11    column j's rescale, Q11 (1: in int8)
     k'_ij = floor(k_ij round(2^16 / r_j) / 2^16 + 1/2)  the steps re-rounded by a Q16 reciprocal (k' = k: in int8)
     acc   = floor(sum_i q_a,i k'_ij / 2^8) - round(z_a sum_i k'_ij / 2^8)    the products, low 8 bits dropped;
                                                         the zero point's term rounded
-    q_o   = clip(floor(acc 2^8 s_a s_w r_j / s_o + 1/2 + 0.0025) + z_o, 0, 2^16 - 1)    a constant bias of 0.0025
-                                                        code (measured 0.0024-0.0026 at multipliers 2^-10 to 2^-3)
+    v_j   = 2^8 float32(float32(float32(s_a s_w) / s_o) r_j)     the multiplier in float32 (one rounding per operation)
+    M_j   = round(v_j 2^(21 - e_j)), e_j = floor(log2 v_j)       a 22-bit mantissa, ties up (the float32's low 2 bits)
+    q_o   = clip(floor(acc M_j 2^(e_j - 21) + 1/2 + M_j 2^-30) + z_o, 0, 2^16 - 1)   a bias of the mantissa / 2^9 code
 
+    so the multiplier is off the exact ratio by up to 2^-22 relative (2.8 float32 ulps above it measured: the
+    float32 chain and the 22-bit rounding), and every code carries a bias of 0.002-0.004 code (the "0.0025" of the
+    previous model): found on K = 1 sweeps (y = floor(acc m + c) is exactly linear in acc per sweep; m on the grid
+    of float32 numbers rounded to 22 bits, c - 1/2 = mantissa(m) / 512 inside the feasible window of each of 40).
     Refuted on the simulator (one-op graphs, out-of-int8 weights in a column): the step saturated to int8 or
     wrapped modulo 256 (a column holding only one step, -200 to 155, is exact: slope within 1e-5 of k), a
     requantisation of the whole tensor (columns in int8 stay exact beside a rescaled one), r from max |k| / 127
     (a column with -160 and +95 exact on the device, 0.5 % off so), k' rounded with the exact ratio (45-77 %
-    identical) or by a float division (one tie differs), r rounded up (84-97 %).
-    Not located: the last 0.2 % (1 code; the multiplier's representation: its feasible values exclude float32's
-    rounding and a Q21 one).
+    identical) or by a float division (one tie differs), r rounded up (84-97 %); for the multiplier: the float64
+    ratio, the ratio as s_a (s_w / s_o), (s_a / s_o) s_w or times float32(1 / s_o) (380-1,674 codes off in 7.6M),
+    the 22-bit rounding before r's product or r inside the float32 chain (1,143-3,672 of 10.5M), 21 / 23 bits.
 
 Mul, uint16 x uint16 (measured: 100 % of codes identical on 19 one-op sweeps (every code of one input against
 13 of the other, random codes; multipliers 2^-22.6 to 2^-11, zero points 0 to 65535 on either input and the output)
@@ -279,7 +286,8 @@ def reduce_steps(q: np.ndarray, r: float, zx, zo, axis: int, keepdims: bool, qra
 MATMUL_DROPPED_BITS = 8           # MatMul's products summed, the low 8 bits dropped (floor; the zero point's rounded)
 MATMUL_RATIO_BITS = 11            # a column's weight rescale r (its steps leave int8): Q11, rounded half up
 MATMUL_RECIP_BITS = 16            # 1 / r as a Q16 multiplier of the steps (k' = k / r rounded half up)
-MATMUL_BIAS = 0.0025              # the requantisation's constant bias, in output codes (measured 0.0024-0.0026)
+MATMUL_MULTIPLIER_BITS = 22       # the requantisation's multiplier: a 22-bit mantissa of the float32 ratio, half up
+MATMUL_BIAS_BITS = 9              # its bias: the multiplier's mantissa times 2^-9 of a code
 # A Gemm's int32 bias (Qwen3.5's in_proj_a with dt_bias fused; its codes q_b at s_b = s_a s_w): added to the products'
 # sum after their low 8 bits are dropped, itself in the column's accumulator unit with its low bits truncated towards
 # zero (measured: 99.8-99.9 % of codes on 6 one-op sweeps: zero weights, activations at their zero point, random, a
@@ -302,11 +310,24 @@ def matmul_column_steps(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(over, kp, k).clip(-128, 127), rq / 2.0 ** MATMUL_RATIO_BITS    # r = rq / 2^11 (1: untouched)
 
 
+def matmul_multiplier(a: tuple, w: tuple, out: tuple, r) -> tuple[np.ndarray, np.ndarray]:
+    """The HTP's requantisation multiplier of a MatMul's products, per column: 2^8 float32(float32(s_a s_w / s_o) r)
+    as M 2^-s, M a 22-bit integer (rounded half up).  a, w, out: (scale, zero point) (s_w per tensor, or per column);
+    r: the columns' rescales.  -> (M int64 [N], s int64 [N])."""
+    ratio = np.float32(np.float32(np.float32(a[0]) * np.float32(w[0])) / np.float32(out[0]))   # s_a s_w / s_o
+    v = np.float64(np.float32(ratio * np.asarray(r, np.float32))) * 2.0 ** MATMUL_DROPPED_BITS  # 2^8 (ratio r)
+    f, x = np.frexp(v)                                                               # v = f 2^x, f in [1/2, 1)
+    m = np.floor(f * 2.0 ** MATMUL_MULTIPLIER_BITS + 0.5).astype(np.int64)           # M = round(f 2^22), half up
+    top = m >> MATMUL_MULTIPLIER_BITS                                                # f rounded up to 1: M = 2^21
+    return m >> top, MATMUL_MULTIPLIER_BITS - x.astype(np.int64) - top              # (M, s): v ~ M 2^-s
+
+
 def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16, bias: tuple | None = None) -> np.ndarray:
     """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (module doc:
-    a column whose steps leave int8 rescaled, matmul_column_steps).  a, w, out: (scale, zero point); bias: None, or
-    (int32 codes [N], scale) of a Gemm's bias (GEMM_BIAS_*).  -> int64 [..., N]."""
-    (sa, za), (sw, zw), (so, zo) = a, w, out
+    a column whose steps leave int8 rescaled, matmul_column_steps; the multiplier, matmul_multiplier).
+    a, w, out: (scale, zero point); bias: None, or (int32 codes [N], scale) of a Gemm's bias (above).
+    -> int64 [..., N]."""
+    (sa, za), (sw, zw), (_, zo) = a, w, out
     b = MATMUL_DROPPED_BITS
     k, r = matmul_column_steps(np.asarray(qw, np.int64) - np.int64(zw))          # k' (int8), r per column
     hi = (np.asarray(qa, np.int64) @ k) >> b                                      # floor(sum q_a k' / 2^8)
@@ -314,8 +335,10 @@ def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16, bias:
     if bias is not None:                                                          # a Gemm's int32 bias
         unit = np.float64(np.float32(sa)) * np.float64(np.float32(sw)) * r * 2.0 ** b    # the accumulator's unit
         hi = hi + np.trunc(np.asarray(bias[0], np.int64) * np.float64(np.float32(bias[1])) / unit).astype(np.int64)
-    m = (2.0 ** b) * np.float64(np.float32(sa)) * np.float64(np.float32(sw)) * r / np.float64(np.float32(so))
-    y = np.floor((hi - zp) * m + 0.5 + MATMUL_BIAS).astype(np.int64)              # (hi - zp) 2^8 s_a s_w r / s_o
+    m, s = matmul_multiplier(a, w, out, r)                                        # 2^8 s_a s_w r / s_o ~ M 2^-s
+    t = MATMUL_MULTIPLIER_BITS - 1 + MATMUL_BIAS_BITS                               # M 2^-30: the mantissa 2^-9
+    c = np.where(s >= t, m << np.maximum(s - t, 0), m >> np.maximum(t - s, 0))    # floor(M 2^-30 2^s): the bias
+    y = ((hi - zp) * m + (np.int64(1) << (s - 1)) + c) >> s                      # floor((hi - zp) M 2^-s + 1/2 + bias)
     return np.clip(y + np.int64(zo), *qrange)                                      # q_o, saturated
 
 
@@ -552,11 +575,24 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
 #     Z   = ceil(255 z_b / 2^9)                         its zero point's term, the low 9 bits dropped (rounded up)
 #     k_8 = clip(floor((255 q_b - 2^9 Z + 2^15 + 2^9 - 1) / 2^16), -z_8, 255 - z_8)    the steps: 255 n_b / 2^16
 #                                                       rounded, off by up to 2^-7 of a step (exact over all 65536
-#                                                       codes at each of 8 zero points; 6 held out, 99.9-100 %)
-#     q_o = matmul(q_a, (s_a, z_a), k_8 + z_8, (s_b 65535 / 255, z_8), (s_o, z_o))
+#                                                       codes at each of 8 zero points; 6 held out, 99.9-100 %
+#                                                       with the previous multiplier)
+#     s_8 = float32(float32(s_b 65535) / 255)           its scale, the range kept, in float32 (matmul's multiplier
+#                                                       float32(float32(s_a s_8) / s_o): 57 of 58 sweeps and models'
+#                                                       products; float32(257 s_b) or the float64 ratio: 53-55)
+#     q_o = matmul(q_a, (s_a, z_a), k_8 + z_8, (s_8, z_8), (s_o, z_o))
 #
 # so every element of the second operand loses its low ~8 bits (a relative 2^-8 of its range: the "tens to hundreds
-# of codes" between the exact product and the HTP's), and the first keeps all 16.
+# of codes" between the exact product and the HTP's), and the first keeps all 16. Every code of 7 of the dense W8A16
+# model's 8 (the 8th: 1 code in a column of the uint8 operand rescaled out of int8), 7 of the MoE's 8 (the 8th: its
+# multiplier a tie at 22 bits which the device rounded down, 2 codes), Qwen3.5's 2, 32 K = 1 sweeps over every code
+# of the first operand, the one-op test's 2 held-out sweeps. Not found: random sweeps whose uint8 operand has columns
+# rescaled are 99.8-100 % (z_8 136: 16 of 32768 codes, all in rescaled columns; 156: 13 of 8192; 47, 175: every
+# code; +-1; the rescale in s_8's float32 (s_a float32(s_8 r) / s_o) fits the first, not the others; K = 1 sweeps
+# of such columns, 16 encodings, every first-operand code: 88 of 96 columns every code, 8 (2 with r = 1) 18-236 of
+# 65536 codes off, two of them fitting no multiplier at all: the rescaled steps' rounding too); at the MoE's
+# encodings the multiplier is one unit under the model (131k codes of random sweeps every one with M - 1): no float32
+# chain tried (3480 orders of s_a, s_b, s_o, 65535, 255, 257) gives both it and the other 57.
 MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
 
 
@@ -571,7 +607,8 @@ def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
     zt = -((-255 * zb) >> d) << d                                                 # 2^9 Z = 2^9 ceil(255 z_b / 2^9)
     t = 255 * (n + zb) - zt + (1 << 15) + (1 << d) - 1                              # 255 q_b - 2^9 Z + 2^15 + 2^9 - 1
     k8 = np.clip(t >> 16, -z8, 255 - z8)                                           # k_8, on the uint8 grid
-    return k8 + z8, (float(np.float64(np.float32(sb)) * 65535 / 255), z8)          # q_8, (s_b 65535 / 255, z_8)
+    s8 = np.float32(np.float32(np.float32(sb) * np.float32(65535)) / np.float32(255))   # s_b 65535 / 255, float32
+    return k8 + z8, (float(s8), z8)                                                # q_8, (s_8, z_8)
 
 
 def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:

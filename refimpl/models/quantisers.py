@@ -155,6 +155,21 @@ def attention_operands(codes: list, shape: tuple):
     return None
 
 
+def regrouped(a: tuple, b: tuple) -> bool:
+    """Shapes a and b the same axes in the same order, runs of adjacent axes merged on one side ([B, Hkv, Hq/Hkv,
+    T, L] and [B, Hq, T, L]; [B, T, H D] and [B, T, H, D]); axes of 1 ignored."""
+    a, b = [d for d in a if d != 1], [d for d in b if d != 1]
+    while a and b:
+        if a[0] > b[0]:
+            a, b = b, a
+        run = a.pop(0)                                                      # the smaller axis, merged with its
+        while run < b[0] and a:                                             # neighbours up to the other's
+            run *= a.pop(0)
+        if run != b.pop(0):
+            return False
+    return not a and not b
+
+
 def _broadcast(*shapes) -> bool:
     try:
         np.broadcast_shapes(*shapes)
@@ -258,9 +273,9 @@ class Quantisers:
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
             return None                                                             # modelled (htp_quantised.softmax)
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
-        shape = np.shape(x)                # an input may be held before a split of its last axis (q_proj's
-        if q.shape != shape and (q.size != np.size(x) or q.shape[:-1] != shape[:q.ndim - 1]):   # [B, T, H D] for
-            return None                    # q_norm's [B, T, H, D]); in another layout (transposed) it is not the op's
+        shape = np.shape(x)                # the inputs may be held with axes split or merged (q_proj's [B, T, H D]
+        if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
+            return None                    # Hq/Hkv, T, L] for [B, Hq, T, L]); transposed, it is not the op's
         return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
 
     def _weight_held(self, name: str, op: str, bias: bool = False):
