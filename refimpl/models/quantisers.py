@@ -68,13 +68,14 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
-# inputs an op of the device arithmetic takes as they are stored: (bits, signed): MatMul's weight, 8-bit unsigned per
-# tensor (W8A16; a MatMul of two activations, the attention's products, is "MatMul16": its operands' layouts as
-# attention_operands reads them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": (8, False), "Mul": (16, False), "Gemm": (8, False)}
+# inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
+# per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
+# of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
+# them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
+DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True))}
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
-DEVICE_BIASES = {"Gemm": (32, True)}
+DEVICE_BIASES = {"Gemm": ((32, True),)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -285,7 +286,8 @@ class Quantisers:
         if name not in self._weight_codes:
             got = self._weight(name) if self._weight is not None else None
             enc = got[1].on_rows() if got is not None and got[1] is not None else None   # [out, in], as held
-            ok = enc is not None and (_per_tensor_integer(enc, *(DEVICE_BIASES if bias else DEVICE_WEIGHTS)[op]) or (
+            ok = enc is not None and (any(_per_tensor_integer(enc, *kind) for kind in (
+                DEVICE_BIASES if bias else DEVICE_WEIGHTS)[op]) or (
                 op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
             self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
