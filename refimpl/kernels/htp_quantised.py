@@ -542,14 +542,16 @@ SIGMOID_STEPS = (
     "qqqqqqqqqn9oVFVVVVVVVVVVVVVVVT3t/zj/AewnQAA=")
 
 
-def _sigmoid_table() -> np.ndarray:
+def _stepped_table(steps: tuple, first: int, sign: int = -1) -> np.ndarray:
+    """A measured table stored as its successive steps (bytes, zlib, base64): first, first + sign * (the running sum
+    of the steps)."""
     import base64
     import zlib
-    steps = np.frombuffer(zlib.decompress(base64.b64decode("".join(SIGMOID_STEPS))), np.uint8)
-    return np.concatenate([[2 ** 14], 2 ** 14 + np.cumsum(steps, dtype=np.int64)])   # S(k), k = 0..62485
+    step = np.frombuffer(zlib.decompress(base64.b64decode("".join(steps))), np.uint8)
+    return np.concatenate([[first], first + sign * np.cumsum(step, dtype=np.int64)])
 
 
-SIGMOID_TABLE = _sigmoid_table()
+SIGMOID_TABLE = _stepped_table(SIGMOID_STEPS, 2 ** 14, +1)                      # S(k), k = 0..62485
 
 
 def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> np.ndarray:
@@ -784,18 +786,11 @@ SOFTMAX_RECIP3_STEPS = (
     "fwBmGX//")
 
 
-def _decreasing_table(steps: tuple, first: int) -> np.ndarray:
-    import base64
-    import zlib
-    down = np.frombuffer(zlib.decompress(base64.b64decode("".join(steps))), np.uint8)
-    return np.concatenate([[first], first - np.cumsum(down, dtype=np.int64)])
-
-
-SOFTMAX_EXP_TABLE = _decreasing_table(SOFTMAX_EXP_STEPS, 2 ** SOFTMAX_EXP_BITS - 1)       # T(f), f in Q16
-SOFTMAX_RECIP_TABLES = (_decreasing_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),                  # R_0(h), h >= 2^14 - 1
-                        _decreasing_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
-                        _decreasing_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2),              # R_2(h), h >= 2^16
-                        _decreasing_table(SOFTMAX_RECIP3_STEPS, 2 ** 16 - 2))              # R_3(h), h >= 2^17
+SOFTMAX_EXP_TABLE = _stepped_table(SOFTMAX_EXP_STEPS, 2 ** SOFTMAX_EXP_BITS - 1)       # T(f), f in Q16
+SOFTMAX_RECIP_TABLES = (_stepped_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),                  # R_0(h), h >= 2^14 - 1
+                        _stepped_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
+                        _stepped_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2),              # R_2(h), h >= 2^16
+                        _stepped_table(SOFTMAX_RECIP3_STEPS, 2 ** 16 - 2))              # R_3(h), h >= 2^17
 
 
 def softmax_multiplier(sx: float) -> int:
@@ -926,14 +921,7 @@ EXP_STEPS = (
     "n43xe8b70YzeuPXzIbzmgB++7tFdXxnU/9/e+u1PnvAP3CFAAA==")
 
 
-def _exp_table() -> np.ndarray:
-    import base64
-    import zlib
-    steps = np.frombuffer(zlib.decompress(base64.b64decode("".join(EXP_STEPS))), np.uint8)
-    return np.concatenate([[2 ** 15 - 1], 2 ** 15 - 1 - np.cumsum(steps, dtype=np.int64)])   # E(j), j = 0..65535
-
-
-EXP_TABLE = _exp_table()
+EXP_TABLE = _stepped_table(EXP_STEPS, 2 ** 15 - 1)                              # E(j), j = 0..65535
 
 
 def exp(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
