@@ -323,8 +323,9 @@ def matmul_multiplier(a: tuple, w: tuple, out: tuple, r) -> tuple[np.ndarray, np
 
 
 def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16, bias: tuple | None = None) -> np.ndarray:
-    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor uint8 weights [K, N] (module doc:
-    a column whose steps leave int8 rescaled, matmul_column_steps; the multiplier, matmul_multiplier).
+    """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor 8-bit weights [K, N]: uint8, or int8
+    symmetric (aimet-onnx's), the same arithmetic (module doc: a column whose steps leave int8 rescaled,
+    matmul_column_steps; the multiplier, matmul_multiplier).
     a, w, out: (scale, zero point); bias: None, or (int32 codes [N], scale) of a Gemm's bias (above).
     -> int64 [..., N]."""
     (sa, za), (sw, zw), (_, zo) = a, w, out

@@ -271,8 +271,9 @@ def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.n
     return _rounded_product(a64, b, ct.T, na, nb[None, :])
 
 
-_SUM_BLOCK = 1 << 15                        # terms of a correctly rounded sum taken at once (256 KiB of float64)
-_SPREAD_SUM = 1 << 18                       # terms from which a sum's blocks are spread over the cores
+_SUM_BLOCK = 1 << 15                        # terms of a correctly rounded sum taken at once (256 KiB of float64);
+                                            # also elements of a product's operand converted at once (_with_norms)
+_SPREAD_SUM = 1 << 18                       # terms (elements) from which those blocks are spread over the cores
 
 
 _PLAIN_SPREAD = False                       # plain one-token products: our threads over BLAS on one thread each
