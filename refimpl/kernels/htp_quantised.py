@@ -75,6 +75,22 @@ by a 22-bit mantissa of the float32 ratio:
     ratio, the ratio as s_a (s_w / s_o), (s_a / s_o) s_w or times float32(1 / s_o) (380-1,674 codes off in 7.6M),
     the 22-bit rounding before r's product or r inside the float32 chain (1,143-3,672 of 10.5M), 21 / 23 bits.
 
+    Weights per output channel (W4A16: symmetric int4, scale s_w,j per column; measured: 12 one-op graphs of K = 1
+    over every activation code, 6-128 columns each, steps -8 to 7, 51.1M codes, every one; the dense W4A16 model's 28
+    projections on their own inputs, every code): the same arithmetic (steps in [-8, 7], never rescaled), its
+    multiplier from the tensor's largest scale and each column's share of it, both in float32:
+
+    S     = max_j s_w,j                                 the weight tensor's largest scale
+    r_j   = float32(s_w,j / S)                          column j's share (times its rescale: 1 for int4)
+    v_j   = 2^8 float32(float32(float32(s_a S) / s_o) r_j)   then M_j, e_j, q_o as above
+
+    so a column's multiplier depends on the other columns' scales (layer 0 v_proj's column 50: M = 2222254 among
+    its 64 columns, 2222253 beside 5 of them whose largest scale is another; the order of the columns does not
+    matter); with each column's own scale in the ratio (s_a s_w,j / s_o, the per-tensor chain) 6 codes of the
+    model's 28 projections were one off, and 1,482 of 16.8M codes on two K = 1 sweeps of 128 random scales (13
+    columns). Refuted: the other float32 orders of s_a, s_w,j, s_o and the float64 ratio (59-61 of 64 columns),
+    a 22-bit rounding of the largest scale's multiplier times the share (Q14-Q32 or float32; 59-62 of 64 columns).
+
 Mul, uint16 x uint16 (measured: 100 % of codes identical on 19 one-op sweeps (every code of one input against
 13 of the other, random codes; multipliers 2^-22.6 to 2^-11, zero points 0 to 65535 on either input and the output)
 and on 58 of the dense W8A16 model's 62 Muls on their own inputs (x^2, x * 1 / sqrt, * w, RoPE's products, the
@@ -312,21 +328,38 @@ def matmul_column_steps(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def matmul_multiplier(a: tuple, w: tuple, out: tuple, r) -> tuple[np.ndarray, np.ndarray]:
     """The HTP's requantisation multiplier of a MatMul's products, per column: 2^8 float32(float32(s_a s_w / s_o) r)
-    as M 2^-s, M a 22-bit integer (rounded half up).  a, w, out: (scale, zero point) (s_w per tensor, or per column);
+    as M 2^-s, M a 22-bit integer (rounded half up).  a, w, out: (scale, zero point) (s_w per tensor, or per column:
+    then the tensor's largest scale in the ratio and each column's share of it in r, matmul_channel_shares);
     r: the columns' rescales.  -> (M int64 [N], s int64 [N])."""
-    ratio = np.float32(np.float32(np.float32(a[0]) * np.float32(w[0])) / np.float32(out[0]))   # s_a s_w / s_o
-    v = np.float64(np.float32(ratio * np.asarray(r, np.float32))) * 2.0 ** MATMUL_DROPPED_BITS  # 2^8 (ratio r)
+    sw, share = matmul_channel_shares(w[0])                                         # per column: max s_w, s_w,j / max
+    ratio = np.float32(np.float32(np.float32(a[0]) * sw) / np.float32(out[0]))     # s_a s_w / s_o
+    r = np.float32(np.asarray(r, np.float32) * share)                               # r s_w,j / max s_w (1: per tensor)
+    v = np.float64(np.float32(ratio * r)) * 2.0 ** MATMUL_DROPPED_BITS             # 2^8 (ratio r)
     f, x = np.frexp(v)                                                               # v = f 2^x, f in [1/2, 1)
     m = np.floor(f * 2.0 ** MATMUL_MULTIPLIER_BITS + 0.5).astype(np.int64)           # M = round(f 2^22), half up
     top = m >> MATMUL_MULTIPLIER_BITS                                                # f rounded up to 1: M = 2^21
     return m >> top, MATMUL_MULTIPLIER_BITS - x.astype(np.int64) - top              # (M, s): v ~ M 2^-s
 
 
+def matmul_channel_shares(sw) -> tuple[np.float32, np.ndarray]:
+    """Per-channel weight scales as the HTP's multiplier takes them (module doc: "Weights per output channel"): the
+    tensor's largest scale and each column's share of it, both float32.  sw: scale per tensor (share 1) or per
+    column [N].
+    -> (max s_w, s_w,j / max s_w [N] or 1)."""
+    sw = np.asarray(sw, np.float32)
+    if not sw.ndim:
+        return sw, np.float32(1)
+    top = sw.max()                                                                 # max_j s_w,j
+    return top, np.float32(sw / top)                                               # float32(s_w,j / max s_w)
+
+
 def matmul(qa, a: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16, bias: tuple | None = None) -> np.ndarray:
     """The HTP's quantised MatMul of uint16 activations [..., K] and per-tensor 8-bit weights [K, N]: uint8, or int8
     symmetric (aimet-onnx's), the same arithmetic (module doc: a column whose steps leave int8 rescaled,
-    matmul_column_steps; the multiplier, matmul_multiplier).
-    a, w, out: (scale, zero point); bias: None, or (int32 codes [N], scale) of a Gemm's bias (above).
+    matmul_column_steps; the multiplier, matmul_multiplier); or symmetric int4 weights per output channel (W4A16:
+    the multiplier from the largest scale, matmul_channel_shares).
+    a, w, out: (scale, zero point), w's scale per tensor or per column [N]; bias: None, or (int32 codes [N], scale)
+    of a Gemm's bias (above).
     -> int64 [..., N]."""
     (sa, za), (sw, zw), (_, zo) = a, w, out
     b = MATMUL_DROPPED_BITS

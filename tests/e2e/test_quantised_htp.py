@@ -861,3 +861,33 @@ def test_htp_quantised_matmul_of_signed_int8_weights_is_the_same_arithmetic():
         cpu, dev = both(m.SerializeToString(), {"a": on_grid(qa, sa, za)})
         assert Q.codes_agreement(htp_quantised.matmul(qa, (sa, za), qw, (sw, 0), (so, zo)), dev) == (1.0, 0), k
         assert Q.codes_agreement(cpu, dev)[0] < 0.95, k
+
+
+@pytest.mark.device_matrix   # two one-op graphs of 65536 x 128 codes (~6-15 s on the shared machine): make test-devices
+def test_htp_quantised_matmul_of_int4_weights_per_channel_takes_the_largest_scale_and_each_columns_share():
+    """W4A16's symmetric int4 weights per output channel (QNN QDQ config): the HTP's MatMul is htp_quantised.matmul
+    with each column's multiplier from the tensor's largest scale and the column's float32 share of it
+    (matmul_channel_shares), every code of K = 1 sweeps over every activation code at 128 random scales and two
+    encodings held out of those it was found on; each column's own scale in the per-tensor ratio misses 1,126 and
+    356 codes there (one each, 13 columns), the CPU EP's exact QuantizeLinear more."""
+    import onnx
+
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(28)
+    qa = np.arange(65536).reshape(-1, 1)
+    for (sa, za), (so, zo), lo, hi in (((7 / 65535, 37449), (3.5 / 65535, 31000), 0.01, 0.06),
+                                       ((1e-4, 20000), (2.2e-4, 40000), 0.002, 0.03)):
+        sa, so = np.float32(sa), np.float32(so)
+        sw = rng.uniform(lo, hi, 128).astype(np.float32)
+        k = rng.choice([-8, -7, -5, 3, 6, 7], (1, 128))
+        m = onnx.load_from_string(qdq_op("MatMul", [("a", sa, za, [65536, 1])], (so, zo)))
+        m.graph.initializer.extend([helper.make_tensor("w", TensorProto.INT4, [1, 128], k.ravel().tolist()),
+                                    nh.from_array(sw, "w_s"), helper.make_tensor("w_z", TensorProto.INT4, [128],
+                                                                                 [0] * 128)])
+        m.graph.node.insert(0, helper.make_node("DequantizeLinear", ["w", "w_s", "w_z"], ["w_d"], axis=1))
+        next(n for n in m.graph.node if n.op_type == "MatMul").input.append("w_d")
+        cpu, dev = both(m.SerializeToString(), {"a": on_grid(qa, sa, za)})
+        assert Q.codes_agreement(htp_quantised.matmul(qa, (sa, za), k, (sw, 0), (so, zo)), dev) == (1.0, 0), lo
+        own = np.concatenate([htp_quantised.matmul(qa, (sa, za), k[:, j:j + 1], (sw[j], 0), (so, zo))
+                              for j in range(128)], axis=1)
+        assert 0 < (own != dev).sum() < 2000 and Q.codes_agreement(cpu, dev)[0] < 0.99, lo

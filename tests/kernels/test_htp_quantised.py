@@ -276,6 +276,27 @@ def test_matmul_multiplier_is_a_22_bit_mantissa_of_the_float32_ratio_rounded_hal
         == [[7, 7]]
 
 
+def test_matmul_per_channel_weights_take_the_largest_scale_and_each_columns_float32_share():
+    """W4A16's int4 weights per output channel: anchored codes of the HTP simulator (QNN 2.51 HTP v75 through
+    onnxruntime-qnn 2.7; one-op QDQ MatMuls of K = 1 over every activation code, steps 7, at the encodings of the
+    dense W4A16 case's layer 0 v_proj: its input (s_a, 33155), output (s_o, 29232), four of its 64 column scales).
+    Columns 33, 50 and 60 beside the tensor's largest scale (column 58) gave 22579, 21602, 20275; the same three
+    beside column 0's scale as the largest (a 6-column graph) 22579, 21603, 20276: each column's multiplier is
+    2^8 float32(float32(s_a max s_w / s_o) float32(s_w,j / max s_w)), not its own scale's ratio (22578, 21603,
+    20276 in both graphs)."""
+    sa, so = float.fromhex("0x1.c42fe6p-14"), float.fromhex("0x1.d034e6p-14")
+    s33, s50, s60, s58, s0 = (float.fromhex(h) for h in ("0x1.5ed64ap-5", "0x1.167b56p-5", "0x1.561fa8p-5",
+                                                          "0x1.0ad95cp-4", "0x1.aa7f9cp-5"))
+    qa = np.array([[10387], [256], [1719]])                         # the first codes the own-scale ratio misses
+    for scales, want in (([s33, s50, s60, s58], [22579, 21602, 20275]), ([s33, s50, s60, s0], [22579, 21603, 20276])):
+        y = H.matmul(qa, (sa, 33155), np.full((1, 4), 7), (np.array(scales, np.float32), 0), (so, 29232))
+        assert np.diagonal(y).tolist() == want, (scales, y)
+        own = [H.matmul(qa[i:i + 1], (sa, 33155), [[7]], (scales[i], 0), (so, 29232))[0, 0] for i in range(3)]
+        assert own == [22578, 21603, 20276]                          # each column's own ratio: not the device's
+    top, share = H.matmul_channel_shares(np.array([s33, s58], np.float32))
+    assert top == np.float32(s58) and share.dtype == np.float32 and share[1] == 1
+
+
 def test_matmul16_requantises_its_second_operand_to_uint8_as_measured():
     # steps measured on the simulator (one-op MatMuls of K = 1, every code of the second operand): where they
     # differ from n 255 / 65535 rounded, and the zero point's extremes
