@@ -512,14 +512,21 @@ def rescale_in_eighths(qx, x: tuple, out: tuple, m: int, negate: bool = False, q
 #     T   = float32(2 z_a' z_b' + z_a' + z_b')                   the zero points' term in float32 (24 bits)
 #     c   = (T m mod 2^31) wrapped into [-2^30, 2^30)
 #     q_o = clip(floor(((q_a - z_a)(q_b - z_b) m - c + 2^33 + 2^30) / 2^34) + z_o, 0, 2^16 - 1)   a sixteenth more
+#
+# where the sigmoid's encoding (s_b, z_b) is (2^-16, 0) whatever the graph's says: the device's Sigmoid codes mean
+# sigmoid(x) 2^16 (Sigmoid, below), and the fused product reads them so (measured on the dense aimet-onnx W8A16 model,
+# whose Sigmoids carry calibrated encodings, s_b 1.47e-5 to 1.51e-5: its 4 SiLU products on the HTP's own inputs every
+# code; with the graph's s_b 0.07-0.7 % of codes, up to 2,041 off). ONNX Runtime's QNN config gives (2^-16, 0) anyway.
 
 SILU_EXTRA_BITS = 30              # the fused product's extra rounding: 2^30 at Q34, a sixteenth of a code
+SILU_SIGMOID = (2.0 ** -16, 0)    # the sigmoid's codes as the fused product reads them: sigmoid(x) 2^16
 
 
 def silu_product(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's fused x * sigmoid(x): qa the codes of x, qb those of its sigmoid (the Sigmoid's own quantiser);
-    a, b, out: (scale, zero point), per tensor.  -> int64 codes, broadcast shape."""
-    (sa, za), (sb, zb), (so, zo) = a, b, out
+    a, out: (scale, zero point), per tensor; b: the sigmoid's, not read (the device's codes mean sigmoid(x) 2^16:
+    SILU_SIGMOID).  -> int64 codes, broadcast shape."""
+    (sa, za), (sb, zb), (so, zo) = a, SILU_SIGMOID, out
     r = np.float32(np.float32(sa) * np.float32(sb)) / np.float32(so)               # M = s_a s_b / s_o (float32)
     m = int(np.floor(np.float64(r) * 2.0 ** MUL_MULTIPLIER_BITS + 0.5))            # m = round(M 2^34), ties up
     zap, zbp = int(za) - 2 ** 15, int(zb) - 2 ** 15                                 # z' = z - 2^15 (int16)
@@ -630,6 +637,7 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
 # encodings the multiplier is one unit under the model (131k codes of random sweeps every one with M - 1): no float32
 # chain tried (3480 orders of s_a, s_b, s_o, 65535, 255, 257) gives both it and the other 57.
 MATMUL16_ZERO_DROPPED_BITS = 9     # the requantiser's zero point term 255 z_b: its low 9 bits dropped (ceil)
+MATMUL16_SYMMETRIC_ZERO = 1 << 15  # a second operand of this zero point (symmetric): its steps saturate at int8's 127
 
 
 def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
@@ -642,7 +650,8 @@ def matmul16_operand(qb, b: tuple) -> tuple[np.ndarray, tuple]:
     d = MATMUL16_ZERO_DROPPED_BITS
     zt = -((-255 * zb) >> d) << d                                                 # 2^9 Z = 2^9 ceil(255 z_b / 2^9)
     t = 255 * (n + zb) - zt + (1 << 15) + (1 << d) - 1                              # 255 q_b - 2^9 Z + 2^15 + 2^9 - 1
-    k8 = np.clip(t >> 16, -z8, 255 - z8)                                           # k_8, on the uint8 grid
+    top = min(255 - z8, 127) if zb == MATMUL16_SYMMETRIC_ZERO else 255 - z8         # z_b = 2^15: int8's top
+    k8 = np.clip(t >> 16, -z8, top)                                                # k_8, on the uint8 grid
     s8 = np.float32(np.float32(np.float32(sb) * np.float32(65535)) / np.float32(255))   # s_b 65535 / 255, float32
     return k8 + z8, (float(s8), z8)                                                # q_8, (s_8, z_8)
 
