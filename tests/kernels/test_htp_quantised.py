@@ -149,12 +149,13 @@ def test_silu_product_is_the_mul_with_a_sixteenth_more_and_the_device_fuses_x_ti
     from refimpl.models.config import config_from_dict
     from refimpl.models.model import graph
     from refimpl.presets import PRESETS
-    # zero points 2^15 (the int16 zero: T = 0, c = 0), M = 2^-10: products 448 and 320 are exactly 7/16 and 5/16 of
-    # a code; the Mul rounds 7/16 down (+ 1/2), the fused product up (+ 1/2 + 1/16); 5/16 both down
-    a, b, out = (2.0 ** -10, 2 ** 15), (1.0, 2 ** 15), (1.0, 2 ** 15)
+    # the sigmoid's code 1 at (2^-16, 0) (as the fused product reads it, whatever its encoding), x's zero point 2^15
+    # (T = -2^15: T m = -2^39, c = 0), M = 2^6 2^-16 = 2^-10: products 448 and 320 are exactly 7/16 and 5/16 of a
+    # code; the Mul rounds 7/16 down (+ 1/2), the fused product up (+ 1/2 + 1/16); 5/16 both down
+    a, b, out = (2.0 ** 6, 2 ** 15), (2.0 ** -16, 0), (1.0, 2 ** 15)
     q = np.array([2 ** 15 + 448, 2 ** 15 + 320])
-    assert H.mul(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15, 2 ** 15]
-    assert H.silu_product(q, a, [2 ** 15 + 1] * 2, b, out).tolist() == [2 ** 15 + 1, 2 ** 15]
+    assert H.mul(q, a, [1, 1], b, out).tolist() == [2 ** 15, 2 ** 15]
+    assert H.silu_product(q, a, [1, 1], b, out).tolist() == [2 ** 15 + 1, 2 ** 15]
     # the zero points' term in float32: T = 2^25 + 1 is rounded to 2^25 (24 bits), so c = 2^25 m mod 2^31
     assert int(np.float32(2 ** 25 + 1)) == 2 ** 25
     ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3"])), "htp")
@@ -243,6 +244,22 @@ def test_sigmoid_table_is_monotone_symmetric_and_within_two_steps_of_the_sigmoid
     assert H.sigmoid([2 ** 15 + 4], (0.01, 2 ** 15)).tolist() == [2 * t[int(4 * 0.01 * 6144)]]
 
 
+def test_mean_multiplier_is_the_ratio_1e_5_short_rounded_half_up():
+    """ReduceMean's int16 multiplier as read off the HTP simulator (QNN 2.51 HTP v75 through onnxruntime-qnn 2.7;
+    one-op ReduceMeans of 1024-4096 rows of random codes, zero points 0): at the dense aimet-onnx models' layer 0
+    post-attention means (W4A16: s_x, s_o, N = 64, r 2^17 = 17622.68; W8A16: N = 32, 32275.81) the device's m is
+    17623 and 32275 (floor(r 2^k + 1/4): 17622, 32276); and the ratios at which m steps up, bisected to one float32
+    step of s_x (s_o fixed, N = 32): 28004 below, 28005 above; 21576 / 21577."""
+    for sx, so, n, m in (("0x1.34eef2p-13", "0x1.1f38p-16", 64, 17623),
+                         ("0x1.8f2ff8p-13", "0x1.95465ap-16", 32, 32275)):
+        assert H.mean_multiplier(float.fromhex(sx) / (n * float.fromhex(so))) == (m, 17)
+    for so, lo, hi, m in (("0x1.a6baaep-15", "0x1.6947ccp-12", "0x1.6947cep-12", 28004),
+                          ("0x1.0d979cp-15", "0x1.63094ap-13", "0x1.63094cp-13", 21576)):
+        assert H.mean_multiplier(float.fromhex(lo) / (32 * float.fromhex(so)))[0] == m
+        assert H.mean_multiplier(float.fromhex(hi) / (32 * float.fromhex(so)))[0] == m + 1
+    assert H.mean_multiplier(0.25) == (16384, 16)     # r 2^17 (1 - 1e-5) = 32767.67 rounds to 2^15: one shift less
+
+
 def test_matmul_rescales_only_the_columns_whose_weight_steps_leave_int8():
     k = np.array([[-160, 5, 155, 0], [95, -128, 0, 0], [3, 127, 0, -7]])        # steps [K = 3, N = 4]
     kp, r = H.matmul_column_steps(k)
@@ -314,6 +331,31 @@ def test_matmul16_requantises_its_second_operand_to_uint8_as_measured():
     y = H.matmul16(qa, (1e-4, 32768), qb, (1e-4, 32768), (1e-3, 0))
     assert y.shape == (2, 3, 5) and (y == y[0, 0, 0]).all()
     assert abs(y[0, 0, 0] - 4 * 7232 * 17232 * 1e-5) <= 0.02 * y[0, 0, 0]
+
+
+def test_matmul16_second_operand_at_zero_point_2_15_saturates_its_uint8_steps_at_127():
+    """aimet-onnx's symmetric uint16 encodings (zero point 2^15): the HTP simulator's codes (QNN 2.51 HTP v75 through
+    onnxruntime-qnn 2.7, one-op MatMuls of K = 1; s_a 1.5e-5, z_a 0, s_b 1.2e-4, s_o 1e-3, z_o 0): the second
+    operand's top code 65535, step 128 on the uint8 grid, gives 3850, 2350, 1175 at z_b = 32768 (the step
+    saturated to 127: the dense aimet W8A16 model's probs @ v, 16 codes up to 253 off when rescaled) and 3880, 2368,
+    1184 at z_b = 32767 (the column rescaled, as modelled)."""
+    qa, args = np.array([65535, 40000, 20000]).reshape(1, 1, 3, 1), (np.float32(1.5e-5), 0)
+    for zb, want in ((32768, [3850, 2350, 1175]), (32767, [3880, 2368, 1184])):
+        y = H.matmul16(qa, args, np.full((1, 1, 1, 1), 65535), (np.float32(1.2e-4), zb), (np.float32(1e-3), 0))
+        assert y[0, 0, :, 0].tolist() == want, zb
+    q8, (_, z8) = H.matmul16_operand(np.array([0, 65535]), (1e-4, 32768))
+    assert (q8 - z8).tolist() == [-127, 127]
+
+
+def test_silu_product_reads_the_sigmoids_codes_as_sigmoid_times_2_16_whatever_its_encoding():
+    """The dense aimet-onnx W8A16 model's first SiLU product on the HTP simulator (its honest run's dump: codes of x,
+    of its Sigmoid (aimet's calibrated encoding, s 1.50e-5, not 2^-16) and of the product): the fused product reads
+    the sigmoid's codes as sigmoid(x) 2^16 (every code of its 512; with the graph's encoding 0.4 %, up to 993 off)."""
+    x, sig = np.array([29999, 25740, 59942, 8172]), np.array([27478, 19882, 63040, 3362])
+    a, b = (float.fromhex("0x1.f1ece8p-14"), 32743), (float.fromhex("0x1.f5c732p-17"), 0)
+    out = (float.fromhex("0x1.05fdc4p-14"), 4458)
+    assert H.silu_product(x, a, sig, b, out).tolist() == [2272, 420, 54182, 2063]
+    assert (H.silu_product(x, a, sig, b, out) == H.silu_product(x, a, sig, (2.0 ** -16, 0), out)).all()
 
 
 def test_attention_operands_are_the_device_graphs_per_head_products():
