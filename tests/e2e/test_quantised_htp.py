@@ -12,8 +12,9 @@ the planted faults the first excess at their taps.
 Cost: one dense export (~25 s on the shared machine), two quantisations, a handful of HTP compiles (~1 s each);
 the isolated-op tests ~1 s each; refimpl's diff: its goldens and dumps ~6 s, the honest runs ~8 s, the offset fault
 ~2.4 s; under device_matrix the other two faults ~14 s, the replay ~2.3 s (a load of ~8 on 2 cores) and the three
-faults on the HTP with its arithmetic ~6 s. MoE and Qwen3.5 are measured by `python tests/e2e/quantised.py [diff]`
-(their exports take 1-2 min each), not here."""
+faults on the HTP with its arithmetic ~6 s, the honest W4A16 run with it ~1.3 s, the per-channel int4 MatMul's
+sweeps 6-15 s. MoE and Qwen3.5 are measured by `python tests/e2e/quantised.py [diff]` (their exports take 1-2 min
+each), not here."""
 
 import numpy as np
 import pytest
@@ -438,6 +439,21 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_hone
     d = Q.diff(f, q, path, dumps["htp"], root / "htp-arithmetic.json")
     assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) > 80, (d.first, d.excess)
     assert sum(c == 1.0 for c in d.codes.values()) >= 75, d.codes
+
+
+@pytest.mark.device_matrix   # one more HTP run of the dense model (W4A16) and its diff: ~5-10 s
+def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_honest_w4a16_run(diffed, dense_w4,
+                                                                                             htp_goldens):
+    """The honest dense W4A16 run on the HTP (int4 weights per output channel) against the golden with the HTP's
+    arithmetic: every tensor explained, every tap's codes the HTP's (measured on this session's export of the case:
+    91 of 91, 82 of 82; with each column's own scale in the MatMul's ratio, before the largest scale's share: 86 of
+    91, 33 of 82, the first excess layer 2's attn_probs at 0.016)."""
+    case, _, _, f, _, _, root = diffed
+    q, path = htp_goldens["w4"]
+    dump = Q.device_dumps(case, dense_w4, root / "honest-w4", devices=("htp",))["htp"]
+    d = Q.diff(f, q, path, dump, root / "htp-arithmetic-w4.json")
+    assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) > 80, (d.first, d.excess)
+    assert sum(c == 1.0 for c in d.codes.values()) >= 80, d.codes
 
 
 @pytest.mark.device_matrix
