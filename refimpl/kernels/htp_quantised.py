@@ -51,10 +51,9 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
     origin not found: not a float32 chain of s_x, s_o, N and 0.99999, not 16-24-bit mantissas of the scales): it
     replaces floor(r 2^k + 1/4) (an average of the shortfall over m in [2^14, 2^15)), which missed layer 0's
     post-attention mean of the dense aimet W4A16 model (r 2^k = 17622.68: device 17623, 48 % of codes) and of W8A16
-    (32275.81: 32275, 6 %). With it,
-    every ReduceMean and ReduceSum of the 11 honest HTP dumps (dense, MoE, Qwen3.5; QNN and aimet-onnx; W8A16 and
-    W4A16: 178 ReduceMeans, 197 ReduceSums) is the HTP's, every code, on its own inputs (6 ReduceMeans and 6 of
-    Qwen3.5's ReduceSums were not).
+    (32275.81: 32275, 6 %). With it, every ReduceMean and ReduceSum of the 11 honest HTP dumps (dense, MoE, Qwen3.5;
+    QNN and aimet-onnx; W8A16 and W4A16: 178 ReduceMeans, 197 ReduceSums) is the HTP's, every code, on its own
+    inputs (6 ReduceMeans and 6 of Qwen3.5's ReduceSums were not).
 
 MatMul, uint16 activations x uint8 weights per tensor (measured: every code of the dense W8A16 model's 28
 projections on their own inputs (were 12 of 28 whole with an exact multiplier and a 0.0025-code bias, median 99.9 %),
@@ -631,7 +630,12 @@ def sigmoid(qx, x: tuple, out: tuple | None = None, qrange: tuple = UINT16) -> n
 #     k_8 = clip(floor((255 q_b - 2^9 Z + 2^15 + 2^9 - 1) / 2^16), -z_8, 255 - z_8)    the steps: 255 n_b / 2^16
 #                                                       rounded, off by up to 2^-7 of a step (exact over all 65536
 #                                                       codes at each of 8 zero points; 6 held out, 99.9-100 %
-#                                                       with the previous multiplier)
+#                                                       with the previous multiplier);
+#                                                       at z_b = 2^15 (aimet-onnx's symmetric activations) the
+#                                                       top is 127, not 255 - z_8 = 128: that step saturates, its
+#                                                       column not rescaled (K = 1 sweeps at z_b 32767 / 32768 /
+#                                                       32769; the dense aimet W8A16 model's probs @ v, 16 codes
+#                                                       up to 253 off with the rescale, every code so)
 #     s_8 = float32(float32(s_b 65535) / 255)           its scale, the range kept, in float32 (matmul's multiplier
 #                                                       float32(float32(s_a s_8) / s_o): 57 of 58 sweeps and models'
 #                                                       products; float32(257 s_b) or the float64 ratio: 53-55)
