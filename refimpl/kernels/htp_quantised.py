@@ -945,3 +945,31 @@ def exp(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     v = (e * np.int64(mq)) >> (EXP_RESCALE_BITS + 1)                               # floor(X m_q / 2^15)
     v = v << s if s >= 0 else v >> -s                                               # 2^s
     return np.clip((v >> np.minimum(i, 62)) + np.int64(zo), *qrange)               # >> i, + z_o, saturated
+
+
+# Depthwise Conv (Qwen3.5's causal conv1d, Conv(group = C) of uint16 activations [B, C, L] and 8-bit or int4 per-tensor
+# weights [C, 1, K]; measured: every code of the 9 convs of the Qwen3.5 QNN W8A16 (uint8, z_w 113-134: 1-2 channels'
+# steps leave int8), QNN W4A16 (int4, z_w -1 and 0) and aimet-onnx W8A16 (int8 symmetric) HTP dumps on their own input
+# codes (the CPU EP's exact requantisation: 20-33 %, up to 92 codes)): each channel is the MatMul above, its K taps the
+# MatMul's K, the channel its column (so a channel whose steps leave int8 is rescaled and re-rounded by its own r):
+#
+#     y[b, c, t] = matmul(X[b, c, t : t + K], W[c, 0, :])      t = 0 .. L - K (the conv's valid outputs)
+#
+# The device graph pads the conv K - 1 zeros each side (nn.Conv1d(padding=K-1)): a padded column holds the input's zero
+# point (n = 0), so its outputs are the same arithmetic on fewer taps; the valid ones are those a causal conv keeps.
+CONV_CHANNEL_BLOCK = 64            # channels per MatMul call (its columns; the diagonal kept)
+
+
+def conv1d_depthwise(qx, x: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised depthwise Conv1d, valid outputs.  qx: codes [..., C, L]; qw: weight codes [K, C] (tap j of
+    channel c at [j, c]); x, w, out: (scale, zero point), per tensor.  -> int64 codes [..., C, L - K + 1]."""
+    qx, qw = np.asarray(qx, np.int64), np.asarray(qw, np.int64)
+    K, C = qw.shape
+    L = qx.shape[-1]
+    win = np.stack([qx[..., t:t + K] for t in range(L - K + 1)], axis=-2)           # [..., C, L - K + 1, K]
+    y = np.empty(win.shape[:-1], np.int64)                                          # [..., C, L - K + 1]
+    for c0 in range(0, C, CONV_CHANNEL_BLOCK):
+        c = slice(c0, min(c0 + CONV_CHANNEL_BLOCK, C))
+        p = matmul(win[..., c, :, :], x, qw[:, c], w, out, qrange)                  # [..., c, T', c]: every pair
+        y[..., c, :] = np.diagonal(p, axis1=-3, axis2=-1).swapaxes(-1, -2)          # channel c with its own column
+    return y

@@ -67,12 +67,14 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
-                      "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
+                      "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out),
+                      "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
 # per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
 # of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
 # them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True))}
+DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True)),
+                  "Conv": ((8, False), (8, True), (4, True))}   # the depthwise conv: its weight per tensor, int4 too
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
 DEVICE_BIASES = {"Gemm": ((32, True),)}
@@ -154,6 +156,21 @@ def attention_operands(codes: list, shape: tuple):
         pa = a.reshape(B, Hkv, Hq // Hkv, T, L)                                  # [B, Hkv, rep, T, L]
         return [pa, b[:, :, None]], lambda q: q.reshape(B, Hq, T, D).transpose(0, 2, 1, 3).reshape(shape)
     return None
+
+
+def conv_operands(codes: list, shape: tuple):
+    """The depthwise conv as the device graph's Conv reads it, from the codes refimpl's quantisers held: the conv's
+    input [state | x] [B, C, S + T] (kernels/conv.causal_conv1d's point "x") and the weight's codes as held ([in,
+    out] of the checkpoint's [C, 1, K]: [K, 1, C]); None for another layout.
+    -> ([the last K - 1 + T columns, the weight [K, C]], put: the conv's codes [B, C, T] -> the node's [B, T, C])."""
+    x, w = (np.asarray(c) for c in codes)
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1 or len(shape) != 3:
+        return None
+    B, T, C = shape
+    K = w.shape[0]
+    if x.shape[:2] != (B, C) or w.shape[2] != C or x.shape[2] < K - 1 + T:
+        return None
+    return [x[..., x.shape[2] - (K - 1 + T):], w[:, 0]], lambda q: q.transpose(0, 2, 1)
 
 
 def regrouped(a: tuple, b: tuple) -> bool:
@@ -256,6 +273,13 @@ class Quantisers:
                 return None
             codes, put = operands
             q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
+        if op == "Conv":                   # the depthwise conv over [state | x] ([B, C, S + T]) into [B, T, C]
+            operands = conv_operands(codes, np.shape(x))
+            if operands is None:
+                return None
+            codes, put = operands
+            q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
             return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
         if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
             codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
