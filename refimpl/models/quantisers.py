@@ -82,6 +82,11 @@ assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
 DEVICE_FUSES_SILU = ("htp",)
+# the device arithmetics that requantise a value a data movement op moves into another encoding (a chain's further
+# link: onnx_placement.Placement.moved_by) through float16: its value rounded to float16, then quantised (the HTP's
+# Expand: Qwen3.5's repeat of q / k to the value heads; measured: every code of the 12 Expands of the QNN W8A16 and
+# W4A16 HTP dumps on their own inputs, the exact requantisation 42-62 %, up to 20 codes)
+DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -216,7 +221,7 @@ class Quantisers:
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
                  taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None,
-                 arithmetic: str | None = None, ops: dict | None = None, weight=None):
+                 arithmetic: str | None = None, ops: dict | None = None, weight=None, moved_by: dict | None = None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -233,6 +238,7 @@ class Quantisers:
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
+        self.moved_by: dict = moved_by or {}     # where -> the op making each link of its chain (Placement.moved_by)
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -250,7 +256,10 @@ class Quantisers:
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
             x, chain = self._rnd(y), chain[1:]
-        for e in chain:
+        moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
+        for e, op in zip(chain, moves or (None,) * len(chain)):
+            if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
+                x = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)   # the device's float16 copy
             x = self._rnd(e.apply(x))
         if name in self._holds:
             self.held[name] = (x, _chain(enc)[-1])
