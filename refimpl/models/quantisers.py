@@ -123,6 +123,11 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                 declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
             constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
+            if pt.per_token:               # an unrolled loop's op: every token's instance "where@t" (its first's)
+                declared.append((f"{where}@t", pt.onnx[0], pt.inputs))
+                if pt.first:
+                    declared.append((f"{where}@0", pt.onnx[0], pt.first))
+                continue
             declared.append((where, "DivConstant" if constant else pt.onnx[0], pt.inputs))   # x / c: may fold
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
@@ -130,8 +135,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             weights = [i.startswith("weight:") for i in inputs]
             reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
                 op in DEVICE_BIASES and weights == [False, True, True])
-            if op in ops and "@" not in "".join(inputs) and reads:
-                out[where] = (op, held)
+            if op in ops and "@*" not in "".join(inputs) and reads:
+                out[where] = (op, held)     # a per-token op's inputs "x@t", "x@t-1": its instances' (Quantisers.op)
     return out
 
 
@@ -234,7 +239,8 @@ class Quantisers:
             raise InputError(f"device arithmetic {arithmetic!r} is not one of {', '.join(DEVICE_ARITHMETICS)}")
         self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
         self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
-        self._holds = {i for _, ins in self.ops.values() for i in ins}
+        self._holds = {i.partition("@")[0] for _, ins in self.ops.values() for i in ins}   # (a per-token input's base)
+        self._operands: dict = {}                # where -> the values its op reads, as the kernel gave them
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
@@ -247,11 +253,23 @@ class Quantisers:
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.points)
 
+    def op(self, name: str):
+        """(op, the names its inputs' quantisers hold) of the device op at `name`, or None: a per-token point's
+        instance "p@3" is its template's "p@t" with "x@t" read as x@3 and "x@t-1" as x@2 (token 0: its own entry)."""
+        if name in self.ops:
+            return self.ops[name]
+        base, _, t = name.rpartition("@")
+        got = self.ops.get(f"{base}@t") if base and t.isdigit() else None
+        if got is None:
+            return None
+        return got[0], tuple(i.replace("@t-1", f"@{int(t) - 1}").replace("@t", f"@{t}") for i in got[1])
+
     def quantise(self, name: str, enc, x):
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
-        y = self._device(name, chain[0], x) if name in self.ops else None
+        y = self._device(name, chain[0], x) if self.ops and self.op(name) else None
+        self._operands.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
@@ -261,16 +279,24 @@ class Quantisers:
             if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
                 x = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)   # the device's float16 copy
             x = self._rnd(e.apply(x))
-        if name in self._holds:
+        base, _, t = name.rpartition("@")
+        if name in self._holds or (t.isdigit() and base in self._holds):
             self.held[name] = (x, _chain(enc)[-1])
+            if t.isdigit():                # a per-token instance: the one two tokens back is read no more
+                self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
 
     def _device(self, name: str, enc: Encoding, x):
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
-        op, inputs = self.ops[name]
-        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op, bias=n == 2)
-                for n, i in enumerate(inputs)]                                          # x, W, b
+        op, inputs = self.op(name)
+        held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
+                else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
+        given = self._operands.get(name)   # the values a per-token op reads, as its kernel broadcasts them
+        if given is not None:
+            if len(given) != len(held) or any(h is None for h in held):
+                return None
+            held = [(v, h[1]) for v, h in zip(given, held)]
         if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
                                                                                          if h[0] is not None))):
             return None
@@ -302,6 +328,10 @@ class Quantisers:
             codes[0] = a.reshape(*a.shape[:-2], -1)
         if op == "Exp" and (np.asarray(codes[0], np.int64) > int(encs[0][1])).any():
             return None                    # x > 0: another path of the HTP's Exp, not modelled
+        axes = [a for a in range(np.ndim(codes[0])) if np.shape(codes[0])[:a] + np.shape(codes[0])[a + 1:] == np.shape(x)]
+        if op == "ReduceSum" and given is not None and axes:   # a per-token sum over its kernel's axis (S^T k: Dk)
+            q = htp_quantised.reduce_sum(codes[0], encs[0], (enc.scale, -np.asarray(enc.offset)), axes[0], False)
+            return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
@@ -405,6 +435,12 @@ class Hook:
             return value
         x = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else np.asarray(value, np.float32)
         return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
+
+    def operands(self, point: str, *values) -> None:
+        """The values the op at `point` reads (its kernel's operands, as it broadcasts them: a per-token op's token t
+        slices), each on its input's grid: the device arithmetic computes the op on their codes."""
+        if self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
+            self.quantisers._operands[f"{self.node}/{point}"] = values
 
     def operand(self, point: str, value) -> None:
         """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:
