@@ -256,12 +256,10 @@ class Quantisers:
     def op(self, name: str):
         """(op, the names its inputs' quantisers hold) of the device op at `name`, or None: a per-token point's
         instance "p@3" is its template's "p@t" with "x@t" read as x@3 and "x@t-1" as x@2 (token 0: its own entry)."""
-        if name in self.ops:
-            return self.ops[name]
         base, _, t = name.rpartition("@")
-        got = self.ops.get(f"{base}@t") if base and t.isdigit() else None
-        if got is None:
-            return None
+        got = self.ops.get(name) or (self.ops.get(f"{base}@t") if base and t.isdigit() else None)
+        if got is None or not t.isdigit():
+            return got
         return got[0], tuple(i.replace("@t-1", f"@{int(t) - 1}").replace("@t", f"@{t}") for i in got[1])
 
     def quantise(self, name: str, enc, x):

@@ -3,6 +3,8 @@ that computes a QDQ graph's ops with it (Policy.device_arithmetic, models/quanti
 the models here; their agreement with the HTP simulator is tests/e2e/test_quantised_htp.py's (one-op graphs, and
 the dense W8A16 model's Adds, Sqrts and ReduceMeans on the HTP's own inputs)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -333,3 +335,74 @@ def test_softmax_of_equal_maxima_is_the_htps():
     p = H.softmax(q, (16 / 65535, 32768), (1 / 65535, 0))
     assert (p[:, 0] == htp).all() and (p[q == 0] == 0).all()
     assert (p.T == H.softmax(q.T, (16 / 65535, 32768), (1 / 65535, 0), axis=0)).all()
+
+
+# --- Qwen3.5 on the HTP: codes the simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-w8a16-codes.npz:
+# the tiny Qwen3.5's QNN W8A16 QDQ model on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, its prompt call of
+# tests/e2e/quantised.py, layer 0; docs/htp.md §9)
+
+HTP_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-w8a16-codes.npz"
+
+
+def htp_codes():
+    with np.load(HTP_CODES) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_the_htps_depthwise_conv_is_its_matmul_per_channel_on_the_htps_codes():
+    """Layer 0's causal conv1d (Conv(group = 128) over [state | x], K - 1 zeros each side: the device graph's 15
+    columns) from the HTP's input codes: every code (uint8 weights at zero point 113, 2 channels' steps outside int8);
+    the exact requantisation (the CPU EP's arithmetic) is not."""
+    c = htp_codes()
+    zx, K = int(c["conv_x_enc"][1]), c["conv_w"].shape[-1]
+    x = np.pad(c["conv_x"].astype(np.int64), ((0, 0), (0, 0), (K - 1, K - 1)), constant_values=zx)   # [1, C, 18]
+    w = c["conv_w"][:, 0, :].T                                                                      # [K, C]
+    y = H.conv1d_depthwise(x, tuple(c["conv_x_enc"]), w, tuple(c["conv_w_enc"]), tuple(c["conv_y_enc"]))
+    assert np.array_equal(y, c["conv_y"])
+    (sx, _), (sw, zw), (so, zo) = c["conv_x_enc"], c["conv_w_enc"], c["conv_y_enc"]
+    win = np.stack([x[..., t:t + K] for t in range(y.shape[-1])], -2) - zx                      # [1, C, 15, K]
+    exact = np.rint((win * (w.T.astype(np.int64) - int(zw))[None, :, None, :]).sum(-1) * sx * sw / so) + zo
+    assert (exact == c["conv_y"]).mean() < 0.4
+
+
+def test_the_htp_requantises_an_expand_into_another_encoding_through_float16():
+    """The repeat of q to the value heads (an Expand whose output encoding is not its input's: a chain link,
+    Placement.moved_by): under the HTP's arithmetic each value is rounded to float16, then quantised: every code of
+    the HTP's; the exact requantisation (a plain chain) is not."""
+    c = htp_codes()
+    ea, eb = enc(*c["expand_x_enc"]), enc(*c["expand_y_enc"])
+    x = np.broadcast_to(ea.dequantize(c["expand_x"]), c["expand_y"].shape).astype(np.float32)
+    for moved_by, arithmetic in (({"n/p": (None, "Expand")}, "htp"), ({}, "htp"), ({"n/p": (None, "Expand")}, None)):
+        q = Quantisers(points={"n": {"p": (ea, eb)}}, arithmetic=arithmetic, moved_by=moved_by)
+        share = (eb.codes(q.quantise("n/p", (ea, eb), x)) == c["expand_y"]).mean()
+        assert (share == 1.0) == (arithmetic == "htp" and bool(moved_by)), (moved_by, arithmetic, share)
+
+
+def test_the_htps_k_delta_outer_product_is_the_elementwise_product_of_its_inputs():
+    """Layer 0's k_t delta_t^T (Mul of [1, 4, 16, 1] and [1, 4, 1, 16], token 0) on the HTP, its own input codes:
+    not the outer product (the HTP's Mul of it: 1 code in 1024) but the elementwise product k_t * delta_t, [4, 16],
+    every code, in the output's first 64 elements, the other 960 code 0: the device departs from its graph (the Mul's
+    broadcast), not from its arithmetic (tests/e2e/test_quantised_htp.py reproduces it on a five-node graph)."""
+    c = htp_codes()
+    k, ek, d, ed, eo = c["outer_k"], tuple(c["outer_k_enc"]), c["outer_d"], tuple(c["outer_d_enc"]), tuple(c["outer_y_enc"])
+    got = c["outer_y"].reshape(-1)
+    assert (H.mul(k, ek, d, ed, eo).reshape(-1) == got).mean() < 0.01
+    assert np.array_equal(got[:k.size], H.mul(k.reshape(-1), ek, d.reshape(-1), ed, eo))
+    assert not got[k.size:].any()
+
+
+def test_a_per_token_device_op_reads_its_instances_inputs():
+    """A per-token point's op (graph.Point "x@t", "x@t-1") is declared once (device_ops: "p@t", token 0's inputs
+    apart) and read per instance (Quantisers.op)."""
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")
+    core = "model.layers.0.linear_attn.core"
+    assert ops[f"{core}/decayed@t"] == ("Mul", (f"{core}/S@t-1", f"{core}/exp(g)@t"))
+    assert ops[f"{core}/decayed@0"] == ("Mul", (f"{core}/state", f"{core}/exp(g)@t"))
+    q = Quantisers(ops=ops, arithmetic="htp")
+    assert q.op(f"{core}/decayed@3") == ("Mul", (f"{core}/S@2", f"{core}/exp(g)@3"))
+    assert q.op(f"{core}/decayed@0") == ("Mul", (f"{core}/state", f"{core}/exp(g)@0"))
+    assert q.op(f"{core}/k delta^T@5") == ("Mul", ("model.layers.0.linear_attn.k@5", f"{core}/delta@5"))
+    assert q.op(f"{core}/S*q") is None and q.op(f"{core}/decayed@x") is None
