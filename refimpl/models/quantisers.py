@@ -326,7 +326,8 @@ class Quantisers:
             codes[0] = a.reshape(*a.shape[:-2], -1)
         if op == "Exp" and (np.asarray(codes[0], np.int64) > int(encs[0][1])).any():
             return None                    # x > 0: another path of the HTP's Exp, not modelled
-        axes = [a for a in range(np.ndim(codes[0])) if np.shape(codes[0])[:a] + np.shape(codes[0])[a + 1:] == np.shape(x)]
+        c0 = np.shape(codes[0])
+        axes = [a for a in range(len(c0)) if c0[:a] + c0[a + 1:] == np.shape(x)]     # the axis a sum removes
         if op == "ReduceSum" and given is not None and axes:   # a per-token sum over its kernel's axis (S^T k: Dk)
             q = htp_quantised.reduce_sum(codes[0], encs[0], (enc.scale, -np.asarray(enc.offset)), axes[0], False)
             return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)

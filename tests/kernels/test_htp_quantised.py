@@ -384,7 +384,7 @@ def test_the_htps_k_delta_outer_product_is_the_elementwise_product_of_its_inputs
     every code, in the output's first 64 elements, the other 960 code 0: the device departs from its graph (the Mul's
     broadcast), not from its arithmetic (tests/e2e/test_quantised_htp.py reproduces it on a five-node graph)."""
     c = htp_codes()
-    k, ek, d, ed, eo = c["outer_k"], tuple(c["outer_k_enc"]), c["outer_d"], tuple(c["outer_d_enc"]), tuple(c["outer_y_enc"])
+    k, d, (ek, ed, eo) = c["outer_k"], c["outer_d"], (tuple(c[f"outer_{n}_enc"]) for n in "kdy")
     got = c["outer_y"].reshape(-1)
     assert (H.mul(k, ek, d, ed, eo).reshape(-1) == got).mean() < 0.01
     assert np.array_equal(got[:k.size], H.mul(k.reshape(-1), ek, d.reshape(-1), ed, eo))
