@@ -158,7 +158,8 @@ def test_a_static_graphs_padded_conv_over_its_state_and_qk_repeated_to_the_value
     assert np.array_equal(got["hf-hooks:padded_conv"], a[..., K:K + T].swapaxes(1, 2))
     assert np.array_equal(got["hf-hooks:channels_first"], a[..., -T:].swapaxes(1, 2))     # state in front: next
     short = a[..., :T + K - 1]                                                             # no state: padded only
-    assert [r for r, _ in readings(short, "model.layers.0.linear_attn.conv1d", (B, T, C), K)] == ["hf-hooks:padded_conv"]
+    only = [r for r, _ in readings(short, "model.layers.0.linear_attn.conv1d", (B, T, C), K)]
+    assert only == ["hf-hooks:padded_conv"]
     k = np.random.default_rng(0).normal(size=(1, T, 2, 16)).astype(np.float32)
     rep = np.repeat(k, 2, axis=2)                                                          # [1, T, 4, 16]
     assert np.array_equal(dict(readings(rep, "model.layers.0.linear_attn.k", k.shape, K))["hf-hooks:repeated_heads"], k)
