@@ -240,7 +240,7 @@ class Quantisers:
         self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
         self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
         self._holds = {i.partition("@")[0] for _, ins in self.ops.values() for i in ins}   # (a per-token input's base)
-        self._operands: dict = {}                # where -> the values its op reads, as the kernel gave them
+        self.given: dict = {}                    # where -> the values its op reads, as its kernel gave them
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
@@ -267,7 +267,7 @@ class Quantisers:
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
         y = self._device(name, chain[0], x) if self.ops and self.op(name) else None
-        self._operands.pop(name, None)
+        self.given.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
@@ -290,7 +290,7 @@ class Quantisers:
         op, inputs = self.op(name)
         held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
                 else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
-        given = self._operands.get(name)   # the values a per-token op reads, as its kernel broadcasts them
+        given = self.given.get(name)   # the values a per-token op reads, as its kernel broadcasts them
         if given is not None:
             if len(given) != len(held) or any(h is None for h in held):
                 return None
@@ -439,7 +439,7 @@ class Hook:
         """The values the op at `point` reads (its kernel's operands, as it broadcasts them: a per-token op's token t
         slices), each on its input's grid: the device arithmetic computes the op on their codes."""
         if self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
-            self.quantisers._operands[f"{self.node}/{point}"] = values
+            self.quantisers.given[f"{self.node}/{point}"] = values
 
     def operand(self, point: str, value) -> None:
         """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:
