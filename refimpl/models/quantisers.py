@@ -438,7 +438,7 @@ class Hook:
     def operands(self, point: str, *values) -> None:
         """The values the op at `point` reads (its kernel's operands, as it broadcasts them: a per-token op's token t
         slices), each on its input's grid: the device arithmetic computes the op on their codes."""
-        if self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
+        if point in self.points and self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
             self.quantisers.given[f"{self.node}/{point}"] = values
 
     def operand(self, point: str, value) -> None:
