@@ -973,3 +973,45 @@ def conv1d_depthwise(qx, x: tuple, qw, w: tuple, out: tuple, qrange: tuple = UIN
         p = matmul(win[..., c, :, :], x, qw[:, c], w, out, qrange)                  # [..., c, T', c]: every pair
         y[..., c, :] = np.diagonal(p, axis1=-3, axis2=-1).swapaxes(-1, -2)          # channel c with its own column
     return y
+
+
+# ---------------------------------------------------------------------------------------------------------- Softplus
+# The HTP's quantised Softplus (Qwen3.5's decay gate g = -exp(A_log) softplus(a + dt_bias); measured on the simulator:
+# one-op QDQ Softplus graphs over every input code at 17 encodings, input ranges +-2.3 to +-40, docs/htp.md §9): a
+# function of the dequantised input x in three pieces, none of them the correctly rounded softplus:
+#
+#     x = (q_x - z_x) s_x
+#     y = 2^i p(f),  t = x log2(e), i = floor(t), f = t - i     x < -2: the exp of x (softplus's e^x tail), p a cubic
+#                                                               approximation of 2^f (within -7.5e-5..+8.0e-5 of it,
+#                                                               equioscillating: a minimax cubic)
+#     y = P(x)                                                  -2 <= x < 5: one quartic (within -0.0123..+0.0123 of
+#                                                               softplus: the "~1.5 %" near x = -1.3, 97 codes' jump
+#                                                               at x = -2 at s_o 4e-5)
+#     y = x                                                     x >= 5 (softplus(5) = 5.0067: 0.0067 low there)
+#     q_o = clip(round(y / s_o) + z_o, 0, 2^16 - 1)
+#
+# The coefficients are fitted (linear programming: the smallest max |codes - P(x) / s_o| over 4 sweeps' quartic codes,
+# 0.5065; the cubic's over 3 sweeps' codes below -2, x log2(e) in [-16, -7), 0.5043): the device's own arithmetic
+# rounds below them (its codes sit up to 0.0065 code (quartic) / 2^-18 relative (exp) beyond the nearest rounding
+# of any such polynomial; float32 Horner with the coefficients' float32 neighbours (+-64 ulps) and the output
+# divided or multiplied by 1 / s_o: 0.24-0.31 % of codes off, no better). So a code whose value sits that close to a
+# rounding point can come out one off: 99.59-99.73 % of codes identical at Qwen3.5's six Softplus encodings, 99.87-
+# 99.91 % at five random ones (s_x 1e-4 to 3e-4), max 1 (the CPU EP's exact softplus: 0.1 %, up to 348 codes).
+SOFTPLUS_EXP_BELOW = -2.0          # x < -2: the exp piece
+SOFTPLUS_LINEAR_FROM = 5.0         # x >= 5: y = x
+SOFTPLUS_EXP2 = (0.9999257512833629, 0.6957918940624883, 0.22618187937722123, 0.07795900200871866)  # p(f), f^0..f^3
+SOFTPLUS_QUARTIC = (0.7031086624142923, 0.51270432817994, 0.10882609298151458, -0.004610729376403278,
+                    -0.000666440120087329)                                                          # P(x), x^0..x^4
+
+
+def softplus(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Softplus.  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's
+    shape."""
+    (sx, zx), (so, zo) = x, out
+    v = (np.asarray(qx, np.int64) - np.int64(zx)) * np.float64(np.float32(sx))     # x = (q_x - z_x) s_x
+    t = v * np.log2(np.e)                                                           # t = x log2(e)
+    i = np.floor(t)
+    e = np.polynomial.polynomial.polyval(t - i, SOFTPLUS_EXP2) * np.exp2(i)         # 2^i p(f)
+    p = np.polynomial.polynomial.polyval(v, SOFTPLUS_QUARTIC)                       # P(x)
+    y = np.where(v < SOFTPLUS_EXP_BELOW, e, np.where(v < SOFTPLUS_LINEAR_FROM, p, v))
+    return np.clip(np.rint(y / np.float64(np.float32(so))) + np.int64(zo), *qrange).astype(np.int64)
