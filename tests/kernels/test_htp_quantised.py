@@ -406,3 +406,32 @@ def test_a_per_token_device_op_reads_its_instances_inputs():
     assert q.op(f"{core}/decayed@0") == ("Mul", (f"{core}/state", f"{core}/exp(g)@0"))
     assert q.op(f"{core}/k delta^T@5") == ("Mul", ("model.layers.0.linear_attn.k@5", f"{core}/delta@5"))
     assert q.op(f"{core}/S*q") is None and q.op(f"{core}/decayed@x") is None
+
+
+# --- the HTP's Softplus: codes the simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-softplus-codes.npz:
+# the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7: layers_*: the 3 Softpluses of the tiny Qwen3.5's QNN W8A16
+# prompt call, their input and output codes as dumped ([3, 1, 8, 4]; encodings (s_x, z_x, s_o, z_o) per layer);
+# sweep1 / sweep7: one-op QDQ Softplus graphs over every input code 0..65535 at two encodings not used to fit the
+# model (Qwen3.5's layer-2 encoding, and a random wide one), stored as the first code and the steps; docs/htp.md §9)
+
+HTP_SOFTPLUS = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-softplus-codes.npz"
+
+
+def test_the_htps_softplus_on_qwen35s_gates_and_on_held_out_sweeps():
+    """The model's three Softpluses on the HTP's own input codes: every code (the correctly rounded softplus: none,
+    up to 348 codes off). Over every input code at two held-out encodings: 99.59 % / 99.905 % identical as measured,
+    max 1 (the fitted coefficients: the device's rounding inside its polynomial is not modelled)."""
+    with np.load(HTP_SOFTPLUS) as f:
+        c = {k: f[k] for k in f.files}
+    for x, y, (sx, zx, so, zo) in zip(c["layers_x"], c["layers_y"], c["layers_enc"]):
+        q = H.softplus(x.astype(np.int64), (sx, int(zx)), (so, int(zo)))
+        assert np.array_equal(q, y)
+        exact = np.rint(np.logaddexp(0, (x.astype(np.int64) - zx) * np.float64(np.float32(sx))) / np.float32(so))
+        assert (exact == y).mean() < 0.1
+    codes = np.arange(65536)
+    for k, share in ((1, 0.99589), (7, 0.99904)):   # as measured
+        first, steps = c[f"sweep{k}_first"], c[f"sweep{k}_steps"]
+        y = np.concatenate([[first], first + np.cumsum(steps, dtype=np.int64)])
+        sx, zx, so, zo = c[f"sweep{k}_enc"]
+        q = H.softplus(codes, (sx, int(zx)), (so, int(zo)))
+        assert (q == y).mean() >= share and np.abs(q - y).max() == 1, k
