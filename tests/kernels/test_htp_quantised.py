@@ -435,3 +435,28 @@ def test_the_htps_softplus_on_qwen35s_gates_and_on_held_out_sweeps():
         sx, zx, so, zo = c[f"sweep{k}_enc"]
         q = H.softplus(codes, (sx, int(zx)), (so, int(zo)))
         assert (q == y).mean() >= share and np.abs(q - y).max() == 1, k
+
+
+# --- ReduceSum's multiplier (tests/fixtures/quantised/tiny-qwen3.5-htp-reducesum-codes.npz, the same simulator:
+# read_*: 60 one-op ReduceSum graphs at random float32 scales (r = s_x / s_o 0.5-2, zero points 0, rows of 2 codes
+# summing 0 to 2^17), each its multiplier m, the one integer whose floor((m S + 2^(k-1)) / 2^k) gives all 4096 of its
+# codes; l2norm_* / stk_*: two of the tiny Qwen3.5's QNN W8A16 ReduceSums on the HTP's own input codes (layer 0's
+# l2norm sum of k^2, [1, 8, 4, 16] over the last axis; S^T k over D_k, [1, 4, 16, 16] over axis -2); docs/htp.md §9)
+
+HTP_REDUCE_SUM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-reducesum-codes.npz"
+
+
+def test_the_htps_reduce_sum_multiplier_is_the_ratio_less_1e_5_rounded():
+    """Every one of the 60 multipliers read off the simulator is round(r (1 - 1e-5) 2^k) (floor(r 2^k + 1/4): 56,
+    round(r 2^k): 40), and the two Qwen3.5 ReduceSums whose codes that rule alone gives are every code (with
+    floor(r 2^k + 1/4): 62.5 % and 95.3 %)."""
+    with np.load(HTP_REDUCE_SUM) as f:
+        c = {k: f[k] for k in f.files}
+    r = c["read_sx"].astype(np.float64) / c["read_so"].astype(np.float64)
+    assert [H.mean_multiplier(v)[0] for v in r] == c["read_m"].tolist()
+    k = [H.mean_multiplier(v)[1] for v in r]
+    assert sum(int(np.floor(v * 2.0 ** s + 0.25)) != m for v, s, m in zip(r, k, c["read_m"])) == 4
+    for key, keep in (("l2norm", True), ("stk", False)):
+        sx, zx, so, zo = c[f"{key}_enc"]
+        y = H.reduce_sum(c[f"{key}_x"].astype(np.int64), (sx, int(zx)), (so, int(zo)), int(c[f"{key}_axis"]), keep)
+        assert np.array_equal(y, c[f"{key}_y"]), key
