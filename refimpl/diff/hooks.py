@@ -20,7 +20,12 @@ by shape:
     heads_first     [B, H, T, D] (q / k after RoPE, as attention consumes them) for [B, T, H, D]
     channels_first  [B, C, T] (the conv path) for [B, T, C]; the conv's input and output also with the state's
                     columns in front, [B, C, S + T] (a continued chunk: the conv runs over [state | x])
-    padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1] for the conv1d tap: its first T columns
+    repeated_heads  q / k of the delta rule repeated to the value heads, [B, T, Hv, Dk] for [B, T, Hk, Dk]
+                    (repeat_interleave: transformers' recurrent rule l2-normalises them there), read only where
+                    every repeat holds the same values (each key head once)
+    padded_conv     nn.Conv1d(padding=K-1)'s raw output [B, C, T + K - 1] for the conv1d tap: its first T columns;
+                    over [state | x] (a static graph's prompt call, S state columns in front), [B, C, S + T + K - 1]:
+                    the T columns before the last K - 1 (tried before the state-in-front reading's last T)
 
 Readings apply to taps only: a tap has no device contract, so reading it in its module's layout is not a mix-up.
 Graph inputs and outputs keep their contract, and the layout adapters of refimpl.diff.layouts flag mix-ups there.
@@ -107,11 +112,20 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
     if a.ndim == 4 and len(shape) == 3 and a.shape[0] == shape[0] and a.shape[2] == shape[1] \
             and a.shape[1] * a.shape[3] == shape[2] and (a.shape[1] != a.shape[2] or source == "heads_first"):
         out.append(("heads_first", a.swapaxes(1, 2).reshape(shape)))   # [B, H, T, D] for [B, T, H*D]
+    if a.ndim == 4 and len(shape) == 4 and name.endswith(("linear_attn.q", "linear_attn.k")) and a.shape[2] > shape[2] \
+            and a.shape[2] % shape[2] == 0 and (*a.shape[:2], a.shape[3]) == (*shape[:2], shape[3]):
+        r = a.shape[2] // shape[2]                                     # each key head repeated to r value heads
+        if all(np.array_equal(a[:, :, i::r], a[:, :, ::r]) for i in range(1, r)):
+            out.append(("repeated_heads", a[:, :, ::r]))
     if a.ndim == 3 and len(shape) == 3 and a.shape[:2] == (shape[0], shape[2]) and a.shape[2] >= shape[1]:
         T, columns = shape[1], a.shape[2]
-        if name.endswith("linear_attn.conv1d") and conv_kernel and columns == T + conv_kernel - 1 \
-                and source != "channels_first":
-            out.append(("padded_conv", a[..., :T].swapaxes(1, 2)))
+        padded = name.endswith("linear_attn.conv1d") and conv_kernel and columns >= T + conv_kernel - 1 \
+            and source != "channels_first"
+        if padded:   # over [state (S >= 0 columns) | x], K - 1 zeros each side: its T real outputs end K - 1 early
+            end = columns - (conv_kernel - 1)
+            out.append(("padded_conv", a[..., end - T:end].swapaxes(1, 2)))
+        if padded and columns == T + conv_kernel - 1:
+            pass                                                     # no state: the padded reading only
         elif name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")) or \
                 columns == T and (shape[1] != shape[2] or source == "channels_first"):   # [B, T, T]: as is
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))

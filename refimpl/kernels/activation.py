@@ -30,6 +30,10 @@ class Unhooked:
         """The value an op reads at `point` after data movement (a table duplicated and broadcast): a device's hook
         computes that op on it; nothing here."""
 
+    def operands(self, point: str, *values) -> None:
+        """The values the op at `point` reads, in its inputs' order and as it broadcasts them (a per-token op of an
+        unrolled loop: token t's slices): a device's hook computes that op on them; nothing here."""
+
 
 unhooked = Unhooked()
 

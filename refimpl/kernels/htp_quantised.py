@@ -39,8 +39,8 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
 [32, 16] and 5 one-op sweeps at r 0.5-1.3, every code): ReduceSum's arithmetic (further on) at r = s_x / (N s_o),
 
     r   = s_x / (N s_o)
-    k   = the largest k with floor(r (1 - 10^-5) 2^k + 1/2) <= 2^15 - 1
-    m   = floor(r (1 - 10^-5) 2^k + 1/2)                an int16 multiplier of the ratio 10^-5 short, rounded half up
+    k   = the largest k with round(r (1 - 10^-5) 2^k) <= 2^15 - 1
+    m   = round(r (1 - 10^-5) 2^k)                      an int16 multiplier of r less 1e-5 of it (rounded half up)
     q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      k > 15 (r < 1/2): a whole step added before
                                                                     the floor: the mean lands half a code above
                                                                     the rounded one (from r = 1/2: rounded half up)
@@ -249,17 +249,21 @@ def sqrt(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 
 
 MEAN_MULTIPLIER_BITS = 15         # ReduceMean's s_x / (N s_o): an int16 multiplier
-MEAN_RATIO_SHORTFALL = 1e-5       # ... of the ratio r (1 - 1e-5), rounded half up: measured, its origin not found
+# ... of the ratio less 1e-5 of it, rounded (measured: the multiplier read off 60 one-op ReduceSum sweeps at random
+# float32 scales, r 0.5-2, each fixes m: every one m = round(r 2^k (1 - d)) for one d in (9.61e-6, 1.0095e-5), none
+# with d = 0 at 20; on the models' dumps, every code of all 375 ReduceSums / ReduceMeans on their own inputs (dense,
+# MoE, Qwen3.5 x QNN / aimet-onnx W8A16 / W4A16; the earlier rule floor(r 2^k + 1/4), a fit of this one: 363))
+MEAN_MULTIPLIER_DEFICIT = 1e-5
 
 
 def mean_multiplier(r: float) -> tuple[int, int]:
     """ReduceMean's (and ReduceSum's) int16 multiplier of the ratio r: (m, k), k the largest shift with
-    m = floor(r (1 - 1e-5) 2^k + 1/2) <= 2^15 - 1 (module doc)."""
-    v = np.float64(r) * (1 - MEAN_RATIO_SHORTFALL)                                  # r (1 - 1e-5)
+    m = round(r (1 - 1e-5) 2^k) <= 2^15 - 1."""
+    v = r * (1 - MEAN_MULTIPLIER_DEFICIT)                                          # r less 1e-5 of it
     k = 62
     while np.floor(v * 2.0 ** k + 0.5) > 2 ** MEAN_MULTIPLIER_BITS - 1:            # the int16 multiplier's shift
         k -= 1
-    return int(np.floor(v * 2.0 ** k + 0.5)), k                                    # m = round(r (1 - 1e-5) 2^k)
+    return int(np.floor(v * 2.0 ** k + 0.5)), k                                    # m = round(v 2^k)
 
 
 def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
@@ -279,14 +283,14 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 # codes themselves summed and the zero points' term truncated apart (ReduceMean the same at r = s_x / (N s_o)):
 #
 #     r   = s_x / s_o
-#     m   = floor(r (1 - 10^-5) 2^k + 1/2), k the largest shift with m <= 2^15 - 1      (mean_multiplier)
+#     m   = round(r (1 - 10^-5) 2^k), k the largest shift with m <= 2^15 - 1      (mean_multiplier)
 #     k > 15:  q_o = clip(floor(m sum_i (q_i - z_x) / 2^k + 1) + z_o, 0, 2^16 - 1)     a whole step added
 #     k <= 15: q_o = clip(floor((m sum_i q_i + 2^(k-1)) / 2^k) - floor(m N z_x / 2^k) + z_o, 0, 2^16 - 1)
 #
 # so from r = 1/2 every code carries the zero point term's truncation (a constant 0-1 code, 1/2 + frac(m N z_x / 2^k)
-# over the sum's rounding, as measured on each sweep), below it a half code up. The multiplier was floor(r 2^k + 1/4)
-# before its 10^-5 shortfall was measured (module doc, ReduceMean): 4 of 80 sweeps and 3 of the replays' reductions
-# were one code off at ratios it rounded the other way (fractions 0.58-0.80); the sweeps were not re-run.
+# over the sum's rounding, as measured on each sweep), below it a half code up. The multiplier is r less 1e-5 of it,
+# rounded (mean_multiplier: the "floor(r 2^k + 1/4)" read before, which missed 4 of 80 sweeps and 12 of the models'
+# 375 reductions, was its average: r 2^k's fraction 0.58-0.79 rounded either way).
 REDUCE_SUM_SPLIT = 15             # the shift above which a reduction adds a whole step (r < 1/2), below it rounds
 
 
@@ -1003,3 +1007,73 @@ def exp(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     v = (e * np.int64(mq)) >> (EXP_RESCALE_BITS + 1)                               # floor(X m_q / 2^15)
     v = v << s if s >= 0 else v >> -s                                               # 2^s
     return np.clip((v >> np.minimum(i, 62)) + np.int64(zo), *qrange)               # >> i, + z_o, saturated
+
+
+# Depthwise Conv (Qwen3.5's causal conv1d, Conv(group = C) of uint16 activations [B, C, L] and 8-bit or int4 per-tensor
+# weights [C, 1, K]; measured: every code of the 9 convs of the Qwen3.5 QNN W8A16 (uint8, z_w 113-134: 1-2 channels'
+# steps leave int8), QNN W4A16 (int4, z_w -1 and 0) and aimet-onnx W8A16 (int8 symmetric) HTP dumps on their own input
+# codes (the CPU EP's exact requantisation: 20-33 %, up to 92 codes)): each channel is the MatMul above, its K taps the
+# MatMul's K, the channel its column (so a channel whose steps leave int8 is rescaled and re-rounded by its own r):
+#
+#     y[b, c, t] = matmul(X[b, c, t : t + K], W[c, 0, :])      t = 0 .. L - K (the conv's valid outputs)
+#
+# The device graph pads the conv K - 1 zeros each side (nn.Conv1d(padding=K-1)): a padded column holds the input's zero
+# point (n = 0), so its outputs are the same arithmetic on fewer taps; the valid ones are those a causal conv keeps.
+CONV_CHANNEL_BLOCK = 64            # channels per MatMul call (its columns; the diagonal kept)
+
+
+def conv1d_depthwise(qx, x: tuple, qw, w: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised depthwise Conv1d, valid outputs.  qx: codes [..., C, L]; qw: weight codes [K, C] (tap j of
+    channel c at [j, c]); x, w, out: (scale, zero point), per tensor.  -> int64 codes [..., C, L - K + 1]."""
+    qx, qw = np.asarray(qx, np.int64), np.asarray(qw, np.int64)
+    K, C = qw.shape
+    L = qx.shape[-1]
+    win = np.stack([qx[..., t:t + K] for t in range(L - K + 1)], axis=-2)           # [..., C, L - K + 1, K]
+    y = np.empty(win.shape[:-1], np.int64)                                          # [..., C, L - K + 1]
+    for c0 in range(0, C, CONV_CHANNEL_BLOCK):
+        c = slice(c0, min(c0 + CONV_CHANNEL_BLOCK, C))
+        p = matmul(win[..., c, :, :], x, qw[:, c], w, out, qrange)                  # [..., c, T', c]: every pair
+        y[..., c, :] = np.diagonal(p, axis1=-3, axis2=-1).swapaxes(-1, -2)          # channel c with its own column
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------- Softplus
+# The HTP's quantised Softplus (Qwen3.5's decay gate g = -exp(A_log) softplus(a + dt_bias); measured on the simulator:
+# one-op QDQ Softplus graphs over every input code at 17 encodings, input ranges +-2.3 to +-40, docs/htp.md §9): a
+# function of the dequantised input x in three pieces, none of them the correctly rounded softplus:
+#
+#     x = (q_x - z_x) s_x
+#     y = 2^i p(f),  t = x log2(e), i = floor(t), f = t - i     x < -2: the exp of x (softplus's e^x tail), p a cubic
+#                                                               approximation of 2^f (within -7.5e-5..+8.0e-5 of it,
+#                                                               equioscillating: a minimax cubic)
+#     y = P(x)                                                  -2 <= x < 5: one quartic (within -0.0123..+0.0123 of
+#                                                               softplus: the "~1.5 %" near x = -1.3, 97 codes' jump
+#                                                               at x = -2 at s_o 4e-5)
+#     y = x                                                     x >= 5 (softplus(5) = 5.0067: 0.0067 low there)
+#     q_o = clip(round(y / s_o) + z_o, 0, 2^16 - 1)
+#
+# The coefficients are fitted (linear programming: the smallest max |codes - P(x) / s_o| over 4 sweeps' quartic codes,
+# 0.5065; the cubic's over 3 sweeps' codes below -2, x log2(e) in [-16, -7), 0.5043): the device's own arithmetic
+# rounds below them (its codes sit up to 0.0065 code (quartic) / 2^-18 relative (exp) beyond the nearest rounding
+# of any such polynomial; float32 Horner with the coefficients' float32 neighbours (+-64 ulps) and the output
+# divided or multiplied by 1 / s_o: 0.24-0.31 % of codes off, no better). So a code whose value sits that close to a
+# rounding point can come out one off: 99.59-99.73 % of codes identical at Qwen3.5's six Softplus encodings, 99.87-
+# 99.91 % at five random ones (s_x 1e-4 to 3e-4), max 1 (the CPU EP's exact softplus: 0.1 %, up to 348 codes).
+SOFTPLUS_EXP_BELOW = -2.0          # x < -2: the exp piece
+SOFTPLUS_LINEAR_FROM = 5.0         # x >= 5: y = x
+SOFTPLUS_EXP2 = (0.9999257512833629, 0.6957918940624883, 0.22618187937722123, 0.07795900200871866)  # p(f), f^0..f^3
+SOFTPLUS_QUARTIC = (0.7031086624142923, 0.51270432817994, 0.10882609298151458, -0.004610729376403278,
+                    -0.000666440120087329)                                                          # P(x), x^0..x^4
+
+
+def softplus(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Softplus.  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's
+    shape."""
+    (sx, zx), (so, zo) = x, out
+    v = (np.asarray(qx, np.int64) - np.int64(zx)) * np.float64(np.float32(sx))     # x = (q_x - z_x) s_x
+    t = v * np.log2(np.e)                                                           # t = x log2(e)
+    i = np.floor(t)
+    e = np.polynomial.polynomial.polyval(t - i, SOFTPLUS_EXP2) * np.exp2(i)         # 2^i p(f)
+    p = np.polynomial.polynomial.polyval(v, SOFTPLUS_QUARTIC)                       # P(x)
+    y = np.where(v < SOFTPLUS_EXP_BELOW, e, np.where(v < SOFTPLUS_LINEAR_FROM, p, v))
+    return np.clip(np.rint(y / np.float64(np.float32(so))) + np.int64(zo), *qrange).astype(np.int64)

@@ -102,6 +102,7 @@ class Model:
                                          taps=taps, placement=placement, forms=placement.forms,
                                          arithmetic=arithmetic,
                                          ops=arithmetic and device_ops(nodes, arithmetic, placement.forms),
+                                         moved_by=placement.moved_by,
                                          weight=lambda n: (self.weights[n], (placement.weights.get(n) or (None,))[-1]))
         elif self.precision.device_graph:
             raise InputError(f"{self.precision.encodings}: a device graph's encodings are placed when the model is "

@@ -55,6 +55,8 @@ class Placement:
     unplaced: list
     source: str = "encodings"
     forms: dict = dataclasses.field(default_factory=dict)   # point -> the op of the other form it was found in
+    moved_by: dict = dataclasses.field(default_factory=dict)   # where -> the op making each link of its chain (the
+    #                                                            first None: the value's own; Expand, Concat, ...)
 
     @property
     def total(self) -> int:
@@ -456,7 +458,8 @@ def _stacked(kinds) -> list:
 
 def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, strict, source, derived,
             weight_names, instances=frozenset()) -> Placement:
-    activations, weights, tensors, shared, unplaced = {}, {}, {}, {}, []
+    activations, weights, tensors, shared, unplaced, moved_by = {}, {}, {}, {}, [], {}
+    made_by = {o: n.op_type for n in graph.nodes for o in n.outputs}
 
     def put(table, where, tensor, enc):
         chain = table.get(where, ())
@@ -465,6 +468,8 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
             return
         table[where] = chain + (enc,)
         tensors.setdefault(tensor, []).append(where)
+        if table is activations:   # a further link: requantised by the data movement that made the tensor
+            moved_by[where] = moved_by.get(where, ()) + ((made_by.get(tensor) if chain else None),)
 
     known = set(path)
     for tensor in _in_graph_order(graph, encodings):
@@ -489,7 +494,8 @@ def _assign(graph, encodings, value, const, ginput, path, uses, unmatched, stric
             unplaced.append((tensor, unmatched[tensor]))
         else:
             unplaced.append((tensor, "not a tensor of the graph" if tensor not in known else "not reached"))
-    p = Placement(activations, weights, tensors, shared, unplaced, source)
+    p = Placement(activations, weights, tensors, shared, unplaced, source,
+                  moved_by={w: ops for w, ops in moved_by.items() if len(ops) > 1})
     if unplaced and strict:
         raise InputError(f"{p.summary()} (--strict-encodings)")
     return p

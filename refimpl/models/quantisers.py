@@ -66,13 +66,16 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
+                      "Softplus": lambda q, e, out: htp_quantised.softplus(q[0], e[0], out),
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
-                      "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out)}}
+                      "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out),
+                      "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out)}}
 # inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
 # per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
 # of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
 # them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True))}
+DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True)),
+                  "Conv": ((8, False), (8, True), (4, True))}   # the depthwise conv: its weight per tensor, int4 too
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
 DEVICE_BIASES = {"Gemm": ((32, True),)}
@@ -80,6 +83,11 @@ assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
 DEVICE_FUSES_SILU = ("htp",)
+# the device arithmetics that requantise a value a data movement op moves into another encoding (a chain's further
+# link: onnx_placement.Placement.moved_by) through float16: its value rounded to float16, then quantised (the HTP's
+# Expand: Qwen3.5's repeat of q / k to the value heads; measured: every code of the 12 Expands of the QNN W8A16 and
+# W4A16 HTP dumps on their own inputs, the exact requantisation 42-62 %, up to 20 codes)
+DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -116,6 +124,11 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                 declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
             constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
+            if pt.per_token:               # an unrolled loop's op: every token's instance "where@t" (its first's)
+                declared.append((f"{where}@t", pt.onnx[0], pt.inputs))
+                if pt.first:
+                    declared.append((f"{where}@0", pt.onnx[0], pt.first))
+                continue
             declared.append((where, "DivConstant" if constant else pt.onnx[0], pt.inputs))   # x / c: may fold
         for where, op, inputs in declared:
             held = tuple(f"{name}/{i[1:]}" if i.startswith("/") else f"{name}/{i.partition(':')[2]}"
@@ -123,8 +136,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             weights = [i.startswith("weight:") for i in inputs]
             reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
                 op in DEVICE_BIASES and weights == [False, True, True])
-            if op in ops and "@" not in "".join(inputs) and reads:
-                out[where] = (op, held)
+            if op in ops and "@*" not in "".join(inputs) and reads:
+                out[where] = (op, held)     # a per-token op's inputs "x@t", "x@t-1": its instances' (Quantisers.op)
     return out
 
 
@@ -154,6 +167,21 @@ def attention_operands(codes: list, shape: tuple):
         pa = a.reshape(B, Hkv, Hq // Hkv, T, L)                                  # [B, Hkv, rep, T, L]
         return [pa, b[:, :, None]], lambda q: q.reshape(B, Hq, T, D).transpose(0, 2, 1, 3).reshape(shape)
     return None
+
+
+def conv_operands(codes: list, shape: tuple):
+    """The depthwise conv as the device graph's Conv reads it, from the codes refimpl's quantisers held: the conv's
+    input [state | x] [B, C, S + T] (kernels/conv.causal_conv1d's point "x") and the weight's codes as held ([in,
+    out] of the checkpoint's [C, 1, K]: [K, 1, C]); None for another layout.
+    -> ([the last K - 1 + T columns, the weight [K, C]], put: the conv's codes [B, C, T] -> the node's [B, T, C])."""
+    x, w = (np.asarray(c) for c in codes)
+    if x.ndim != 3 or w.ndim != 3 or w.shape[1] != 1 or len(shape) != 3:
+        return None
+    B, T, C = shape
+    K = w.shape[0]
+    if x.shape[:2] != (B, C) or w.shape[2] != C or x.shape[2] < K - 1 + T:
+        return None
+    return [x[..., x.shape[2] - (K - 1 + T):], w[:, 0]], lambda q: q.transpose(0, 2, 1)
 
 
 def regrouped(a: tuple, b: tuple) -> bool:
@@ -199,7 +227,7 @@ class Quantisers:
 
     def __init__(self, inputs: dict | None = None, outputs: dict | None = None, unplaced=(), rnd=identity,
                  taps: dict | None = None, points: dict | None = None, placement=None, forms: dict | None = None,
-                 arithmetic: str | None = None, ops: dict | None = None, weight=None):
+                 arithmetic: str | None = None, ops: dict | None = None, weight=None, moved_by: dict | None = None):
         self.inputs: dict[tuple[str, int], Encoding] = inputs or {}
         self.outputs: dict[str, Encoding | tuple] = outputs or {}
         self.points: dict[str, dict[str, Encoding | tuple]] = points or {}   # node -> {point: encoding(s)}
@@ -212,10 +240,12 @@ class Quantisers:
             raise InputError(f"device arithmetic {arithmetic!r} is not one of {', '.join(DEVICE_ARITHMETICS)}")
         self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
         self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
-        self._holds = {i for _, ins in self.ops.values() for i in ins}
+        self._holds = {i.partition("@")[0] for _, ins in self.ops.values() for i in ins}   # (a per-token input's base)
+        self.given: dict = {}                    # where -> the values its op reads, as its kernel gave them
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
+        self.moved_by: dict = moved_by or {}     # where -> the op making each link of its chain (Placement.moved_by)
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -224,27 +254,48 @@ class Quantisers:
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs or self.points)
 
+    def op(self, name: str):
+        """(op, the names its inputs' quantisers hold) of the device op at `name`, or None: a per-token point's
+        instance "p@3" is its template's "p@t" with "x@t" read as x@3 and "x@t-1" as x@2 (token 0: its own entry)."""
+        base, _, t = name.rpartition("@")
+        got = self.ops.get(name) or (self.ops.get(f"{base}@t") if base and t.isdigit() else None)
+        if got is None or not t.isdigit():
+            return got
+        return got[0], tuple(i.replace("@t-1", f"@{int(t) - 1}").replace("@t", f"@{t}") for i in got[1])
+
     def quantise(self, name: str, enc, x):
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
-        y = self._device(name, chain[0], x) if name in self.ops else None
+        y = self._device(name, chain[0], x) if self.ops and self.op(name) else None
+        self.given.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
             x, chain = self._rnd(y), chain[1:]
-        for e in chain:
+        moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
+        for e, op in zip(chain, moves or (None,) * len(chain)):
+            if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
+                x = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)   # the device's float16 copy
             x = self._rnd(e.apply(x))
-        if name in self._holds:
+        base, _, t = name.rpartition("@")
+        if name in self._holds or (t.isdigit() and base in self._holds):
             self.held[name] = (x, _chain(enc)[-1])
+            if t.isdigit():                # a per-token instance: the one two tokens back is read no more
+                self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
 
     def _device(self, name: str, enc: Encoding, x):
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
-        op, inputs = self.ops[name]
-        held = [self.held.get(i) if not i.startswith("weight:") else self._weight_held(i[7:], op, bias=n == 2)
-                for n, i in enumerate(inputs)]                                          # x, W, b
+        op, inputs = self.op(name)
+        held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
+                else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
+        given = self.given.get(name)   # the values a per-token op reads, as its kernel broadcasts them
+        if given is not None:
+            if len(given) != len(held) or any(h is None for h in held):
+                return None
+            held = [(v, h[1]) for v, h in zip(given, held)]
         if any(h is None for h in held) or not all(_per_tensor_integer(e) for e in (enc, *(h[1] for h in held
                                                                                          if h[0] is not None))):
             return None
@@ -256,6 +307,13 @@ class Quantisers:
                 return None
             codes, put = operands
             q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
+        if op == "Conv":                   # the depthwise conv over [state | x] ([B, C, S + T]) into [B, T, C]
+            operands = conv_operands(codes, np.shape(x))
+            if operands is None:
+                return None
+            codes, put = operands
+            q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
             return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
         if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
             codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
@@ -269,6 +327,11 @@ class Quantisers:
             codes[0] = a.reshape(*a.shape[:-2], -1)
         if op == "Exp" and (np.asarray(codes[0], np.int64) > int(encs[0][1])).any():
             return None                    # x > 0: another path of the HTP's Exp, not modelled
+        c0 = np.shape(codes[0])
+        axes = [a for a in range(len(c0)) if c0[:a] + c0[a + 1:] == np.shape(x)]     # the axis a sum removes
+        if op == "ReduceSum" and given is not None and axes:   # a per-token sum over its kernel's axis (S^T k: Dk)
+            q = htp_quantised.reduce_sum(codes[0], encs[0], (enc.scale, -np.asarray(enc.offset)), axes[0], False)
+            return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
@@ -372,6 +435,12 @@ class Hook:
             return value
         x = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else np.asarray(value, np.float32)
         return self.quantisers.quantise(f"{self.node}/{point}", enc, x)
+
+    def operands(self, point: str, *values) -> None:
+        """The values the op at `point` reads (its kernel's operands, as it broadcasts them: a per-token op's token t
+        slices), each on its input's grid: the device arithmetic computes the op on their codes."""
+        if point in self.points and self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
+            self.quantisers.given[f"{self.node}/{point}"] = values
 
     def operand(self, point: str, value) -> None:
         """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:

@@ -9,7 +9,7 @@ import pytest
 from refimpl.bundle import read_bundle
 from refimpl.diff.compare import compare
 from refimpl.diff.dump import read_dump
-from refimpl.diff.hooks import rename
+from refimpl.diff.hooks import readings, rename
 from refimpl.diff.policy import make_policy
 from refimpl.golden import write_golden
 
@@ -139,10 +139,29 @@ def test_heads_first_reads_a_flattened_tap_from_its_heads():
     """A tap [B, T, H*D] (attn_output) dumped as the attention's [B, H, T, D] (a device graph's tensor before its
     Transpose / Reshape) is read back in the tap's layout; with T == H the shape is ambiguous and only a hook
     name that says heads_first reads it so."""
-    from refimpl.diff.hooks import readings
     x = np.arange(2 * 5 * 4 * 3, dtype=np.float32).reshape(2, 5, 4, 3)          # [B, T, H, D]
     got = dict(readings(x.swapaxes(1, 2), "model.layers.0.self_attn.attn_output", (2, 5, 12), None))
     np.testing.assert_array_equal(got["hf-hooks:heads_first"], x.reshape(2, 5, 12))
     square = np.zeros((1, 4, 4, 3), np.float32)
     assert "hf-hooks:heads_first" not in dict(readings(square, "attn_output", (1, 4, 12), None))
     assert "hf-hooks:heads_first" in dict(readings(square, "attn_output", (1, 4, 12), None, "heads_first"))
+
+
+def test_a_static_graphs_padded_conv_over_its_state_and_qk_repeated_to_the_value_heads_are_read():
+    """A device graph's conv1d over [state (S = K columns) | x] with K - 1 zeros each side ([B, C, S + T + K - 1]:
+    the prompt call of a static Qwen3.5 graph) is read at its T real columns, the K - 1 before the last; the delta
+    rule's q / k repeated to the value heads ([B, T, Hv, Dk], repeat_interleave) as each key head once, only where
+    every repeat holds the same values."""
+    B, C, T, K = 1, 6, 5, 4
+    a = np.arange(B * C * (K + T + K - 1), dtype=np.float32).reshape(B, C, K + T + K - 1)
+    got = dict(readings(a, "model.layers.0.linear_attn.conv1d", (B, T, C), K))
+    assert np.array_equal(got["hf-hooks:padded_conv"], a[..., K:K + T].swapaxes(1, 2))
+    assert np.array_equal(got["hf-hooks:channels_first"], a[..., -T:].swapaxes(1, 2))     # state in front: next
+    short = a[..., :T + K - 1]                                                             # no state: padded only
+    only = [r for r, _ in readings(short, "model.layers.0.linear_attn.conv1d", (B, T, C), K)]
+    assert only == ["hf-hooks:padded_conv"]
+    k = np.random.default_rng(0).normal(size=(1, T, 2, 16)).astype(np.float32)
+    rep = np.repeat(k, 2, axis=2)                                                          # [1, T, 4, 16]
+    assert np.array_equal(dict(readings(rep, "model.layers.0.linear_attn.k", k.shape, K))["hf-hooks:repeated_heads"], k)
+    rep[0, 0, 1, 0] += 1                                                                   # one repeat differs
+    assert "hf-hooks:repeated_heads" not in dict(readings(rep, "model.layers.0.linear_attn.k", k.shape, K))

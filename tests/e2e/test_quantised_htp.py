@@ -933,3 +933,71 @@ def test_htp_quantised_matmul_of_int4_weights_per_channel_takes_the_largest_scal
         own = np.concatenate([htp_quantised.matmul(qa, (sa, za), k[:, j:j + 1], (sw[j], 0), (so, zo))
                               for j in range(128)], axis=1)
         assert 0 < (own != dev).sum() < 2000 and Q.codes_agreement(cpu, dev)[0] < 0.99, lo
+def outer_product_graph(gathered: bool, k: tuple, d: tuple, out: tuple, T: int = 8, H: int = 4, D: int = 16) -> bytes:
+    """Qwen3.5's k_t delta_t^T as the recurrent delta rule exports it: k_t = Gather(k, t) of the token axis (a
+    scalar index; gathered=False: k_t fed as it is), Unsqueeze(-1), times Unsqueeze(delta_t, -2), each tensor
+    Q -> DQ at its encoding (the Unsqueezes keep theirs), the product's codes "yq" [1, H, D, D]."""
+    inits, nodes = [], []
+
+    def qdq(name, e, src):
+        inits.extend([nh.from_array(np.array(e[0], np.float32), f"{name}_s"),
+                      nh.from_array(np.array(e[1], np.uint16), f"{name}_z")])
+        nodes.extend([helper.make_node("QuantizeLinear", [src, f"{name}_s", f"{name}_z"], [f"{name}_q"]),
+                      helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_d"])])
+        return f"{name}_d"
+    kt = qdq("k", k, "k")
+    inits += [nh.from_array(np.array(0, np.int64), "t0"), nh.from_array(np.array([-1], np.int64), "last"),
+              nh.from_array(np.array([-2], np.int64), "before"), nh.from_array(np.array(out[0], np.float32), "so"),
+              nh.from_array(np.array(out[1], np.uint16), "zo")]
+    if gathered:
+        nodes.append(helper.make_node("Gather", [kt, "t0"], ["kg"], axis=1))
+        kt = qdq("kg", k, "kg")
+    dt = qdq("d", d, "d")
+    nodes += [helper.make_node("Unsqueeze", [kt, "last"], ["ku"]),
+              helper.make_node("Unsqueeze", [dt, "before"], ["du"])]
+    nodes += [helper.make_node("Mul", [qdq("ku", k, "ku"), qdq("du", d, "du")], ["y"]),
+              helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
+    shape = [1, T, H, D] if gathered else [1, H, D]
+    graph = helper.make_graph(nodes, "outer", [helper.make_tensor_value_info("k", TensorProto.FLOAT, shape),
+                                               helper.make_tensor_value_info("d", TensorProto.FLOAT, [1, H, D])],
+                              [helper.make_tensor_value_info("yq", TensorProto.UINT16, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+@pytest.mark.device_matrix
+def test_the_htp_computes_a_gathered_tokens_outer_product_as_an_elementwise_product():
+    """The quantised Qwen3.5's collapse on the HTP, reduced to five nodes: k_t delta_t^T with k_t a Gather of one
+    token (the recurrent delta rule's unrolled step) comes out with the elementwise product k_t * delta_t ([H, D]:
+    the HTP's Mul, every code) in its first H D elements; the same Mul of k_t fed directly is the outer product, every
+    code (the HTP's Mul: htp_quantised.mul). The other elements are not asserted: the outer product's here (93.8 %
+    of all codes), leftovers in a graph without the Add after it, code 0 in the model's run (0.1 % of its codes)."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(0)
+    ek, ed, eo = (2.1e-5, 19659), (2.5e-5, 9014), (2.49e-5, 17859)     # layer 0's token 0 (the HTP dump's)
+    qk, qd = rng.integers(0, 65536, (1, 4, 16)), rng.integers(0, 65536, (1, 4, 16))
+    k, d = on_grid(qk, ek[0], ek[1]), on_grid(qd, ed[0], ed[1])
+    outer = htp_quantised.mul(qk[..., :, None], ek, qd[..., None, :], ed, eo)          # [1, 4, 16, 16]
+    plain = Q.run(Q.htp_session(outer_product_graph(False, ek, ed, eo), optimize=False), {"k": k, "d": d})["yq"]
+    assert Q.codes_agreement(outer, plain) == (1.0, 0)
+    gathered = Q.run(Q.htp_session(outer_product_graph(True, ek, ed, eo), optimize=False),
+                     {"k": np.repeat(k[:, None], 8, axis=1), "d": d})["yq"]
+    first = gathered.reshape(-1)[:qk.size]                                              # the first H D elements
+    assert np.array_equal(first, htp_quantised.mul(qk.ravel(), ek, qd.ravel(), ed, eo))
+    assert (first == outer.reshape(-1)[:qk.size]).mean() < 0.1                           # not the outer product
+
+
+@pytest.mark.device_matrix
+def test_htp_quantised_softplus_is_its_exp_quartic_and_identity_pieces():
+    """The HTP's uint16 Softplus (htp_quantised.softplus: exp below -2, one quartic to 5, x above, coefficients fitted
+    to other sweeps) over every input code at an encoding not used for the fit: 99.91 % of codes identical measured,
+    max 1 (the device's rounding inside its polynomial not modelled); the CPU EP's correctly rounded softplus 8.9 %,
+    up to 85 codes."""
+    from refimpl.kernels import htp_quantised
+    codes = np.arange(65536)
+    (sx, zx), (so, zo) = (np.float32(2.27e-4), 18987), (np.float32(1.45e-4), 45)   # x in [-4.3, 10.6]: all pieces
+    cpu, dev = both(qdq_op("Softplus", [("x", sx, zx, [65536])], (so, zo)), {"x": on_grid(codes, sx, zx)})
+    share, most = Q.codes_agreement(htp_quantised.softplus(codes, (sx, zx), (so, zo)), dev)
+    assert share >= 0.999 and most == 1, (share, most)
+    assert Q.codes_agreement(cpu, dev)[0] < 0.5

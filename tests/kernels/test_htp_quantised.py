@@ -3,6 +3,8 @@ that computes a QDQ graph's ops with it (Policy.device_arithmetic, models/quanti
 the models here; their agreement with the HTP simulator is tests/e2e/test_quantised_htp.py's (one-op graphs, and
 the dense W8A16 model's Adds, Sqrts and ReduceMeans on the HTP's own inputs)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -396,3 +398,128 @@ def test_softmax_of_equal_maxima_is_the_htps():
     p = H.softmax(q, (16 / 65535, 32768), (1 / 65535, 0))
     assert (p[:, 0] == htp).all() and (p[q == 0] == 0).all()
     assert (p.T == H.softmax(q.T, (16 / 65535, 32768), (1 / 65535, 0), axis=0)).all()
+
+
+# --- Qwen3.5 on the HTP: codes the simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-w8a16-codes.npz:
+# the tiny Qwen3.5's QNN W8A16 QDQ model on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, its prompt call of
+# tests/e2e/quantised.py, layer 0; docs/htp.md §9)
+
+HTP_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-w8a16-codes.npz"
+
+
+def htp_codes():
+    with np.load(HTP_CODES) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_the_htps_depthwise_conv_is_its_matmul_per_channel_on_the_htps_codes():
+    """Layer 0's causal conv1d (Conv(group = 128) over [state | x], K - 1 zeros each side: the device graph's 15
+    columns) from the HTP's input codes: every code (uint8 weights at zero point 113, 2 channels' steps outside int8);
+    the exact requantisation (the CPU EP's arithmetic) is not."""
+    c = htp_codes()
+    zx, K = int(c["conv_x_enc"][1]), c["conv_w"].shape[-1]
+    x = np.pad(c["conv_x"].astype(np.int64), ((0, 0), (0, 0), (K - 1, K - 1)), constant_values=zx)   # [1, C, 18]
+    w = c["conv_w"][:, 0, :].T                                                                      # [K, C]
+    y = H.conv1d_depthwise(x, tuple(c["conv_x_enc"]), w, tuple(c["conv_w_enc"]), tuple(c["conv_y_enc"]))
+    assert np.array_equal(y, c["conv_y"])
+    (sx, _), (sw, zw), (so, zo) = c["conv_x_enc"], c["conv_w_enc"], c["conv_y_enc"]
+    win = np.stack([x[..., t:t + K] for t in range(y.shape[-1])], -2) - zx                      # [1, C, 15, K]
+    exact = np.rint((win * (w.T.astype(np.int64) - int(zw))[None, :, None, :]).sum(-1) * sx * sw / so) + zo
+    assert (exact == c["conv_y"]).mean() < 0.4
+
+
+def test_the_htp_requantises_an_expand_into_another_encoding_through_float16():
+    """The repeat of q to the value heads (an Expand whose output encoding is not its input's: a chain link,
+    Placement.moved_by): under the HTP's arithmetic each value is rounded to float16, then quantised: every code of
+    the HTP's; the exact requantisation (a plain chain) is not."""
+    c = htp_codes()
+    ea, eb = enc(*c["expand_x_enc"]), enc(*c["expand_y_enc"])
+    x = np.broadcast_to(ea.dequantize(c["expand_x"]), c["expand_y"].shape).astype(np.float32)
+    for moved_by, arithmetic in (({"n/p": (None, "Expand")}, "htp"), ({}, "htp"), ({"n/p": (None, "Expand")}, None)):
+        q = Quantisers(points={"n": {"p": (ea, eb)}}, arithmetic=arithmetic, moved_by=moved_by)
+        share = (eb.codes(q.quantise("n/p", (ea, eb), x)) == c["expand_y"]).mean()
+        assert (share == 1.0) == (arithmetic == "htp" and bool(moved_by)), (moved_by, arithmetic, share)
+
+
+def test_the_htps_k_delta_outer_product_is_the_elementwise_product_of_its_inputs():
+    """Layer 0's k_t delta_t^T (Mul of [1, 4, 16, 1] and [1, 4, 1, 16], token 0) on the HTP, its own input codes:
+    not the outer product (the HTP's Mul of it: 1 code in 1024) but the elementwise product k_t * delta_t, [4, 16],
+    every code, in the output's first 64 elements, the other 960 code 0: the device departs from its graph (the Mul's
+    broadcast), not from its arithmetic (tests/e2e/test_quantised_htp.py reproduces it on a five-node graph)."""
+    c = htp_codes()
+    k, d, (ek, ed, eo) = c["outer_k"], c["outer_d"], (tuple(c[f"outer_{n}_enc"]) for n in "kdy")
+    got = c["outer_y"].reshape(-1)
+    assert (H.mul(k, ek, d, ed, eo).reshape(-1) == got).mean() < 0.01
+    assert np.array_equal(got[:k.size], H.mul(k.reshape(-1), ek, d.reshape(-1), ed, eo))
+    assert not got[k.size:].any()
+
+
+def test_a_per_token_device_op_reads_its_instances_inputs():
+    """A per-token point's op (graph.Point "x@t", "x@t-1") is declared once (device_ops: "p@t", token 0's inputs
+    apart) and read per instance (Quantisers.op)."""
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    ops = device_ops(graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "htp")
+    core = "model.layers.0.linear_attn.core"
+    assert ops[f"{core}/decayed@t"] == ("Mul", (f"{core}/S@t-1", f"{core}/exp(g)@t"))
+    assert ops[f"{core}/decayed@0"] == ("Mul", (f"{core}/state", f"{core}/exp(g)@t"))
+    q = Quantisers(ops=ops, arithmetic="htp")
+    assert q.op(f"{core}/decayed@3") == ("Mul", (f"{core}/S@2", f"{core}/exp(g)@3"))
+    assert q.op(f"{core}/decayed@0") == ("Mul", (f"{core}/state", f"{core}/exp(g)@0"))
+    assert q.op(f"{core}/k delta^T@5") == ("Mul", ("model.layers.0.linear_attn.k@5", f"{core}/delta@5"))
+    assert q.op(f"{core}/S*q") is None and q.op(f"{core}/decayed@x") is None
+
+
+# --- the HTP's Softplus: codes the simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-softplus-codes.npz:
+# the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7: layers_*: the 3 Softpluses of the tiny Qwen3.5's QNN W8A16
+# prompt call, their input and output codes as dumped ([3, 1, 8, 4]; encodings (s_x, z_x, s_o, z_o) per layer);
+# sweep1 / sweep7: one-op QDQ Softplus graphs over every input code 0..65535 at two encodings not used to fit the
+# model (Qwen3.5's layer-2 encoding, and a random wide one), stored as the first code and the steps; docs/htp.md §9)
+
+HTP_SOFTPLUS = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-softplus-codes.npz"
+
+
+def test_the_htps_softplus_on_qwen35s_gates_and_on_held_out_sweeps():
+    """The model's three Softpluses on the HTP's own input codes: every code (the correctly rounded softplus: none,
+    up to 348 codes off). Over every input code at two held-out encodings: 99.59 % / 99.905 % identical as measured,
+    max 1 (the fitted coefficients: the device's rounding inside its polynomial is not modelled)."""
+    with np.load(HTP_SOFTPLUS) as f:
+        c = {k: f[k] for k in f.files}
+    for x, y, (sx, zx, so, zo) in zip(c["layers_x"], c["layers_y"], c["layers_enc"]):
+        q = H.softplus(x.astype(np.int64), (sx, int(zx)), (so, int(zo)))
+        assert np.array_equal(q, y)
+        exact = np.rint(np.logaddexp(0, (x.astype(np.int64) - zx) * np.float64(np.float32(sx))) / np.float32(so))
+        assert (exact == y).mean() < 0.1
+    codes = np.arange(65536)
+    for k, share in ((1, 0.99589), (7, 0.99904)):   # as measured
+        first, steps = c[f"sweep{k}_first"], c[f"sweep{k}_steps"]
+        y = np.concatenate([[first], first + np.cumsum(steps, dtype=np.int64)])
+        sx, zx, so, zo = c[f"sweep{k}_enc"]
+        q = H.softplus(codes, (sx, int(zx)), (so, int(zo)))
+        assert (q == y).mean() >= share and np.abs(q - y).max() == 1, k
+
+
+# --- ReduceSum's multiplier (tests/fixtures/quantised/tiny-qwen3.5-htp-reducesum-codes.npz, the same simulator:
+# read_*: 60 one-op ReduceSum graphs at random float32 scales (r = s_x / s_o 0.5-2, zero points 0, rows of 2 codes
+# summing 0 to 2^17), each its multiplier m, the one integer whose floor((m S + 2^(k-1)) / 2^k) gives all 4096 of its
+# codes; l2norm_* / stk_*: two of the tiny Qwen3.5's QNN W8A16 ReduceSums on the HTP's own input codes (layer 0's
+# l2norm sum of k^2, [1, 8, 4, 16] over the last axis; S^T k over D_k, [1, 4, 16, 16] over axis -2); docs/htp.md §9)
+
+HTP_REDUCE_SUM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-reducesum-codes.npz"
+
+
+def test_the_htps_reduce_sum_multiplier_is_the_ratio_less_1e_5_rounded():
+    """Every one of the 60 multipliers read off the simulator is round(r (1 - 1e-5) 2^k) (floor(r 2^k + 1/4): 56,
+    round(r 2^k): 40), and the two Qwen3.5 ReduceSums whose codes that rule alone gives are every code (with
+    floor(r 2^k + 1/4): 62.5 % and 95.3 %)."""
+    with np.load(HTP_REDUCE_SUM) as f:
+        c = {k: f[k] for k in f.files}
+    r = c["read_sx"].astype(np.float64) / c["read_so"].astype(np.float64)
+    assert [H.mean_multiplier(v)[0] for v in r] == c["read_m"].tolist()
+    k = [H.mean_multiplier(v)[1] for v in r]
+    assert sum(int(np.floor(v * 2.0 ** s + 0.25)) != m for v, s, m in zip(r, k, c["read_m"])) == 4
+    for key, keep in (("l2norm", True), ("stk", False)):
+        sx, zx, so, zo = c[f"{key}_enc"]
+        y = H.reduce_sum(c[f"{key}_x"].astype(np.int64), (sx, int(zx)), (so, int(zo)), int(c[f"{key}_axis"]), keep)
+        assert np.array_equal(y, c[f"{key}_y"]), key
