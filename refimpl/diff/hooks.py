@@ -124,10 +124,10 @@ def readings(a: np.ndarray, name: str, shape: tuple, conv_kernel: int | None, so
         if padded:   # over [state (S >= 0 columns) | x], K - 1 zeros each side: its T real outputs end K - 1 early
             end = columns - (conv_kernel - 1)
             out.append(("padded_conv", a[..., end - T:end].swapaxes(1, 2)))
-        if padded and columns == T + conv_kernel - 1:
-            pass                                                     # no state: the padded reading only
-        elif name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")) or \
-                columns == T and (shape[1] != shape[2] or source == "channels_first"):   # [B, T, T]: as is
+        stateless_padded = padded and columns == T + conv_kernel - 1          # the padded reading only
+        if not stateless_padded and (
+                name.endswith(("linear_attn.conv1d", "linear_attn.conv1d_silu", "linear_attn.mixed_qkv")) or
+                columns == T and (shape[1] != shape[2] or source == "channels_first")):   # [B, T, T]: as is
             out.append(("channels_first", a[..., columns - T:].swapaxes(1, 2)))
     if source is not None:
         out = [r for r in out if r[0] == source]
