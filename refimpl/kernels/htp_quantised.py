@@ -1039,7 +1039,7 @@ def conv1d_depthwise(qx, x: tuple, qw, w: tuple, out: tuple, qrange: tuple = UIN
 
 # ---------------------------------------------------------------------------------------------------------- Softplus
 # The HTP's quantised Softplus (Qwen3.5's decay gate g = -exp(A_log) softplus(a + dt_bias); measured on the simulator:
-# one-op QDQ Softplus graphs over every input code at 17 encodings, input ranges +-2.3 to +-40, docs/htp.md §9): a
+# one-op QDQ Softplus graphs over every input code at 18 encodings, input ranges +-2.3 to +-40, docs/htp.md §9): a
 # function of the dequantised input x in three pieces, none of them the correctly rounded softplus:
 #
 #     x = (q_x - z_x) s_x
@@ -1057,8 +1057,9 @@ def conv1d_depthwise(qx, x: tuple, qw, w: tuple, out: tuple, qrange: tuple = UIN
 # rounds below them (its codes sit up to 0.0065 code (quartic) / 2^-18 relative (exp) beyond the nearest rounding
 # of any such polynomial; float32 Horner with the coefficients' float32 neighbours (+-64 ulps) and the output
 # divided or multiplied by 1 / s_o: 0.24-0.31 % of codes off, no better). So a code whose value sits that close to a
-# rounding point can come out one off: 99.59-99.73 % of codes identical at Qwen3.5's six Softplus encodings, 99.87-
-# 99.91 % at five random ones (s_x 1e-4 to 3e-4), max 1 (the CPU EP's exact softplus: 0.1 %, up to 348 codes).
+# rounding point can come out one off: 99.59-99.73 % of codes identical at five held-out Qwen3.5 Softplus
+# encodings, 99.78-99.91 % at five random ones (s_x 1e-4 to 3e-4), max 1 (the CPU EP's exact softplus: 0.1 %, up to
+# 348 codes); the models' 9 Softpluses on their own inputs: every code.
 SOFTPLUS_EXP_BELOW = -2.0          # x < -2: the exp piece
 SOFTPLUS_LINEAR_FROM = 5.0         # x >= 5: y = x
 SOFTPLUS_EXP2 = (0.9999257512833629, 0.6957918940624883, 0.22618187937722123, 0.07795900200871866)  # p(f), f^0..f^3
