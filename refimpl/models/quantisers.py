@@ -71,8 +71,10 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
 # inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
 # per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
 # of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
-# them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True))}
+# them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor; a signed int4 weight per tensor (the MoE routers of QNN's
+# W4A16: its steps in [-8, 7] are int8 steps, the same MatMul: every code of the 4 routers on the HTP's own inputs)
+DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True), (4, True)), "Mul": ((16, False),),
+                  "Gemm": ((8, False), (8, True), (4, True))}
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
 DEVICE_BIASES = {"Gemm": ((32, True),)}
