@@ -333,3 +333,45 @@ def test_softmax_of_equal_maxima_is_the_htps():
     p = H.softmax(q, (16 / 65535, 32768), (1 / 65535, 0))
     assert (p[:, 0] == htp).all() and (p[q == 0] == 0).all()
     assert (p.T == H.softmax(q.T, (16 / 65535, 32768), (1 / 65535, 0), axis=0)).all()
+
+
+# ------------------------------------------------------------------------------------------------ MoE router, int4
+# An anchor measured on the HTP (QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7.0): the tiny-qwen3-moe preset's QNN
+# QDQ W4A16 model (tests/e2e/quantised.py, session 37's honest run), layer 0's router Gemm x W^T with its signed int4
+# weight per tensor (s_w 0.0494932, zero point 0): the first 2 tokens' input codes (view_5, [2, 64]), the weight's
+# codes [8, 64] (nibbles, row by row) and the HTP's output codes (linear_4, [2, 8]).
+ROUTER_X = ((9.822368e-05, 33358), [
+    [19289, 40871, 24432, 18580, 37844, 53956, 48063, 32811, 29023, 38845, 44795, 31767, 29523, 24727, 42271, 18772,
+     17914, 42030, 14363, 51005, 21485, 16644, 32379, 40499, 26965, 30259, 35715, 59534, 35638, 52983, 44926, 30235,
+     51199, 36988, 27685, 50816, 29137, 25497, 38742, 25053, 31096, 26051, 49007, 46557, 42747, 30401, 19366, 26726,
+     22526, 40274, 31455, 26958, 25046, 42446, 26559, 34320, 29651, 37388, 25736, 35758, 33064, 30282, 47037, 36181],
+    [29214, 18238, 39950, 37277, 33449, 43864, 49833, 38838, 49216, 28440, 35034, 27623, 40023, 41627, 33027, 30618,
+     18183, 37394, 34002, 34526, 45526, 32314, 31974, 41958, 45849, 27799, 20394, 40988, 25361, 33020, 46010, 39800,
+     22045, 25960, 47323, 28687, 20661, 33847, 55293, 23239, 19995, 30642, 55456, 34856, 45794, 28791, 29575, 52441,
+     26442, 32469, 27339, 21765, 45602, 40981, 42703, 40539, 9188, 48555, 21175, 43111, 41128, 47591, 32505, 33138]])
+ROUTER_W = (0.04949319735169411, (
+    "2111004d5f2f1022021e2df12e010ef204dfe0328e036e103340efe12f0f2de0d501fd000132024031c092e2c0f36300e0c310fe0f4ff6"
+    "121d1ee00ef200ffe1d33401e004ffdf224cb228fde21bcdcec5004de02233e2e52df0333ee4f42c10cbe53d9d5fcc001010ff24edd101"
+    "0023ef33e3fefd501fe0f1141fcf04f030e4111bee250c13f00e011f04d3aec31e0d0102edf1e0214e4df2e16f5bfce007fcf4eded1f30"
+    "01ff01dc32212e1e40d40fef1303e2ec0fe2f3d2ff2f1f0359d2232f30300f13e0002ff4ef2122e5001001031e12e1dffeff1dd321e2ef"
+    "2e30ed1c125f2e0be03ded5ffbf2402110122e3124a0fcef2ffdf092003432ef2ed03fbf"))
+ROUTER_Y = ((8.730124e-05, 33394), [[37357, 53737, 26166, 23814, 36844, 33750, 32225, 42546],
+                                    [46195, 20536, 30543, 48733, 46124, 30728, 16872, 20621]])
+
+
+def test_a_moe_routers_int4_weight_per_tensor_is_the_htps_matmul():
+    """QNN's W4A16 gives the MoE router (a Gemm, transB) a signed int4 weight per tensor; the HTP computes it as its
+    8-bit MatMul (htp_quantised.matmul: int4 steps are int8 steps): every code of the anchor above (and of the 4
+    routers on the HTP's own inputs; ONNX's exact requantisation 1.6-3.1 % there), and `--device-arithmetic htp`
+    takes such a weight (DEVICE_WEIGHTS)."""
+    from refimpl.models.quantisers import DEVICE_WEIGHTS
+    (sx, zx), qx = ROUTER_X
+    sw, nibbles = ROUTER_W
+    w = np.array([int(c, 16) for c in nibbles]).reshape(8, 64)
+    w = np.where(w > 7, w - 16, w)                                                 # int4 codes [out, in]
+    (so, zo), want = ROUTER_Y
+    got = H.matmul(np.array(qx), (np.float32(sx), zx), w.T, (np.float32(sw), 0), (np.float32(so), zo))
+    assert got.tolist() == want
+    exact = np.rint((np.array(qx) - zx) @ w.T * (np.float64(np.float32(sx)) * np.float32(sw) / np.float32(so)) + zo)
+    assert (exact != want).any()                                                   # the CPU EP's rounding is not it
+    assert (4, True) in DEVICE_WEIGHTS["MatMul"] and (4, True) in DEVICE_WEIGHTS["Gemm"]
