@@ -30,6 +30,10 @@ class Unhooked:
         """The value an op reads at `point` after data movement (a table duplicated and broadcast): a device's hook
         computes that op on it; nothing here."""
 
+    def select(self, **rows) -> None:
+        """The rows the next ops read of their inputs (the MoE's expert: `expert` id, its `tokens` and their `slots`
+        among the k; none: all rows again): a device's hook computes those ops on them; nothing here."""
+
 
 unhooked = Unhooked()
 
