@@ -515,6 +515,10 @@ def silu_product(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16)
 
 SIGMOID_GRID = 6144               # Sigmoid's input grid: |x| in steps of 1/6144
 SIGMOID_MULTIPLIER_BITS = 15      # s_x 6144: an int16 multiplier, at most Q15
+SIGMOID_CODES = (2.0 ** -16, 0)    # what the device's Sigmoid codes mean, whatever its graph encoding: the fused
+#                                   SiLU product reads them so (aimet-onnx's Sigmoid encodings, e.g. 1.45e-5: its
+#                                   MoE experts' SiLUs on the HTP's own inputs every code; at the graph's encoding
+#                                   0 %, 2432-2695 codes off)
 SIGMOID_STEPS = (
     "eNrtV4mW4zgIxP3/H73HTBJZKqBAku3MwOZ1bFEXOJ2ePX6O48Gvf3+0179e7fXk6/Q2EdIPJjozaG0JasnU+UPoLjbz3BxLwtVxGhUCe4hsamYp"
     "mRXQ6Y1IMrNZq00MK/avSkyWeLiSmdLcbWzpyhOVWCbv28P5TtEXQXwSzYdD+7OfZcl6HNzvPPUVzEgxC/J/88wDUvWIMsRZSZhv409f/j+H/ETU"

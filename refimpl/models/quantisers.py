@@ -64,7 +64,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "DivConstant": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out, constant=True),
                       "Neg": lambda q, e, out: htp_quantised.neg(q[0], e[0], out),
-                      "SiLU": lambda q, e, out: htp_quantised.silu_product(q[0], e[0], q[1], e[1], out),
+                      "SiLU": lambda q, e, out: htp_quantised.silu_product(        # the sigmoid's codes: 2^16 s
+                          q[0], e[0], q[1], htp_quantised.SIGMOID_CODES, out),
                       "Sigmoid": lambda q, e, out: htp_quantised.sigmoid(q[0], e[0], out),
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),

@@ -734,7 +734,7 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     if n.op_type == "Sqrt":
         return htp_quantised.sqrt(q0, e0, out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None and fused:
-        return htp_quantised.silu_product(q0, e0, codes[1][0], codes[1][1], out)
+        return htp_quantised.silu_product(q0, e0, codes[1][0], htp_quantised.SIGMOID_CODES, out)   # 2^16 sigmoid
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
