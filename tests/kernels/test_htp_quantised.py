@@ -453,3 +453,31 @@ def test_a_moe_experts_product_is_the_htps_uint16_matmul_with_the_weights_first(
     qt = e_t.codes(terms.astype(np.float32))
     assert (e_s.codes(out) == H.reduce_sum(qt, (np.float32(1e-4), 30000), (np.float32(2e-4), 30000), axis=1,
                                             keepdims=False)).all()
+
+
+# An anchor measured on the HTP (aimet-onnx's QDQ W8A16 export of the same MoE, its HTP run's dump): layer 0's first
+# expert row's gate codes (split_split_0), its Sigmoid's codes (val_149, encoding (1.4549152e-05, 0): aimet's
+# calibrated range, not QNN's (2^-16, 0)) and the fused SiLU product's codes (silu).
+AIMET_SILU = (((9.55184586928226e-05, 32485), [
+    40354, 19925, 40966, 29147, 37153, 26780, 24930, 36180, 32876, 43718, 25841, 42243, 34797, 31208, 36060, 24090,
+    26112, 45898, 34727, 30296, 28891, 27895, 35194, 23498, 28507, 20423, 31050, 12680, 19029, 22847, 22031, 36244]),
+    ((1.4549152183462866e-05, 0), [
+        44530, 15174, 45358, 27588, 39952, 24056, 21432, 38490, 33380, 48834, 22706, 47020, 36368, 30770, 38306, 20292,
+        23090, 51290, 36262, 29354, 27196, 25698, 36982, 19506, 26616, 15736, 30524, 8588, 14198, 18666, 17646, 38584]),
+    ((4.8190548113780096e-05, 5778), [
+        16376, 14, 17412, 2993, 11418, 1627, 881, 10079, 6173, 22369, 1215, 19655, 8321, 4590, 9920, 626, 1327, 26585,
+        8237, 3835, 2822, 2211, 8808, 476, 2576, 37, 4453, 634, 0, 337, 199, 10165]))
+
+
+def test_the_fused_silu_product_reads_the_sigmoids_codes_as_2_16_sigmoid_whatever_its_encoding():
+    """At aimet-onnx's Sigmoid encoding the HTP's sigmoid codes are still sigmoid(x) 2^16 (htp_quantised.sigmoid:
+    every code of the anchor) and the fused x * sigmoid(x) reads them so (SIGMOID_CODES): every code of the anchor
+    (measured: every code of the MoE's 4 SiLUs on the HTP's own inputs, W8A16 and W4A16); read at the graph's
+    encoding, 0 % (2432-2695 codes off). The device arithmetic's "SiLU" op does the same."""
+    ((sg, zg), g), ((ss, zs), s), ((so, zo), want) = AIMET_SILU
+    g, s = np.array(g), np.array(s)
+    assert H.sigmoid(g, (np.float32(sg), zg)).tolist() == s.tolist()
+    e_g, e_o = (np.float32(sg), zg), (np.float32(so), zo)
+    assert H.silu_product(g, e_g, s, H.SIGMOID_CODES, e_o).tolist() == want
+    assert (H.silu_product(g, e_g, s, (np.float32(ss), zs), e_o) != want).mean() > 0.9
+    assert DEVICE_OPS["htp"]["SiLU"]([g, s], [e_g, (np.float32(ss), zs)], e_o).tolist() == want
