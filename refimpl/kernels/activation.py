@@ -34,6 +34,10 @@ class Unhooked:
         """The values the op at `point` reads, in its inputs' order and as it broadcasts them (a per-token op of an
         unrolled loop: token t's slices): a device's hook computes that op on them; nothing here."""
 
+    def select(self, **rows) -> None:
+        """The rows the next ops read of their inputs (the MoE's expert: `expert` id, its `tokens` and their `slots`
+        among the k; none: all rows again): a device's hook computes those ops on them; nothing here."""
+
 
 unhooked = Unhooked()
 

@@ -711,8 +711,19 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 #           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 4 (S >= 2^19, sixteen maxima's worth): NOT the
 #                                                           device's (its 16-bit reciprocal of all of h's bits, not
 #                                                           tabulated: 99.1 % of level-4 rows' reciprocals, max 1 code)
-#     q_o = clip(q_i K + z_o, 0, 2^16 - 1),  K = 2^-16 / s_o as a 15-bit mantissa (1 at s_o = 1 / 65535, ONNX
-#           Runtime's QNN config; other output encodings are requantised otherwise: not modelled)
+#     q_o = clip(q_i + z_o, 0, 2^16 - 1)                    at K = 2^-16 / s_o = 1 as a 15-bit mantissa (s_o =
+#                                                           1 / 65535, ONNX Runtime's QNN config)
+#     q_o = clip(floor(E_i R K / 2^shift) + z_o, 0, 2^16 - 1)     another output encoding (aimet-onnx's routers,
+#                                                           s_o ~ 1.07e-5: K ~ 1.43): the product E_i R times K, then
+#                                                           floored once (the codes floor(q_i K), floored twice, were
+#                                                           34 % of the device's, every one of them at most one
+#                                                           below: the codes "offset by +1"). NOT the device's: 75-87
+#                                                           % of codes on 6 output encodings (K 0.49-1.70, 4096 random
+#                                                           rows of 8 each at aimet's router input encoding), the rest
+#                                                           within 1 at level 2, up to 4-6 at level 0: the device's
+#                                                           reciprocal at another K is not R_l(h) K (read off the
+#                                                           rows' maxima, E = 32767: 20-35 % at level 0, 73-85 % at
+#                                                           level 2), not found
 #
 # The tables (T at every f, R_l at every h of its level) were read off the simulator (646,000 exps at 160
 # multipliers: one value per Q16 fraction, conflicts at Q15; R_2 and R_3 from 1 and 3.8 million random rows), not
@@ -878,14 +889,17 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
     level = np.zeros_like(h)
     while ((h >> level) >= 1 << 15).any():
         level = np.where((h >> level) >= 1 << 15, level + 1, level)                # h in [2^(14 + l), 2^(15 + l))
-    p = (e_x * ((np.int64(1) << (30 + level)) // h)) >> (15 + level)                # l >= 4: floor(2^(30 + l) / h)
+    r = (np.int64(1) << (30 + level)) // h                                          # l >= 4: floor(2^(30 + l) / h)
+    shift = 15 + level
     for lv, table in enumerate(SOFTMAX_RECIP_TABLES):
         first = 2 ** 14 - 1 if lv == 0 else 2 ** (14 + lv)
-        r = table[np.clip(h - first, 0, len(table) - 1)]                           # R_l(h)
-        shift = SOFTMAX_RECIP_SHIFT + min(2 * lv, lv + 2)                           # 13 + 2 l; 18 at l = 3
-        p = np.where(level == lv, (e_x * r) >> shift, p)                            # E R_l(h) / 2^shift
+        r = np.where(level == lv, table[np.clip(h - first, 0, len(table) - 1)], r)   # R_l(h)
+        shift = np.where(level == lv, SOFTMAX_RECIP_SHIFT + min(2 * lv, lv + 2), shift)   # 13 + 2 l; 18 at l = 3
     k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
-    y_o = p if k == 1.0 else np.floor(p * k).astype(np.int64)
+    if k == 1.0:
+        y_o = (e_x * r) >> shift                                                    # E R_l(h) / 2^shift
+    else:                                                                           # another output encoding
+        y_o = np.floor(e_x * r * k / 2.0 ** shift).astype(np.int64)                # E R K / 2^shift (not the device's)
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated
 
 

@@ -43,7 +43,10 @@ def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_
         terms = np.zeros((*experts.shape, x.shape[-1]), x.dtype)                # [N, k, H]
         for e in np.unique(experts):
             token, slot = np.nonzero(experts == e)
+            at.select(expert=int(e), tokens=token, slots=slot)                  # the rows expert e's ops read
             terms[token, slot] = rnd(at("weighted", expert_fn(int(e), x[token]) * weights[token, slot, None]))
+        at.select()
+        at.operand("weighted", terms)                                           # the terms as the ReduceSum reads
         return rnd(products.sum(terms, axis=1))                                 # sum over the k slots
     out = np.zeros_like(x)
     for e in np.unique(experts):

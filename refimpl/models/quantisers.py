@@ -37,6 +37,7 @@ from ..errors import InputError
 from ..kernels import htp_quantised
 from ..kernels.activation import identity, unhooked
 from ..precision import DEVICE_ARITHMETICS
+from .experts import expert_names
 
 _ONNX_OUTPUT = re.compile(r"^/(?P<path>.+)/[A-Za-z0-9_]+_output_(?P<index>\d+)$")
 
@@ -69,13 +70,20 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Softplus": lambda q, e, out: htp_quantised.softplus(q[0], e[0], out),
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out),
-                      "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out)}}
+                      "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out),
+                      # the MoE's experts (section "MoE experts" below): W_e x as the device graph's batched MatMul of
+                      # the gathered uint16 weights [out, in] and x [in, n] (the second operand: requantised to uint8)
+                      "ExpertMatMul": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
+                      "ReduceSumSlots": lambda q, e, out: htp_quantised.reduce_sum(q[0], e[0], out, axis=1,
+                                                                                   keepdims=False)}}
 # inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
 # per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
 # of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
-# them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor
-DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True)), "Mul": ((16, False),), "Gemm": ((8, False), (8, True)),
-                  "Conv": ((8, False), (8, True), (4, True))}   # the depthwise conv: its weight per tensor, int4 too
+# them); Mul's (RMSNorm's * w), 16-bit unsigned per tensor; a signed int4 weight per tensor (the MoE routers of QNN's
+# W4A16: its steps in [-8, 7] are int8 steps, the same MatMul: every code of the 4 routers on the HTP's own inputs);
+# the depthwise conv's weight per tensor, int4 too
+DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True), (4, True)), "Mul": ((16, False),),
+                  "Gemm": ((8, False), (8, True), (4, True)), "Conv": ((8, False), (8, True), (4, True))}
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
 DEVICE_BIASES = {"Gemm": ((32, True),)}
@@ -123,6 +131,10 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                     and pt.inputs[0] in negs:
                 declared.append((where, "RotateHalf", (negs[pt.inputs[0]], pt.inputs[1])))   # [-x2 | x1], fused
                 continue
+            if pt.onnx[0] == "MatMul" and len(pt.inputs) == 2 and pt.inputs[0].startswith("weight:") \
+                    and not pt.inputs[1].startswith("weight:"):
+                declared.append((where, "ExpertMatMul", pt.inputs))             # W x: the MoE's experts
+                continue
             constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
             if pt.per_token:               # an unrolled loop's op: every token's instance "where@t" (its first's)
                 declared.append((f"{where}@t", pt.onnx[0], pt.inputs))
@@ -135,7 +147,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                          if i.startswith(("const:", "input:")) else i for i in inputs)
             weights = [i.startswith("weight:") for i in inputs]
             reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
-                op in DEVICE_BIASES and weights == [False, True, True])
+                op in DEVICE_BIASES and weights == [False, True, True]) or (
+                op == "ExpertMatMul" and weights == [True, False])                # W x (the MoE's experts)
             if op in ops and "@*" not in "".join(inputs) and reads:
                 out[where] = (op, held)     # a per-token op's inputs "x@t", "x@t-1": its instances' (Quantisers.op)
     return out
@@ -207,6 +220,15 @@ def _broadcast(*shapes) -> bool:
     return True
 
 
+def _expert_rows(name: str, codes, selection: dict):
+    """An input's codes as the selected expert's ops read them: the routing weights [N, k] at its tokens' slots,
+    [n_e, 1]; any other input as held."""
+    if not name.endswith(".routing_weights") or "slots" not in selection:
+        return codes
+    c = np.asarray(codes)
+    return c.reshape(-1, c.shape[-1])[selection["tokens"], selection["slots"]][:, None]
+
+
 def _per_channel_int4(enc: Encoding, rows: int) -> bool:
     """A weight's symmetric int4 encoding per output row (W4A16; the HTP's MatMul takes each column's own scale)."""
     return (enc.float_dtype is None and enc.block_size is None and enc.signed and enc.bitwidth == 4
@@ -243,6 +265,7 @@ class Quantisers:
         self._holds = {i.partition("@")[0] for _, ins in self.ops.values() for i in ins}   # (a per-token input's base)
         self.given: dict = {}                    # where -> the values its op reads, as its kernel gave them
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
+        self.selection: dict | None = None       # the rows the next ops read (the MoE's expert e: Hook.select)
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
         self.moved_by: dict = moved_by or {}     # where -> the op making each link of its chain (Placement.moved_by)
@@ -289,6 +312,8 @@ class Quantisers:
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
         is not held or an encoding is not per-tensor uint16 (then x is quantised as the CPU EP does)."""
         op, inputs = self.op(name)
+        if op == "ExpertMatMul":
+            return self._expert_matmul(enc, inputs, x)
         held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
                 else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
         given = self.given.get(name)   # the values a per-token op reads, as its kernel broadcasts them
@@ -301,6 +326,10 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        if self.selection is not None:     # the MoE's expert e: its tokens' routing weights, in their slots
+            codes = [_expert_rows(i, c, self.selection) for i, c in zip(inputs, codes)]
+        if op == "ReduceSum" and np.ndim(codes[0]) == 3 and np.size(codes[0]) == np.size(x) * np.shape(codes[0])[1]:
+            op = "ReduceSumSlots"          # the MoE's weighted terms [N, k, H] summed over the k slots
         if op == "MatMul" and all(h[0] is not None for h in held):                  # two activations: attention
             operands = attention_operands(codes, np.shape(x))
             if operands is None:
@@ -354,6 +383,44 @@ class Quantisers:
                 op == "MatMul" and _per_channel_int4(enc, np.shape(got[0])[0])))   # W4A16: int4 per output row
             self._weight_codes[name] = (None, enc, enc.codes(np.asarray(got[0], np.float32).T)) if ok else None
         return self._weight_codes[name]
+
+    # ---------------------------------------------------------------------------------------------- MoE experts
+    # The device graph computes the MoE's experts per token and slot: each expert's weights gathered by the expert id
+    # (uint16 activations of their own encoding in QNN's QDQ models: the fused gate_up_proj / down_proj), W_e x as a
+    # batched MatMul of two uint16 tensors (htp_quantised.matmul16: x, the second operand, requantised to uint8), the
+    # SiLU product, the weighted term (a Mul by the token's routing weight in that slot) and their ReduceSum over the
+    # k slots. refimpl computes them per expert (kernels/moe.mix_experts tells the hook which expert, tokens and slots
+    # its next ops read: Hook.select), on the same codes.
+
+    def _expert_matmul(self, enc: Encoding, inputs: tuple, x):
+        """W_e x of the selected expert e (a point MatMul(weight:W, x), W the fused experts' tensor) on its stored
+        uint16 codes and the held x's rows of e's tokens; None where not so (then the CPU EP's arithmetic)."""
+        sel, held = self.selection, self.held.get(inputs[1])
+        w = self._expert_weight(inputs[0][7:], sel["expert"]) if sel is not None and "expert" in sel else None
+        if w is None or held is None or not (_per_tensor_integer(enc) and _per_tensor_integer(held[1])):
+            return None
+        qx = held[1].codes(np.asarray(held[0], np.float32))
+        qx = qx.reshape(-1, qx.shape[-1])                                               # [N, in] or [n_e, in]
+        qx = qx if qx.shape[0] == np.shape(x)[0] else qx[sel["tokens"]]                # expert e's tokens
+        if qx.shape != (np.shape(x)[0], w[0].shape[1]) or np.shape(x)[-1] != w[0].shape[0]:
+            return None
+        q = DEVICE_OPS[self.arithmetic]["ExpertMatMul"]([w[0], qx.T], [w[1], (held[1].scale, -np.asarray(
+            held[1].offset))], (enc.scale, -np.asarray(enc.offset))).T                  # [n_e, out]
+        return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
+
+    def _expert_weight(self, name: str, e: int):
+        """(codes [out, in], (scale, zero point)) of expert e's part of the fused experts' weight `name`
+        (`{prefix}.gate_up_proj`: its gate's rows then its up's; `{prefix}.down_proj`), stored 16-bit unsigned per
+        tensor; None otherwise."""
+        prefix, _, fused = name.rpartition(".")
+        gate, up, down = expert_names(prefix, e)
+        parts = {"gate_up_proj": (gate, up), "down_proj": (down,)}.get(fused, ())
+        chain = self.placement.weights.get(name) if self.placement is not None else None   # the fused tensor's
+        if not parts or not chain or self._weight is None or not _per_tensor_integer(chain[-1]):
+            return None
+        enc = chain[-1]                                                 # one encoding per tensor: every expert's
+        codes = np.concatenate([enc.codes(np.asarray(self._weight(n)[0], np.float32)) for n in parts])   # [out, in]
+        return codes, (enc.scale, -np.asarray(enc.offset))
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None
@@ -441,6 +508,10 @@ class Hook:
         slices), each on its input's grid: the device arithmetic computes the op on their codes."""
         if point in self.points and self.quantisers.ops and self.quantisers.op(f"{self.node}/{point}"):
             self.quantisers.given[f"{self.node}/{point}"] = values
+
+    def select(self, **rows) -> None:
+        """The rows the node's next ops read (kernels/moe.mix_experts: expert=e, tokens=..., slots=...; none: all)."""
+        self.quantisers.selection = rows or None
 
     def operand(self, point: str, value) -> None:
         """value: the quantised value held at `point` (or at the block's tap `point`, the node's input of that name:

@@ -734,7 +734,7 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     if n.op_type == "Sqrt":
         return htp_quantised.sqrt(q0, e0, out)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None and fused:
-        return htp_quantised.silu_product(q0, e0, codes[1][0], codes[1][1], out)
+        return htp_quantised.silu_product(q0, e0, codes[1][0], codes[1][1], out)   # (reads the sigmoid as 2^16 sigmoid)
     if n.op_type == "Mul" and len(codes) == 3 and codes[1][1] is not None:
         return htp_quantised.mul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Div" and len(codes) == 3 and codes[1][1] is not None:
@@ -743,13 +743,14 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
     if n.op_type == "Gemm" and len(codes) in (3, 4) and codes[1][1] is not None and codes[1][0].ndim == 2 \
-            and np.asarray(codes[1][0]).dtype == np.uint8 and not _attr(n, "transA", 0) \
+            and (np.asarray(codes[1][0]).dtype == np.uint8 or _int4(codes[1][0])) and not _attr(n, "transA", 0) \
             and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1:   # x W (+ b): the MatMul, its int32 bias
         bias = (codes[2][0], codes[2][1][0]) if len(codes) == 4 and codes[2][1] is not None \
             and np.asarray(codes[2][0]).dtype == np.int32 and not np.any(codes[2][1][1]) else None
         if len(codes) == 4 and bias is None:
             return None
-        return htp_quantised.matmul(q0, e0, codes[1][0].T if _attr(n, "transB", 0) else codes[1][0], codes[1][1], out,
+        w = np.asarray(codes[1][0]).astype(np.int64)                # uint8, or int4 per tensor (a W4A16 router)
+        return htp_quantised.matmul(q0, e0, w.T if _attr(n, "transB", 0) else w, codes[1][1], out,
                                     bias=bias)
     if n.op_type == "Neg":
         return htp_quantised.neg(q0, e0, out)
@@ -770,6 +771,11 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     if n.op_type == "ReduceSum" and len(codes) == 3 and np.size(codes[1][0]) == 1:
         return htp_quantised.reduce_sum(q0, e0, out, int(np.ravel(codes[1][0])[0]), bool(_attr(n, "keepdims", 1)))
     return None
+
+
+def _int4(w) -> bool:
+    """A stored int4 weight (QNN's W4A16 MoE router, per tensor: the same MatMul, its steps in [-8, 7])."""
+    return str(np.asarray(w).dtype) == "int4"
 
 
 def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:

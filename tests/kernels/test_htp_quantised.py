@@ -523,3 +523,151 @@ def test_the_htps_reduce_sum_multiplier_is_the_ratio_less_1e_5_rounded():
         sx, zx, so, zo = c[f"{key}_enc"]
         y = H.reduce_sum(c[f"{key}_x"].astype(np.int64), (sx, int(zx)), (so, int(zo)), int(c[f"{key}_axis"]), keep)
         assert np.array_equal(y, c[f"{key}_y"]), key
+
+
+# ------------------------------------------------------------------------------------------------ MoE router, int4
+# An anchor measured on the HTP (QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7.0): the tiny-qwen3-moe preset's QNN
+# QDQ W4A16 model (tests/e2e/quantised.py, session 37's honest run), layer 0's router Gemm x W^T with its signed int4
+# weight per tensor (s_w 0.0494932, zero point 0): the first 2 tokens' input codes (view_5, [2, 64]), the weight's
+# codes [8, 64] (nibbles, row by row) and the HTP's output codes (linear_4, [2, 8]).
+ROUTER_X = ((9.822368e-05, 33358), [
+    [19289, 40871, 24432, 18580, 37844, 53956, 48063, 32811, 29023, 38845, 44795, 31767, 29523, 24727, 42271, 18772,
+     17914, 42030, 14363, 51005, 21485, 16644, 32379, 40499, 26965, 30259, 35715, 59534, 35638, 52983, 44926, 30235,
+     51199, 36988, 27685, 50816, 29137, 25497, 38742, 25053, 31096, 26051, 49007, 46557, 42747, 30401, 19366, 26726,
+     22526, 40274, 31455, 26958, 25046, 42446, 26559, 34320, 29651, 37388, 25736, 35758, 33064, 30282, 47037, 36181],
+    [29214, 18238, 39950, 37277, 33449, 43864, 49833, 38838, 49216, 28440, 35034, 27623, 40023, 41627, 33027, 30618,
+     18183, 37394, 34002, 34526, 45526, 32314, 31974, 41958, 45849, 27799, 20394, 40988, 25361, 33020, 46010, 39800,
+     22045, 25960, 47323, 28687, 20661, 33847, 55293, 23239, 19995, 30642, 55456, 34856, 45794, 28791, 29575, 52441,
+     26442, 32469, 27339, 21765, 45602, 40981, 42703, 40539, 9188, 48555, 21175, 43111, 41128, 47591, 32505, 33138]])
+ROUTER_W = (0.04949319735169411, (
+    "2111004d5f2f1022021e2df12e010ef204dfe0328e036e103340efe12f0f2de0d501fd000132024031c092e2c0f36300e0c310fe0f4ff6"
+    "121d1ee00ef200ffe1d33401e004ffdf224cb228fde21bcdcec5004de02233e2e52df0333ee4f42c10cbe53d9d5fcc001010ff24edd101"
+    "0023ef33e3fefd501fe0f1141fcf04f030e4111bee250c13f00e011f04d3aec31e0d0102edf1e0214e4df2e16f5bfce007fcf4eded1f30"
+    "01ff01dc32212e1e40d40fef1303e2ec0fe2f3d2ff2f1f0359d2232f30300f13e0002ff4ef2122e5001001031e12e1dffeff1dd321e2ef"
+    "2e30ed1c125f2e0be03ded5ffbf2402110122e3124a0fcef2ffdf092003432ef2ed03fbf"))
+ROUTER_Y = ((8.730124e-05, 33394), [[37357, 53737, 26166, 23814, 36844, 33750, 32225, 42546],
+                                    [46195, 20536, 30543, 48733, 46124, 30728, 16872, 20621]])
+
+
+def test_a_moe_routers_int4_weight_per_tensor_is_the_htps_matmul():
+    """QNN's W4A16 gives the MoE router (a Gemm, transB) a signed int4 weight per tensor; the HTP computes it as its
+    8-bit MatMul (htp_quantised.matmul: int4 steps are int8 steps): every code of the anchor above (and of the 4
+    routers on the HTP's own inputs; ONNX's exact requantisation 1.6-3.1 % there), and `--device-arithmetic htp`
+    takes such a weight (DEVICE_WEIGHTS)."""
+    from refimpl.models.quantisers import DEVICE_WEIGHTS
+    (sx, zx), qx = ROUTER_X
+    sw, nibbles = ROUTER_W
+    w = np.array([int(c, 16) for c in nibbles]).reshape(8, 64)
+    w = np.where(w > 7, w - 16, w)                                                 # int4 codes [out, in]
+    (so, zo), want = ROUTER_Y
+    got = H.matmul(np.array(qx), (np.float32(sx), zx), w.T, (np.float32(sw), 0), (np.float32(so), zo))
+    assert got.tolist() == want
+    exact = np.rint((np.array(qx) - zx) @ w.T * (np.float64(np.float32(sx)) * np.float32(sw) / np.float32(so)) + zo)
+    assert (exact != want).any()                                                   # the CPU EP's rounding is not it
+    assert (4, True) in DEVICE_WEIGHTS["MatMul"] and (4, True) in DEVICE_WEIGHTS["Gemm"]
+
+
+# ------------------------------------------------------------------------------------------------ MoE experts
+# An anchor measured on the HTP (the same run as ROUTER_X: the QNN QDQ W8A16 model's dump): layer 0's first expert
+# product (bmm: the gathered gate_up weights [16, 64, 64] x the tokens repeated [16, 64, 1], uint16 x uint16), token
+# 0's first slot: the gathered weight's codes of output rows 0-3 (val_146), its x (unsqueeze_12) and the HTP's output
+# codes of those rows (bmm; ONNX's exact requantisation [40720, 20061, 40862, 29114], x as the first operand
+# [40832, 19781, 40750, 29234]).
+EXPERT_W = ((1.6250595e-05, 33565), [
+    [23569, 43066, 28776, 18130, 40148, 29525, 35637, 23795, 23566, 35984, 34763, 29126, 27949, 32243, 34853, 37628,
+     37270, 26824, 24680, 17080, 26181, 37686, 29956, 24625, 29888, 44257, 31587, 32260, 36726, 35806, 35303, 35793,
+     19104, 46719, 49063, 35157, 21111, 21504, 34415, 41401, 27862, 38560, 37389, 43434, 39339, 25087, 38255, 30980,
+     26946, 30151, 41358, 30819, 36139, 50089, 35585, 34611, 24923, 22236, 31466, 31853, 37981, 28159, 37153, 31408],
+    [45362, 37531, 26287, 13849, 23883, 28423, 42139, 23801, 46385, 23527, 45494, 28692, 33862, 28055, 34619, 38968,
+     29607, 24023, 40290, 42386, 24104, 44777, 26638, 28415, 28136, 32314, 37229, 33893, 32033, 27521, 17638, 31378,
+     30858, 32877, 40690, 32879, 40891, 38773, 28490, 42982, 30718, 47746, 19576, 38248, 31884, 41267, 40264, 30730,
+     37482, 33394, 37864, 33163, 30089, 44944, 40294, 33624, 39081, 30024, 35335, 33672, 27420, 13274, 26681, 33143],
+    [18135, 45580, 31135, 37234, 26877, 31458, 38637, 21563, 30365, 30518, 34153, 30249, 39190, 29438, 43068, 33146,
+     29720, 35622, 17541, 35170, 49275, 37061, 13127, 18621, 39617, 19418, 39125, 34621, 36918, 32395, 26664, 27889,
+     25694, 22770, 34527, 33812, 25593, 45618, 36456, 39372, 19342, 30077, 36880, 36668, 36711, 28076, 34102, 22508,
+     17950, 32970, 31467, 31453, 29965, 41720, 38091, 6099, 47487, 38607, 43097, 45188, 28161, 25074, 22296, 28621],
+    [26314, 33713, 19955, 23392, 32720, 27078, 35541, 25504, 36569, 32511, 25844, 33715, 21688, 19391, 38953, 28452,
+     31862, 49395, 34456, 38109, 35170, 40993, 28823, 34844, 43110, 25887, 35258, 30064, 35570, 30787, 13411, 31202,
+     26491, 34748, 34358, 32350, 42169, 36700, 38770, 26686, 25347, 31391, 24818, 31299, 25779, 43522, 24711, 41808,
+     38692, 21167, 27041, 44285, 18495, 34482, 18973, 36167, 24752, 30775, 33562, 22413, 26826, 44807, 25280, 51506]])
+EXPERT_X = ((9.822368e-05, 33358), [
+    19241, 40410, 25320, 18658, 36295, 54922, 49712, 32121, 29072, 36636, 44349, 32352, 27934, 25294, 42086, 18495,
+    17000, 42349, 15060, 51459, 21322, 17471, 32685, 41829, 27471, 30165, 36475, 59038, 35504, 53177, 46164, 29738,
+    50830, 36421, 28716, 51868, 28045, 26570, 39828, 26778, 31948, 26306, 50008, 46625, 42366, 30848, 20596, 26174,
+    23379, 39290, 31727, 26380, 24619, 43597, 27100, 33671, 30944, 37750, 24549, 35009, 32564, 30523, 45648, 36333])
+EXPERT_Y = ((9.534865e-05, 32553), [40763, 20037, 40867, 28999])
+
+
+def test_a_moe_experts_product_is_the_htps_uint16_matmul_with_the_weights_first():
+    """The device graph's expert product W_e x (weights gathered by expert id: uint16 activations in QNN's QDQ
+    models) is the uint16 x uint16 MatMul with the weights as the first operand, x requantised to uint8
+    (htp_quantised.matmul16): every code of the anchor above (measured: all 16 token-slot rows of layer 0, 1024
+    codes; x first 0.6 %, ONNX's exact requantisation 0 %). `--device-arithmetic htp` computes it per expert on the
+    held x's rows of its tokens (Hook.select, ExpertMatMul): the same codes; the weighted term's Mul reads each
+    token's routing weight in its slot, and the terms [N, k, H] summed over the k slots are the ReduceSum over axis
+    1."""
+    from types import SimpleNamespace
+
+    (sw, zw), w = EXPERT_W
+    (sx, zx), x = EXPERT_X
+    (so, zo), want = EXPERT_Y
+    w, x = np.array(w), np.array(x)
+    got = H.matmul16(w, (np.float32(sw), zw), x[:, None], (np.float32(sx), zx), (np.float32(so), zo))[:, 0]
+    assert got.tolist() == want
+    swapped = H.matmul16(x[None], (np.float32(sx), zx), w.T, (np.float32(sw), zw), (np.float32(so), zo))[0]
+    assert swapped.tolist() != want                                                 # x first: not the device's
+    # the wiring: expert 1 (gate: rows 0-1, up: rows 2-3), token 1 of 2 in its slot 0 of k = 2
+    e_w, e_x, e_y = enc(sw, zw), enc(sx, zx), enc(so, zo)
+    values = {f"m.experts.1.{p}_proj.weight": e_w.dequantize(w[rows]) for p, rows in (("gate", [0, 1]), ("up", [2, 3]))}
+    ops = {"m.experts/gate_up": ("ExpertMatMul", ("weight:m.experts.gate_up_proj", "m.x")),
+           "m.experts/weighted": ("Mul", ("m.experts/gate_up", "m.routing_weights")),
+           "m.experts": ("ReduceSum", ("m.experts/weighted",))}
+    e_r, e_t, e_s = enc(1 / 65535, 0), enc(1e-4, 30000), enc(2e-4, 30000)
+    q = Quantisers(outputs={"m.x": e_x, "m.routing_weights": e_r, "m.experts": e_s},
+                   points={"m.experts": {"gate_up": e_y, "weighted": e_t}}, arithmetic="htp", ops=ops,
+                   placement=SimpleNamespace(weights={"m.experts.gate_up_proj": (e_w,)}),
+                   weight=lambda n: (values[n], None))
+    q.output("m.x", e_x.dequantize(np.stack([x[::-1], x])))                        # tokens [2, 64]: the second is x
+    q.output("m.routing_weights", e_r.dequantize(np.array([[40000, 25535], [50000, 15535]])))
+    at = q.at("m.experts")
+    at.select(expert=1, tokens=np.array([1]), slots=np.array([0]))
+    y = at("gate_up", np.zeros((1, 4), np.float32))                                # the float value is not read
+    assert e_y.codes(y).tolist() == [want]
+    t = at("weighted", y * 0.76)
+    assert (e_t.codes(t) == H.mul(np.array([want]), (np.float32(so), zo), np.array([[50000]]),
+                                  (np.float32(1 / 65535), 0), (np.float32(1e-4), 30000))).all()
+    at.select()
+    terms = np.stack([np.zeros((2, 4)), np.concatenate([e_t.dequantize(np.full((1, 4), 30001)), t])], axis=1)
+    at.operand("weighted", terms.astype(np.float32))                               # [N = 2, k = 2, H = 4]
+    out = q.output("m.experts", terms.sum(axis=1).astype(np.float32))
+    qt = e_t.codes(terms.astype(np.float32))
+    assert (e_s.codes(out) == H.reduce_sum(qt, (np.float32(1e-4), 30000), (np.float32(2e-4), 30000), axis=1,
+                                            keepdims=False)).all()
+
+
+# An anchor measured on the HTP (aimet-onnx's QDQ W8A16 export of the same MoE, its HTP run's dump): layer 0's first
+# expert row's gate codes (split_split_0), its Sigmoid's codes (val_149, encoding (1.4549152e-05, 0): aimet's
+# calibrated range, not QNN's (2^-16, 0)) and the fused SiLU product's codes (silu).
+AIMET_SILU = (((9.55184586928226e-05, 32485), [
+    40354, 19925, 40966, 29147, 37153, 26780, 24930, 36180, 32876, 43718, 25841, 42243, 34797, 31208, 36060, 24090,
+    26112, 45898, 34727, 30296, 28891, 27895, 35194, 23498, 28507, 20423, 31050, 12680, 19029, 22847, 22031, 36244]),
+    ((1.4549152183462866e-05, 0), [
+        44530, 15174, 45358, 27588, 39952, 24056, 21432, 38490, 33380, 48834, 22706, 47020, 36368, 30770, 38306, 20292,
+        23090, 51290, 36262, 29354, 27196, 25698, 36982, 19506, 26616, 15736, 30524, 8588, 14198, 18666, 17646, 38584]),
+    ((4.8190548113780096e-05, 5778), [
+        16376, 14, 17412, 2993, 11418, 1627, 881, 10079, 6173, 22369, 1215, 19655, 8321, 4590, 9920, 626, 1327, 26585,
+        8237, 3835, 2822, 2211, 8808, 476, 2576, 37, 4453, 634, 0, 337, 199, 10165]))
+
+
+def test_the_fused_silu_product_reads_the_sigmoids_codes_as_2_16_sigmoid_whatever_its_encoding():
+    """At aimet-onnx's Sigmoid encoding the HTP's sigmoid codes are still sigmoid(x) 2^16 (htp_quantised.sigmoid:
+    every code of the anchor) and the fused x * sigmoid(x) reads them so (SILU_SIGMOID): every code of the anchor
+    (measured: every code of the MoE's 4 SiLUs on the HTP's own inputs, W8A16 and W4A16); read at the graph's
+    encoding, 0 % (2432-2695 codes off). The device arithmetic's "SiLU" op does the same."""
+    ((sg, zg), g), ((ss, zs), s), ((so, zo), want) = AIMET_SILU
+    g, s = np.array(g), np.array(s)
+    assert H.sigmoid(g, (np.float32(sg), zg)).tolist() == s.tolist()
+    e_g, e_o = (np.float32(sg), zg), (np.float32(so), zo)
+    assert H.silu_product(g, e_g, s, None, e_o).tolist() == want
+    assert (H.silu_product(g, e_g, s, (np.float32(ss), zs), e_o) != want).mean() > 0.9
+    assert DEVICE_OPS["htp"]["SiLU"]([g, s], [e_g, (np.float32(ss), zs)], e_o).tolist() == want
