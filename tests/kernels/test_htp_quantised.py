@@ -662,12 +662,11 @@ AIMET_SILU = (((9.55184586928226e-05, 32485), [
 def test_the_fused_silu_product_reads_the_sigmoids_codes_as_2_16_sigmoid_whatever_its_encoding():
     """At aimet-onnx's Sigmoid encoding the HTP's sigmoid codes are still sigmoid(x) 2^16 (htp_quantised.sigmoid:
     every code of the anchor) and the fused x * sigmoid(x) reads them so (SILU_SIGMOID): every code of the anchor
-    (measured: every code of the MoE's 4 SiLUs on the HTP's own inputs, W8A16 and W4A16); read at the graph's
-    encoding, 0 % (2432-2695 codes off). The device arithmetic's "SiLU" op does the same."""
+    (measured: every code of the MoE's 4 SiLUs on the HTP's own inputs, W8A16 and W4A16; read at the graph's
+    encoding, 0 %, 2432-2695 codes off). The device arithmetic's "SiLU" op does the same."""
     ((sg, zg), g), ((ss, zs), s), ((so, zo), want) = AIMET_SILU
     g, s = np.array(g), np.array(s)
     assert H.sigmoid(g, (np.float32(sg), zg)).tolist() == s.tolist()
     e_g, e_o = (np.float32(sg), zg), (np.float32(so), zo)
-    assert H.silu_product(g, e_g, s, None, e_o).tolist() == want
-    assert (H.silu_product(g, e_g, s, (np.float32(ss), zs), e_o) != want).mean() > 0.9
+    assert H.silu_product(g, e_g, s, (np.float32(ss), zs), e_o).tolist() == want     # the graph's encoding unread
     assert DEVICE_OPS["htp"]["SiLU"]([g, s], [e_g, (np.float32(ss), zs)], e_o).tolist() == want
