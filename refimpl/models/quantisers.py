@@ -96,6 +96,11 @@ DEVICE_FUSES_SILU = ("htp",)
 # Expand: Qwen3.5's repeat of q / k to the value heads; measured: every code of the 12 Expands of the QNN W8A16 and
 # W4A16 HTP dumps on their own inputs, the exact requantisation 42-62 %, up to 20 codes)
 DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
+# the device arithmetics that compute an op one of whose inputs the graph leaves float (a constant or graph input no
+# quantiser holds: aimet-onnx's Qwen3.5 export leaves the pad mask of x * mask float) in float16: the op's value
+# rounded to float16, then quantised (the HTP: every code of the 3 masks' Muls of the aimet-onnx W8A16 dump on their
+# own inputs, the exact requantisation of x * 1 36 %, up to 9 codes)
+DEVICE_FLOAT16_FLOAT_INPUTS = ("htp",)
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -290,7 +295,10 @@ class Quantisers:
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
-        y = self._device(name, chain[0], x) if self.ops and self.op(name) else None
+        op = self.op(name) if self.ops else None
+        y = self._device(name, chain[0], x) if op else None
+        if y is None and op and self.arithmetic in DEVICE_FLOAT16_FLOAT_INPUTS and self._float_input(name, op[1]):
+            y = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # computed in float16
         self.given.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
@@ -307,6 +315,13 @@ class Quantisers:
             if t.isdigit():                # a per-token instance: the one two tokens back is read no more
                 self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
+
+    def _float_input(self, name: str, inputs: tuple) -> bool:
+        """Whether the device op at `name` reads one of its node's own points (a constant or graph input) with no
+        quantiser placed there: the device graph holds that input float."""
+        node, placed = name.partition("/")[0], self.points.get(name.partition("/")[0], {})
+        return any(i.partition("/")[0] == node and i.partition("/")[2].partition("@")[0] not in placed
+                   for i in inputs if "/" in i)
 
     def _device(self, name: str, enc: Encoding, x):
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
