@@ -101,6 +101,10 @@ DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
 # rounded to float16, then quantised (the HTP: every code of the 3 masks' Muls of the aimet-onnx W8A16 dump on their
 # own inputs, the exact requantisation of x * 1 36 %, up to 9 codes)
 DEVICE_FLOAT16_FLOAT_INPUTS = ("htp",)
+# the device arithmetics whose Sigmoid writes codes of its own encoding whatever the graph's says, which every consumer
+# reads so (the HTP: sigmoid(x) 2^16; a plain Mul reads them at (2^-16, 0), a Gather of a token requantises them from
+# there into its encoding: htp_quantised.sigmoid_moved; the fused SiLU: htp_quantised.silu_product)
+DEVICE_SIGMOID_CODES = {"htp": htp_quantised.SILU_SIGMOID}
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -274,6 +278,7 @@ class Quantisers:
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
         self.moved_by: dict = moved_by or {}     # where -> the op making each link of its chain (Placement.moved_by)
+        self.sigmoids: set = set()               # held Sigmoids whose codes mean sigmoid(x) 2^16, not their encoding
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -304,6 +309,10 @@ class Quantisers:
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
             x, chain = self._rnd(y), chain[1:]
+            own = DEVICE_SIGMOID_CODES.get(self.arithmetic)
+            first = _chain(enc)[0]
+            if op[0] == "Sigmoid" and own and (float(first.scale), -int(np.asarray(first.offset))) != own:
+                self.sigmoids.add(name)        # its consumers read the codes at the device's own encoding
         moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
         for e, op in zip(chain, moves or (None,) * len(chain)):
             if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
@@ -318,8 +327,11 @@ class Quantisers:
 
     def _float_input(self, name: str, inputs: tuple) -> bool:
         """Whether the device op at `name` reads one of its node's own points (a constant or graph input) with no
-        quantiser placed there: the device graph holds that input float."""
-        node, placed = name.partition("/")[0], self.points.get(name.partition("/")[0], {})
+        quantiser placed there nor at the same point of a sibling node (twins share one: in_proj_qkv / in_proj_z's
+        pad mask): the device graph holds that input float."""
+        node = name.partition("/")[0]
+        block = node.rpartition(".")[0]
+        placed = {p for n, encs in self.points.items() if n.rpartition(".")[0] == block for p in encs}
         return any(i.partition("/")[0] == node and i.partition("/")[2].partition("@")[0] not in placed
                    for i in inputs if "/" in i)
 
@@ -341,6 +353,12 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        for j, i in enumerate(inputs):     # a Sigmoid's codes at the device's encoding (DEVICE_SIGMOID_CODES)
+            if i.partition("@")[0] in self.sigmoids:
+                if "@" in i:               # a token of it: the device graph's Gather moves it into its encoding
+                    codes[j] = htp_quantised.sigmoid_moved(codes[j], encs[j])
+                else:
+                    encs[j] = DEVICE_SIGMOID_CODES[self.arithmetic]
         if self.selection is not None:     # the MoE's expert e: its tokens' routing weights, in their slots
             codes = [_expert_rows(i, c, self.selection) for i, c in zip(inputs, codes)]
         if op == "ReduceSum" and np.ndim(codes[0]) == 3 and np.size(codes[0]) == np.size(x) * np.shape(codes[0])[1]:
