@@ -96,6 +96,15 @@ DEVICE_FUSES_SILU = ("htp",)
 # Expand: Qwen3.5's repeat of q / k to the value heads; measured: every code of the 12 Expands of the QNN W8A16 and
 # W4A16 HTP dumps on their own inputs, the exact requantisation 42-62 %, up to 20 codes)
 DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
+# the device arithmetics that compute an op one of whose inputs the graph leaves float (a constant or graph input no
+# quantiser holds: aimet-onnx's Qwen3.5 export leaves the pad mask of x * mask float) in float16: the op's value
+# rounded to float16, then quantised (the HTP: every code of the 3 masks' Muls of the aimet-onnx W8A16 dump on their
+# own inputs, the exact requantisation of x * 1 36 %, up to 9 codes)
+DEVICE_FLOAT16_FLOAT_INPUTS = ("htp",)
+# the device arithmetics whose Sigmoid writes codes of its own encoding whatever the graph's says, which every consumer
+# reads so (the HTP: sigmoid(x) 2^16; a plain Mul reads them at (2^-16, 0), a Gather of a token requantises them from
+# there into its encoding: htp_quantised.sigmoid_moved; the fused SiLU: htp_quantised.silu_product)
+DEVICE_SIGMOID_CODES = {"htp": htp_quantised.SILU_SIGMOID}
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -269,6 +278,7 @@ class Quantisers:
         self._weight = weight                    # checkpoint name -> (its stored values [out, in], its encoding)
         self._weight_codes: dict = {}            # name -> (codes [in, out], encoding), read once
         self.moved_by: dict = moved_by or {}     # where -> the op making each link of its chain (Placement.moved_by)
+        self.sigmoids: set = set()               # held Sigmoids whose codes mean sigmoid(x) 2^16, not their encoding
         forms = forms or {}                      # "node/point" -> the op of the form the device computes it in
         self.hooks = {node: Hook(self, node, encs, {p: forms[f"{node}/{p}" if p else node] for p in (*encs, "")
                                                     if (f"{node}/{p}" if p else node) in forms})
@@ -290,12 +300,19 @@ class Quantisers:
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
-        y = self._device(name, chain[0], x) if self.ops and self.op(name) else None
+        op = self.op(name) if self.ops else None
+        y = self._device(name, chain[0], x) if op else None
+        if y is None and op and self.arithmetic in DEVICE_FLOAT16_FLOAT_INPUTS and self._float_input(name, op[1]):
+            y = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # computed in float16
         self.given.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
         if y is not None:
             x, chain = self._rnd(y), chain[1:]
+            own = DEVICE_SIGMOID_CODES.get(self.arithmetic)
+            first = _chain(enc)[0]
+            if op[0] == "Sigmoid" and own and (float(first.scale), -int(np.asarray(first.offset))) != own:
+                self.sigmoids.add(name)        # its consumers read the codes at the device's own encoding
         moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
         for e, op in zip(chain, moves or (None,) * len(chain)):
             if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
@@ -307,6 +324,16 @@ class Quantisers:
             if t.isdigit():                # a per-token instance: the one two tokens back is read no more
                 self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
+
+    def _float_input(self, name: str, inputs: tuple) -> bool:
+        """Whether the device op at `name` reads one of its node's own points (a constant or graph input) with no
+        quantiser placed there nor at the same point of a sibling node (twins share one: in_proj_qkv / in_proj_z's
+        pad mask): the device graph holds that input float."""
+        node = name.partition("/")[0]
+        block = node.rpartition(".")[0]
+        placed = {p for n, encs in self.points.items() if n.rpartition(".")[0] == block for p in encs}
+        return any(i.partition("/")[0] == node and i.partition("/")[2].partition("@")[0] not in placed
+                   for i in inputs if "/" in i)
 
     def _device(self, name: str, enc: Encoding, x):
         """The device op at `name` on its inputs' held codes, dequantised by enc (x's dtype); None where an input
@@ -326,6 +353,12 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        for j, i in enumerate(inputs):     # a Sigmoid's codes at the device's encoding (DEVICE_SIGMOID_CODES)
+            if i.partition("@")[0] in self.sigmoids:
+                if "@" in i:               # a token of it: the device graph's Gather moves it into its encoding
+                    codes[j] = htp_quantised.sigmoid_moved(codes[j], encs[j])
+                else:
+                    encs[j] = DEVICE_SIGMOID_CODES[self.arithmetic]
         if self.selection is not None:     # the MoE's expert e: its tokens' routing weights, in their slots
             codes = [_expert_rows(i, c, self.selection) for i, c in zip(inputs, codes)]
         if op == "ReduceSum" and np.ndim(codes[0]) == 3 and np.size(codes[0]) == np.size(x) * np.shape(codes[0])[1]:

@@ -829,6 +829,13 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
         neg = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
         return neg.input[0] if neg is not None and neg.op_type == "Neg" else None
 
+    def sigmoid_codes(t):   # a DequantizeLinear of a Sigmoid's own quantiser (DEVICE_SIGMOID_CODES)
+        d = producer.get(t or "")
+        q = producer.get(d.input[0]) if d is not None and d.op_type == "DequantizeLinear" else None
+        s = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
+        return s is not None and s.op_type == "Sigmoid"
+    from refimpl.kernels.htp_quantised import SILU_SIGMOID as htp_sigmoid
+
     rows = []
     with products.onnxruntime_cpu():
         for q in qm.graph.node:
@@ -841,6 +848,9 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
             want = values[q.output[0]]
             x2 = negated(n) if htp else None
             read = [codes(i) for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            if htp:          # a Sigmoid's codes are sigmoid(x) 2^16 whatever its encoding: its consumers read them so
+                read = [(r[0], htp_sigmoid) if r is not None and r[1] is not None and sigmoid_codes(i) else r
+                        for r, i in zip(read, [x2, n.input[1]] if x2 else [i for i in n.input if i])]
             d1 = producer.get(n.input[1]) if len(n.input) > 1 else None
             constant = d1 is not None and d1.op_type == "DequantizeLinear" and d1.input[0] in inits
             mine = htp_op(n, read + [(None, (inits[q.input[1]], inits[q.input[2]]))],

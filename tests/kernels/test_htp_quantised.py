@@ -669,4 +669,55 @@ def test_the_fused_silu_product_reads_the_sigmoids_codes_as_2_16_sigmoid_whateve
     assert H.sigmoid(g, (np.float32(sg), zg)).tolist() == s.tolist()
     e_g, e_o = (np.float32(sg), zg), (np.float32(so), zo)
     assert H.silu_product(g, e_g, s, (np.float32(ss), zs), e_o).tolist() == want     # the graph's encoding unread
+    assert (H.mul(g, e_g, s, (np.float32(ss), zs), e_o) != want).mean() > 0.9   # the codes read at the graph's
     assert DEVICE_OPS["htp"]["SiLU"]([g, s], [e_g, (np.float32(ss), zs)], e_o).tolist() == want
+
+
+# --- aimet-onnx's Qwen3.5 on the HTP: codes the simulator produced (tests/fixtures/quantised/
+# tiny-qwen3.5-aimet-htp-w8a16-codes.npz: the tiny Qwen3.5's aimet-onnx W8A16 QDQ export (its calibrated Sigmoid
+# encodings, its pad mask left float) on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, the prompt call of
+# tests/e2e/quantised.py: layer 0's x * mask, beta and its 8 per-token Gathers, delta_0, layer 3's gated attention
+# output x * sigmoid(gate); docs/htp.md §9)
+
+AIMET_HTP_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-aimet-htp-w8a16-codes.npz"
+
+
+def aimet_htp_codes():
+    with np.load(AIMET_HTP_CODES) as f:
+        return {k: (np.float32(f[k][0]), int(f[k][1])) if k.endswith("_enc") else f[k] for k in f.files}
+
+
+def test_an_op_reading_an_input_the_graph_leaves_float_is_computed_in_float16():
+    """aimet-onnx leaves Qwen3.5's pad mask float (x * mask before the projections): the HTP computes that Mul in
+    float16, x's value rounded to float16, then quantised: every code of the HTP's (the exact requantisation of x * 1,
+    the CPU EP's, 36 %, up to 9 codes). Through the device arithmetic: the point's mask input has no quantiser."""
+    c = aimet_htp_codes()
+    ex, ey = enc(*c["mask_x_enc"]), enc(*c["mask_y_enc"])
+    x = ex.dequantize(c["mask_x"]).astype(np.float32)
+    for arithmetic, points in (("htp", {"masked": ey}), ("htp", {"masked": ey, "pad_mask": enc(1 / 65535, 0)}),
+                               (None, {"masked": ey})):
+        q = Quantisers(points={"n.qkv": points}, arithmetic=arithmetic,
+                       ops={"n.qkv/masked": ("Mul", ("x", "n.qkv/pad_mask"))} if arithmetic else None)
+        got = ey.codes(q.quantise("n.qkv/masked", ey, x * np.float32(1)))
+        share = (got == c["mask_y"]).mean()
+        assert (share == 1.0) == (arithmetic == "htp" and "pad_mask" not in points), (arithmetic, points, share)
+        assert share > 0.3
+
+
+def test_every_consumer_reads_the_htps_sigmoid_codes_as_sigmoid_times_2_16():
+    """At aimet-onnx's calibrated Sigmoid encodings (1.44e-5, 1.48e-5) the HTP's Sigmoid codes mean sigmoid(x) 2^16:
+    a plain Mul (the gated attention's x * sigmoid(gate)) reads them at (2^-16, 0): every code (at the graph's
+    encoding 0.6 %); a Gather of one token (beta_t) requantises them into its encoding (sigmoid_moved: every code of
+    the 8 tokens; exact rounding not all), and delta_0 = beta_0 (v_0 - S^T k_0) is the Mul of those: every code."""
+    c = aimet_htp_codes()
+    args = c["gate_x"], c["gate_x_enc"], c["gate_s"]
+    assert np.array_equal(H.mul(*args, H.SILU_SIGMOID, c["gate_y_enc"]), c["gate_y"])
+    assert (H.mul(*args, c["gate_s_enc"], c["gate_y_enc"]) == c["gate_y"]).mean() < 0.01
+    beta = c["beta"][0].astype(np.int64)                                                     # [T, Hv]
+    assert np.array_equal(H.sigmoid_moved(beta, c["beta_t_enc"]), c["beta_t"])
+    exact = np.rint(beta * 2.0 ** -16 / np.float64(c["beta_t_enc"][0]))
+    assert 0.5 < (exact == c["beta_t"]).mean() < 1
+    delta = H.mul(c["delta_v"], c["delta_v_enc"], c["beta_t"][0][None, :, None], c["beta_t_enc"], c["delta_y_enc"])
+    assert np.array_equal(delta, c["delta_y"])
+    held = H.mul(c["delta_v"], c["delta_v_enc"], beta[0][None, :, None], c["beta_enc"], c["delta_y_enc"])
+    assert (held == c["delta_y"]).mean() < 0.1                 # beta_0's codes read at the graph's encoding
