@@ -282,7 +282,8 @@ def core_points(p: str, v: str) -> tuple:
             Point("S^T k", ("ReduceSum",), ("/S*k@t",)),
             Point("v-S^T k", ("Sub",), (f"{v}@t", "/S^T k@t")),
             Point("delta", ("Mul",), ("/v-S^T k@t", f"{beta}@t")),
-            Point("k delta^T", ("Mul",), (f"{k}@t", "/delta@t")),
+            Point("k delta^T", ("Mul",), (f"{k}@t", "/delta@t"),                       # k_t delta_t^T broadcast,
+                  also=((("MatMul",), (f"{k}@t", "/delta@t")),)),        # or [Dk, 1] x [1, Dv] (K = 1)
             Point("S", ("Add",), ("/decayed@t", "/k delta^T@t")),
             Point("S*q", ("Mul",), ("/S@t", "/q/sqrt(Dk)@t")),
             Point("o", ("ReduceSum",), ("/S*q@t",)),

@@ -122,8 +122,13 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     (SiLU: x * sigmoid(x)) is the op "SiLU" where the device fuses it (DEVICE_FUSES_SILU); a Concat of a Neg point
     and another tensor (rotate_half: [-x2 | x1]) the op "RotateHalf" on the Neg's input (DEVICE_FUSES_ROTATE_HALF); a
     Div by a constant of the graph (q / sqrt(D_k)) the op "DivConstant" (the HTP folds it where its output encoding is
-    the input's / c)."""
+    the input's / c). A per-token point's form is its instances' ("p@t" in forms); a per-token MatMul of two
+    activations (k_t delta_t^T written [Dk, 1] x [1, Dv]) the op "MatMul16" on its operands as the kernel broadcasts
+    them."""
     ops = DEVICE_OPS[arithmetic]
+    forms = dict(forms or {})
+    for instance, op in list(forms.items()):   # a per-token point's instances "p@t": the form of p (its unrolled op)
+        forms.setdefault(instance.rpartition("@")[0] if "@" in instance else instance, op)
     out = {}
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
@@ -131,7 +136,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
         negs = {f"/{pt.name}": pt.inputs[0] for pt in node.points if pt.onnx[0] == "Neg" and len(pt.inputs) == 1}
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
-            pt = next((f for f in pt.forms() if f.onnx[0] == (forms or {}).get(where)), pt)   # the device's form
+            pt = next((f for f in pt.forms() if f.onnx[0] == forms.get(where)), pt)   # the device's form
             if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
                     and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
                 declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
@@ -146,7 +151,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                 continue
             constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
             if pt.per_token:               # an unrolled loop's op: every token's instance "where@t" (its first's)
-                declared.append((f"{where}@t", pt.onnx[0], pt.inputs))
+                two = pt.onnx[0] == "MatMul" and not any(i.startswith("weight:") for i in pt.inputs)   # of two
+                declared.append((f"{where}@t", "MatMul16" if two else pt.onnx[0], pt.inputs))   # activations
                 if pt.first:
                     declared.append((f"{where}@0", pt.onnx[0], pt.first))
                 continue

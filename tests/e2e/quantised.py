@@ -144,6 +144,35 @@ def reciprocal_as_div(m) -> int:
     return n
 
 
+def outer_products_as_matmul(m) -> int:
+    """Each broadcast Mul of a column and a row, Unsqueeze(a, -1) [.., Dk, 1] * Unsqueeze(b, -2) [.., 1, Dv] (the
+    gated delta rule's k_t delta_t^T, 24 in the tiny Qwen3.5's prompt graph), -> MatMul(column, row): the same
+    product (K = 1), every quantiser kept (the operands' and the product's own Q / DQ). The HTP computes the Mul
+    after a Gather of one token as the elementwise product (docs/htp.md §9, "Qwen3.5 on the HTP"); the MatMul it
+    computes as its uint16 x uint16 MatMul (htp_quantised.matmul16). Applied to a QDQ model: returns the count."""
+    producer = {o: n for n in m.graph.node for o in n.output}
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+
+    def unsqueezed(name):                       # the Unsqueeze's axis behind DQ(Q(Unsqueeze(x))), else None
+        chain = [producer.get(name)]
+        for _ in range(2):
+            chain.append(producer.get(chain[-1].input[0]) if chain[-1] is not None else None)
+        if [n.op_type if n is not None else None for n in chain] != ["DequantizeLinear", "QuantizeLinear",
+                                                                      "Unsqueeze"]:
+            return None
+        axes = inits.get(chain[2].input[1]) if len(chain[2].input) > 1 else _attr(chain[2], "axes")
+        return None if axes is None else tuple(np.ravel(axes).tolist())
+    n = 0
+    for node in m.graph.node:
+        if node.op_type == "Mul" and len(node.input) == 2:
+            axes = tuple(unsqueezed(i) for i in node.input)
+            if axes in (((-1,), (-2,)), ((-2,), (-1,))):
+                node.op_type = "MatMul"                                     # [.., Dk, 1] @ [.., 1, Dv]
+                node.input[:] = list(node.input) if axes[0] == (-1,) else list(node.input)[::-1]
+                n += 1
+    return n
+
+
 QUANTISED_REWRITES = {"reciprocal": reciprocal_as_div}
 # htp.HTP_REWRITES not applied to a graph that will be quantised: "gates" composes Softplus as Log(1 + Exp(x)), and
 # the HTP's quantised (uint16) Log returns code 0 for every input (measured: 0 % of codes right, the GDN's g then
