@@ -75,7 +75,13 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       # the gathered uint16 weights [out, in] and x [in, n] (the second operand: requantised to uint8)
                       "ExpertMatMul": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "ReduceSumSlots": lambda q, e, out: htp_quantised.reduce_sum(q[0], e[0], out, axis=1,
-                                                                                   keepdims=False)}}
+                                                                                   keepdims=False),
+                      # a Concat of a per-token sum's instances (the delta rule's o_t = S^T q_t) computed into the
+                      # Concat's encoding (DEVICE_CONCAT_ENCODES_INPUTS): each token's terms [B, Hv, Dk, Dv] summed
+                      # over Dk, stacked over the tokens -> [B, T, Hv, Dv]
+                      "TokenSums": lambda q, e, out: np.stack([htp_quantised.reduce_sum(c, ec, out, axis=-2,
+                                                                                        keepdims=False)
+                                                               for c, ec in zip(q, e)], 1)}}
 # inputs an op of the device arithmetic takes as they are stored: the (bits, signed) it takes: MatMul's weight, 8-bit
 # per tensor, unsigned (QNN's W8A16) or signed symmetric (aimet-onnx's: the same arithmetic, its zero point 0; a MatMul
 # of two activations, the attention's products, is "MatMul16": its operands' layouts as attention_operands reads
@@ -105,6 +111,12 @@ DEVICE_FLOAT16_FLOAT_INPUTS = ("htp",)
 # reads so (the HTP: sigmoid(x) 2^16; a plain Mul reads them at (2^-16, 0), a Gather of a token requantises them from
 # there into its encoding: htp_quantised.sigmoid_moved; the fused SiLU: htp_quantised.silu_product)
 DEVICE_SIGMOID_CODES = {"htp": htp_quantised.SILU_SIGMOID}
+# the device arithmetics whose Concat takes its inputs in its own encoding: the ops making them write into it, their
+# own quantisers not applied on the way (the HTP: the delta rule's per-token o_t = S^T q_t, ReduceSum -> Unsqueeze ->
+# Concat into the core's [B, Hv, T, Dv]: every code of layer 0's core as each token's ReduceSum of the HTP's own S*q
+# codes into the Concat's encoding, where o_t's quantiser clips; QNN Qwen3.5 W8A16, k delta^T as MatMul): the op
+# "TokenSums" on the sum's own input
+DEVICE_CONCAT_ENCODES_INPUTS = ("htp",)
 # the device arithmetics that compute a Concat of a Neg and another tensor, RoPE's rotate_half [-x2 | x1], as one
 # fused op "RotateHalf" on the Neg's input (the Neg's own quantiser not read; kernels/htp_quantised.rotate_half)
 DEVICE_FUSES_ROTATE_HALF = ("htp",)
@@ -134,6 +146,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
         sigmoids = {f"/{pt.name}": tuple(pt.inputs) for pt in node.points if pt.onnx[0] == "Sigmoid"}
         negs = {f"/{pt.name}": pt.inputs[0] for pt in node.points if pt.onnx[0] == "Neg" and len(pt.inputs) == 1}
+        sums = {f"/{pt.name}@*": pt.inputs[0].replace("@t", "@*") for pt in node.points   # per-token ReduceSums:
+                if pt.onnx[0] == "ReduceSum" and pt.per_token and len(pt.inputs) == 1}     # "/o@*" -> "/S*q@*"
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
             pt = next((f for f in pt.forms() if f.onnx[0] == forms.get(where)), pt)   # the device's form
@@ -148,6 +162,10 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             if pt.onnx[0] == "MatMul" and len(pt.inputs) == 2 and pt.inputs[0].startswith("weight:") \
                     and not pt.inputs[1].startswith("weight:"):
                 declared.append((where, "ExpertMatMul", pt.inputs))             # W x: the MoE's experts
+                continue
+            if pt.onnx[0] == "Concat" and arithmetic in DEVICE_CONCAT_ENCODES_INPUTS and len(pt.inputs) == 1 \
+                    and pt.inputs[0] in sums:
+                declared.append((where, "TokenSums", (sums[pt.inputs[0]],)))   # each o_t summed into its encoding
                 continue
             constant = pt.onnx[0] == "Div" and len(pt.inputs) == 2 and pt.inputs[1].startswith("const:")
             if pt.per_token:               # an unrolled loop's op: every token's instance "where@t" (its first's)
@@ -164,7 +182,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
             reads = weights in ([False, True], [False] * len(weights)) or (   # x W, or no weight, or x W + b
                 op in DEVICE_BIASES and weights == [False, True, True]) or (
                 op == "ExpertMatMul" and weights == [True, False])                # W x (the MoE's experts)
-            if op in ops and "@*" not in "".join(inputs) and reads:
+            if op in ops and ("@*" not in "".join(inputs) or op == "TokenSums") and reads:
                 out[where] = (op, held)     # a per-token op's inputs "x@t", "x@t-1": its instances' (Quantisers.op)
     return out
 
@@ -278,6 +296,7 @@ class Quantisers:
         self.arithmetic = arithmetic             # None: ONNX Runtime's CPU EP (the float value quantised)
         self.ops: dict = ops or {}               # where -> (op, input names): computed on codes (device_ops)
         self._holds = {i.partition("@")[0] for _, ins in self.ops.values() for i in ins}   # (a per-token input's base)
+        self._whole = {i[:-2] for _, ins in self.ops.values() for i in ins if i.endswith("@*")}   # every token's read
         self.given: dict = {}                    # where -> the values its op reads, as its kernel gave them
         self.held: dict = {}                     # input name -> (its last quantised value, its encoding)
         self.selection: dict | None = None       # the rows the next ops read (the MoE's expert e: Hook.select)
@@ -327,7 +346,7 @@ class Quantisers:
         base, _, t = name.rpartition("@")
         if name in self._holds or (t.isdigit() and base in self._holds):
             self.held[name] = (x, _chain(enc)[-1])
-            if t.isdigit():                # a per-token instance: the one two tokens back is read no more
+            if t.isdigit() and base not in self._whole:   # a per-token instance: two tokens back read no more
                 self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
 
@@ -347,6 +366,8 @@ class Quantisers:
         op, inputs = self.op(name)
         if op == "ExpertMatMul":
             return self._expert_matmul(enc, inputs, x)
+        if op == "TokenSums":              # "x@*": x's instances of this call's T tokens (x [B, T, ...])
+            inputs = tuple(inputs[0].replace("@*", f"@{t}") for t in range(np.shape(x)[1]))
         held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
                 else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
         given = self.given.get(name)   # the values a per-token op reads, as its kernel broadcasts them
