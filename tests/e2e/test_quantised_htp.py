@@ -1016,6 +1016,47 @@ def test_the_htp_computes_a_gathered_tokens_outer_product_as_an_elementwise_prod
     assert (first == outer.reshape(-1)[:qk.size]).mean() < 0.1                           # not the outer product
 
 
+def test_outer_products_as_matmul_keeps_the_product_and_every_quantiser():
+    """quantised.outer_products_as_matmul: the five-node k_t delta_t^T's broadcast Mul becomes MatMul(k column, delta
+    row) (K = 1), every QuantizeLinear kept; the CPU EP's codes of the product unchanged (one product per element, the
+    same float). CPU EP only (< 0.1 s)."""
+    import onnx
+    rng = np.random.default_rng(2)
+    ek, ed, eo = (2.1e-5, 19659), (2.5e-5, 9014), (2.49e-5, 17859)
+    m, rewritten = (onnx.load_from_string(outer_product_graph(True, ek, ed, eo)) for _ in range(2))
+    assert Q.outer_products_as_matmul(rewritten) == 1
+    assert [n.op_type for n in rewritten.graph.node if n.op_type in ("Mul", "MatMul")] == ["MatMul"]
+    assert [n.output for n in rewritten.graph.node if n.op_type == "QuantizeLinear"] == [
+        n.output for n in m.graph.node if n.op_type == "QuantizeLinear"]
+    feed = {"k": on_grid(rng.integers(0, 65536, (1, 8, 4, 16)), *ek),
+            "d": on_grid(rng.integers(0, 65536, (1, 4, 16)), *ed)}
+    before = Q.run(Q.cpu_session(m.SerializeToString()), feed)["yq"]
+    after = Q.run(Q.cpu_session(rewritten.SerializeToString()), feed)["yq"]
+    assert before.shape == (1, 4, 16, 16) and np.array_equal(before, after)
+    assert Q.outer_products_as_matmul(rewritten) == 0                                  # nothing left to rewrite
+
+
+@pytest.mark.device_matrix
+def test_the_htp_computes_a_gathered_tokens_outer_product_written_as_a_matmul_as_its_matmul16():
+    """The workaround for the HTP's k delta^T (quantised.outer_products_as_matmul): the five-node graph whose Mul the
+    HTP computes elementwise after the Gather, with that Mul a MatMul [.., Dk, 1] x [.., 1, Dv], is every code the
+    HTP's MatMul16 (htp_quantised.matmul16: delta requantised to uint8), the device op --device-arithmetic htp takes
+    there (~1 s)."""
+    import onnx
+
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(0)
+    ek, ed, eo = (2.1e-5, 19659), (2.5e-5, 9014), (2.49e-5, 17859)
+    qk, qd = rng.integers(0, 65536, (1, 4, 16)), rng.integers(0, 65536, (1, 4, 16))
+    m = onnx.load_from_string(outer_product_graph(True, ek, ed, eo))
+    assert Q.outer_products_as_matmul(m) == 1
+    got = Q.run(Q.htp_session(m.SerializeToString(), optimize=False),
+                {"k": np.repeat(on_grid(qk, *ek)[:, None], 8, axis=1), "d": on_grid(qd, *ed)})["yq"]
+    want = htp_quantised.matmul16(qk[..., :, None], ek, qd[..., None, :], ed, eo)      # [1, 4, 16, 16]
+    assert Q.codes_agreement(want, got) == (1.0, 0)
+    assert (htp_quantised.mul(qk[..., :, None], ek, qd[..., None, :], ed, eo) == got).mean() < 0.9
+
+
 @pytest.mark.device_matrix
 def test_htp_quantised_softplus_is_its_exp_quartic_and_identity_pieces():
     """The HTP's uint16 Softplus (htp_quantised.softplus: exp below -2, one quartic to 5, x above, coefficients fitted

@@ -471,6 +471,21 @@ def test_a_per_token_device_op_reads_its_instances_inputs():
     assert q.op(f"{core}/S*q") is None and q.op(f"{core}/decayed@x") is None
 
 
+def test_a_per_token_point_in_its_matmul_form_is_the_htps_matmul16_and_the_cores_stack_its_token_sums():
+    """The graph's form of k delta^T (placement.forms: its instances "p@t" found as MatMul, the QDQ model rewritten by
+    tests/e2e/quantised.outer_products_as_matmul) makes the device op MatMul16 on the same operands; without it the
+    declared Mul. The core's Concat of the o_t sums is the HTP's TokenSums of S * q (every token's instance)."""
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    nodes, core = graph(config_from_dict(PRESETS["tiny-qwen3.5"])), "model.layers.0.linear_attn.core"
+    plain, as_matmul = device_ops(nodes, "htp"), device_ops(nodes, "htp", {f"{core}/k delta^T@3": "MatMul"})
+    operands = ("model.layers.0.linear_attn.k@t", f"{core}/delta@t")
+    assert plain[f"{core}/k delta^T@t"] == ("Mul", operands)
+    assert as_matmul[f"{core}/k delta^T@t"] == ("MatMul16", operands)
+    assert plain[core] == ("TokenSums", (f"{core}/S*q@*",))
+
+
 # --- the HTP's Softplus: codes the simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-softplus-codes.npz:
 # the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7: layers_*: the 3 Softpluses of the tiny Qwen3.5's QNN W8A16
 # prompt call, their input and output codes as dumped ([3, 1, 8, 4]; encodings (s_x, z_x, s_o, z_o) per layer);
@@ -721,3 +736,37 @@ def test_every_consumer_reads_the_htps_sigmoid_codes_as_sigmoid_times_2_16():
     assert np.array_equal(delta, c["delta_y"])
     held = H.mul(c["delta_v"], c["delta_v_enc"], beta[0][None, :, None], c["beta_enc"], c["delta_y_enc"])
     assert (held == c["delta_y"]).mean() < 0.1                 # beta_0's codes read at the graph's encoding
+
+
+# --- Qwen3.5 with k delta^T written as a MatMul (tests/e2e/quantised.outer_products_as_matmul) on the HTP: codes the
+# simulator produced (tests/fixtures/quantised/tiny-qwen3.5-htp-w8a16-matmul-codes.npz: the /tmp/s37 QNN W8A16 QDQ
+# model of the tiny Qwen3.5 rewritten so, on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, the prompt call of
+# tests/e2e/quantised.py, its device_dumps; layer 0: token 3's k delta^T, every token's S * q and the core's stack)
+
+HTP_MATMUL_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-w8a16-matmul-codes.npz"
+
+
+def test_the_htp_computes_k_delta_t_written_as_a_matmul_as_its_matmul16():
+    """k_t [.., Dk, 1] x delta_t [.., 1, Dv] as a MatMul (K = 1) of two uint16 activations: every code the HTP's
+    MatMul16 (delta requantised to uint8), the device op --device-arithmetic htp computes at the point when the
+    graph's form there is a MatMul (quantisers.device_ops); the same product through the HTP's Mul is not."""
+    with np.load(HTP_MATMUL_CODES) as c:
+        k, ek, d, ed, y, ey = (c[n] for n in ("kd_k", "kd_k_enc", "kd_d", "kd_d_enc", "kd_y", "kd_y_enc"))
+    enc = [(float(e[0]), int(e[1])) for e in (ek, ed, ey)]
+    assert np.array_equal(DEVICE_OPS["htp"]["MatMul16"]([k, d], enc[:2], enc[2]), y)
+    assert (H.mul(k.astype(np.int64), enc[0], d.astype(np.int64), enc[1], enc[2]) == y).mean() < 0.9
+
+
+def test_the_htp_sums_each_tokens_o_into_the_cores_concat_encoding():
+    """The core's stack of o_t = S^T q_t (ReduceSum -> Unsqueeze -> Concat): every code is each token's ReduceSum of
+    the HTP's own S * q codes straight into the Concat's encoding (device op TokenSums,
+    quantisers.DEVICE_CONCAT_ENCODES_INPUTS); o_t's own codes requantised into it are not (o_t's quantiser clips:
+    up to 423 codes off)."""
+    with np.load(HTP_MATMUL_CODES) as c:
+        sq, esq, o, eo, stack, es = (c[n] for n in ("sq", "sq_enc", "o", "o_enc", "stack", "stack_enc"))
+    out = (float(es[0]), int(es[1]))
+    got = DEVICE_OPS["htp"]["TokenSums"](list(sq), [(float(s), int(z)) for s, z in esq], out)   # [B, T, Hv, Dv]
+    assert np.array_equal(got.transpose(0, 2, 1, 3), stack)                                        # [B, Hv, T, Dv]
+    x = np.concatenate([(oi.astype(np.float64) - z) * s for oi, (s, z) in zip(o, eo)], 2)         # [B, Hv, T, Dv]
+    requantised = np.clip(np.rint(x / out[0]) + out[1], 0, 65535)
+    assert np.abs(requantised - stack).max() > 100
