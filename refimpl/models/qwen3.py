@@ -77,6 +77,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
         q, gate = np.split(q.reshape(B, T, Hq, 2 * D), 2, axis=-1)      # [B, T, Hq, D] each
         gate = gate.reshape(B, T, Hq * D)
         gate = tap(p, "gate", gate)
+        quant.at(f"{p}.q_norm").operand("q_proj", q)       # q_proj's codes as q_norm reads them: its q half (a Split)
     q = norm(w, f"{p}.q_norm", q.reshape(B, T, Hq, D), cfg, ctx)        # [B, T, Hq, D]
     k = norm(w, f"{p}.k_norm", k.reshape(B, T, Hkv, D), cfg, ctx)       # [B, T, Hkv, D]
     q, k = tap(p, "q_norm", q), tap(p, "k_norm", k)
@@ -102,6 +103,7 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     o = o.transpose(0, 2, 1, 3).reshape(B, T, Hq * D)
     o = tap(p, "attn_output", quant.output(f"{p}.attn_output", o))
     if gated:
+        quant.at(f"{p}.gated_output").operand("q_proj", gate)   # q_proj's codes as the sigmoid reads them: the gate
         o = r(o * quant.at(f"{p}.gated_output")("sigmoid", gate_sigmoid(gate, ctx)))
         o = tap(p, "gated_output", quant.output(f"{p}.gated_output", o))
     return tap(p, "o_proj", project(w, f"{p}.o_proj", o, ctx, bias))
