@@ -770,3 +770,26 @@ def test_the_htp_sums_each_tokens_o_into_the_cores_concat_encoding():
     x = np.concatenate([(oi.astype(np.float64) - z) * s for oi, (s, z) in zip(o, eo)], 2)         # [B, Hv, T, Dv]
     requantised = np.clip(np.rint(x / out[0]) + out[1], 0, 65535)
     assert np.abs(requantised - stack).max() > 100
+
+
+def test_gated_attentions_sigmoid_reads_the_gate_half_of_q_projs_codes():
+    """Gated attention's q_proj holds [q_h | gate_h] per head; the gate's Sigmoid reads its gate half (the device's
+    Split moves the codes: every code on the Qwen3.5 HTP dump). Told the half (Hook.operand, as qwen3.attention
+    does), the Sigmoid is the HTP's on those codes; held as the whole projection it has no operand in its layout
+    (then the CPU EP's arithmetic)."""
+    p = "model.layers.3.self_attn"
+    e_x, e_s = enc(1.08e-4, 34596), enc(1 / 65536, 0)
+    rng = np.random.default_rng(3)
+    proj = ((rng.integers(20000, 50000, (1, 2, 2, 8)) - 34596) * np.float32(1.08e-4)).astype(np.float32)
+    gate = proj[..., 4:].reshape(1, 2, 8)                                              # [B, T, Hq D]
+    want = H.sigmoid(e_x.codes(gate), (e_x.scale, 34596), (e_s.scale, 0))
+    got = {}
+    for told in (False, True):
+        q = Quantisers(outputs={f"{p}.q_proj": e_x}, points={f"{p}.gated_output": {"sigmoid": e_s}},
+                       ops={f"{p}.gated_output/sigmoid": ("Sigmoid", (f"{p}.q_proj",))}, arithmetic="htp")
+        q.output(f"{p}.q_proj", proj.reshape(1, 2, 16))
+        if told:
+            q.at(f"{p}.gated_output").operand("q_proj", gate)
+        got[told] = e_s.codes(q.at(f"{p}.gated_output")("sigmoid", 1 / (1 + np.exp(-gate))))
+    assert np.array_equal(got[True], want)
+    assert not np.array_equal(got[False], want)
