@@ -26,6 +26,7 @@ so the add clips).
 """
 
 import dataclasses
+import json
 import math
 import warnings
 from pathlib import Path
@@ -644,15 +645,23 @@ GOLDEN_ARGS = ("--input-ids", ",".join(map(str, PROMPT)), "--convention", "genie
                GENIE["cl"], "--mask-floor", GENIE["mask_floor"], "-q", "--overwrite")
 
 
+def golden_args(checkpoint: Path) -> tuple:
+    """GOLDEN_ARGS for the case's checkpoint: a hybrid's conv state as the exported graph holds it, Kc - 1 columns
+    (run_genie's host gives the graph that; refimpl's genie default is transformers' Kc)."""
+    kc = json.loads((Path(checkpoint) / "config.json").read_text()).get("linear_conv_kernel_dim")
+    return GOLDEN_ARGS + (("--conv-state-len", kc - 1) if kc else ())
+
+
 def goldens(case: FloatCase, qdq: Path, root: Path) -> tuple[Path, Path]:
     """`refimpl golden` of the case's checkpoint: the float golden (once per case) and the quantised golden with the
     QDQ model's quantisers (--encodings MODEL_QDQ.onnx --codes)."""
     checkpoint = case.path.parent / "checkpoint"
     f = case.path.parent / "golden-float"
     if not (f / "manifest.json").is_file():
-        assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--out", f) == 0
+        assert cli("golden", "--model", checkpoint, *golden_args(checkpoint), "--out", f) == 0
     q = root / f"golden-{qdq.stem}"
-    assert cli("golden", "--model", checkpoint, *GOLDEN_ARGS, "--encodings", qdq, "--codes", "--out", q) == 0
+    assert cli("golden", "--model", checkpoint, *golden_args(checkpoint), "--encodings", qdq, "--codes", "--out",
+               q) == 0
     return f, q
 
 
@@ -670,7 +679,6 @@ class Diffed:
 def diff(float_golden: Path, quantised_golden: Path, qdq: Path, dump: Path, out: Path) -> Diffed:
     """`refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx --json`, read back: per tensor the three-way
     verdict, the excess ratio and the codes identical."""
-    import json
     code = cli("diff", quantised_golden, dump, "--float", float_golden, "--encodings", qdq, "--json", out, "-q")
     report = json.loads(Path(out).read_text())
     verdicts, excess, codes = {}, {}, {}
@@ -930,7 +938,6 @@ def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
     judged by `refimpl diff Q DUMP --float F --encodings MODEL_QDQ.onnx` (integer codes dumped; the saturating
     residual add's run as floats, dequantised with its own encodings: read with the file's, its codes would be a
     wrong scale)."""
-    import json
     for arch in archs:
         case = float_case(arch, root / arch)
         models = {mix: quantise_qdq(case, mix, root / arch / f"qdq_{mix}.onnx") for mix in MIXES}

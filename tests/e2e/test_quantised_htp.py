@@ -423,8 +423,9 @@ def htp_goldens(diffed):
     out = {}
     for mix, path in (("w8", qdq), ("w4", case.path.with_name(f"qdq_w4a16_{case.path.stem}.onnx"))):
         golden = root / f"golden-htp-{mix}"
-        assert Q.cli("golden", "--model", case.path.parent / "checkpoint", *Q.GOLDEN_ARGS, "--encodings", path,
-                     "--codes", "--device-arithmetic", "htp", "--out", golden) == 0
+        checkpoint = case.path.parent / "checkpoint"
+        assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--encodings", path, "--codes",
+                     "--device-arithmetic", "htp", "--out", golden) == 0
         out[mix] = (golden, path)
     return out
 
@@ -472,8 +473,9 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_aimets_h
         a = Q.quantise_aimet(case, mix, root / f"aimet-{mix}")
         path = root / f"aimet-{mix}" / "model_qdq.onnx"
         golden = root / f"golden-htp-aimet-{mix}"
-        assert Q.cli("golden", "--model", case.path.parent / "checkpoint", *Q.GOLDEN_ARGS, "--encodings", path,
-                     "--codes", "--device-arithmetic", "htp", "--out", golden) == 0
+        checkpoint = case.path.parent / "checkpoint"
+        assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--encodings", path, "--codes",
+                     "--device-arithmetic", "htp", "--out", golden) == 0
         dump = Q.device_dumps(case, onnx.load(path), root / f"honest-aimet-{mix}", devices=("htp",))["htp"]
         d = Q.diff(f, golden, path, dump, root / f"htp-aimet-{mix}.json")
         assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) > 80, \
