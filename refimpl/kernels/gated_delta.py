@@ -18,6 +18,7 @@ applied in that dtype; o is cast back to q's dtype; the state stays in the compu
 head-major, [B, Hv, T, D], as in transformers.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -122,26 +123,27 @@ def _recurrent_points(q, k, v, g, beta, initial_state, use_qk_l2norm, at):
     at.operand("q", q)                                  # q as the Div reads it: head-major, GVA-repeated (same codes)
     q = at("q/sqrt(Dk)", q / at("sqrt(Dk)", q.dtype.type(math.sqrt(Dk))))       # q / sqrt(Dk)
     o = np.empty_like(v)                                                         # [B, Hv, T, Dv]
+
+    def step(point: str, op, *operands):
+        """op(*operands) at a per-token point, its operands told to the hook first (token t's slices as the op
+        broadcasts them: a device computes that op on their codes, Unhooked.operands), its value through the hook."""
+        at.operands(point, *operands)
+        return at(point, op(*operands))
+
+    sum_dk = functools.partial(products.sum, axis=-2)                            # sum over D_k (ReduceSum)
     for t in range(T):
         k_t, q_t = k[:, :, t, :, None], q[:, :, t, :, None]                      # k_t, q_t  [B, Hv, Dk, 1]
-        decay = at(f"exp(g)@{t}", exp(_reads(at, f"exp(g)@{t}", g[:, :, t])[0]))  # exp(g_t)  [B, Hv]
-        S = at(f"decayed@{t}", np.multiply(*_reads(at, f"decayed@{t}", S, decay[:, :, None, None])))  # exp(g_t) S
-        Sk = at(f"S*k@{t}", np.multiply(*_reads(at, f"S*k@{t}", S, k_t)))                   # S_ij k_i
-        kv = at(f"S^T k@{t}", products.sum(*_reads(at, f"S^T k@{t}", Sk), axis=-2))         # S^T k_t  [B, Hv, Dv]
-        err = at(f"v-S^T k@{t}", np.subtract(*_reads(at, f"v-S^T k@{t}", v[:, :, t], kv)))  # v_t - S^T k_t
-        delta = at(f"delta@{t}", np.multiply(*_reads(at, f"delta@{t}", err, beta[:, :, t, None])))   # beta_t err
-        update = at(f"k delta^T@{t}", np.multiply(*_reads(at, f"k delta^T@{t}", k_t, delta[:, :, None, :])))
-        S = at(f"S@{t}", np.add(*_reads(at, f"S@{t}", S, update)))                          # S + k_t delta_t^T
-        Sq = at(f"S*q@{t}", np.multiply(*_reads(at, f"S*q@{t}", S, q_t)))                   # S_ij q_i
-        o[:, :, t] = at(f"o@{t}", products.sum(*_reads(at, f"o@{t}", Sq), axis=-2))         # o_t = S^T q_t
+        decay = step(f"exp(g)@{t}", exp, g[:, :, t])                              # exp(g_t)  [B, Hv]
+        S = step(f"decayed@{t}", np.multiply, S, decay[:, :, None, None])         # S <- exp(g_t) S
+        Sk = step(f"S*k@{t}", np.multiply, S, k_t)                                # S_ij k_i
+        kv = step(f"S^T k@{t}", sum_dk, Sk)                                       # S^T k_t  [B, Hv, Dv]
+        err = step(f"v-S^T k@{t}", np.subtract, v[:, :, t], kv)                   # v_t - S^T k_t
+        delta = step(f"delta@{t}", np.multiply, err, beta[:, :, t, None])         # delta_t = beta_t (v_t - S^T k_t)
+        update = step(f"k delta^T@{t}", np.multiply, k_t, delta[:, :, None, :])  # k_t delta_t^T
+        S = step(f"S@{t}", np.add, S, update)                                     # S <- S + k_t delta_t^T
+        Sq = step(f"S*q@{t}", np.multiply, S, q_t)                                # S_ij q_i
+        o[:, :, t] = step(f"o@{t}", sum_dk, Sq)                                   # o_t = S^T q_t
     return o.transpose(0, 2, 1, 3).astype(out_dtype, order="C"), S
-
-
-def _reads(at, point: str, *operands) -> tuple:
-    """The operands of the op at a per-token point, as it reads them (token t's slices, broadcast): told to the
-    hook (a device computing that op on their codes, Unhooked.operands), returned unchanged."""
-    at.operands(point, *operands)
-    return operands
 
 
 def _wide_sum(x: np.ndarray, rnd, axis: int) -> np.ndarray:
