@@ -895,6 +895,26 @@ def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp"), d
     return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d, dequantised) for d in devices}
 
 
+def genie_dumps(case: FloatCase, qm, golden: Path, directory: Path, device: str = "htp") -> Path:
+    """The QDQ model run on one device for every call of a genie golden (`refimpl golden ... --decode-ar AR` of the
+    graph's AR: a prompt of several chunks, decode calls fed one token in the same graph), in order, the host
+    carrying each call's KV outputs into the next call's cache window (devices.run_genie); each call's quantisers
+    dumped under directory/<k>/ (write_dump), the layout `refimpl diff` reads as step k."""
+    import json
+    manifest = json.loads((golden / "manifest.json").read_text())
+    session = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}[device](
+        with_outputs(qm, quantiser_taps(qm)))
+    outs = D.genie_names(case.model.config)[1]
+
+    def graph(inputs, k):
+        values = run(session, inputs)
+        write_dump(qm, values, directory / str(k))
+        return {o: values[o] for o in outs}, {}
+    D.run_genie(graph, case.model.config, [(s["graph"], s["tokens"]) for s in manifest["steps"]],
+                manifest["convention"]["params"])
+    return directory
+
+
 def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
     """`python tests/e2e/quantised.py diff [ARCH,...] [MIX,...] [DIR]`: the table of docs/htp.md §9 (refimpl's
     diff of quantised runs): per model x mix (QNN QDQ config), each device's honest run and the planted faults

@@ -441,6 +441,35 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_hone
     assert sum(c == 1.0 for c in d.codes.values()) >= 75, d.codes
 
 
+@pytest.mark.device_matrix   # three HTP calls of the dense W8A16 model, two goldens and the diff: ~15 s
+def test_refimpl_diff_with_the_htps_arithmetic_explains_a_padded_prompt_and_two_decode_calls(diffed):
+    """The genie calls a bring-up engineer's device runs, not only one full chunk: a 7-token prompt (one pad slot
+    in the AR = 8 chunk) and two decode calls of the same graph fed one token each, whose attention reads the codes
+    of the KV cache the host carried over from the calls before (quantised.genie_dumps: the HTP session run in
+    order). Against the golden with the HTP's arithmetic over the same calls (`--decode-steps 2 --decode-ar 8`):
+    every tensor of every call explained (measured 273 of 273, codes identical at 219 of 246 taps: the prompt's
+    55 of 82, both decode calls' 82 of 82; the prompt's departures all follow layer 2's probs @ v, one code in the
+    column of its uint8 operand rescaled out of int8, docs/htp.md §9)."""
+    import htp_runs
+    case, qm, qdq, f, _, _, root = diffed
+    args = ("--input-ids", ",".join(map(str, htp_runs.PROMPT)), "--convention", "genie", "--ar", Q.GENIE["ar"],
+            "--cl", Q.GENIE["cl"], "--mask-floor", Q.GENIE["mask_floor"], "--decode-ar", Q.GENIE["ar"],
+            "--decode-steps", 2, "-q", "--overwrite")
+    checkpoint = case.path.parent / "checkpoint"
+    q, f = root / "golden-htp-decode", root / "golden-float-decode"
+    assert Q.cli("golden", "--model", checkpoint, *args, "--encodings", qdq, "--codes", "--device-arithmetic", "htp",
+                 "--out", q) == 0
+    assert Q.cli("golden", "--model", checkpoint, *args, "--follow", q, "--out", f) == 0
+    dump = Q.genie_dumps(case, qm, q, root / "dump-decode")
+    assert sorted(p.name for p in dump.iterdir()) == ["0", "1", "2"]
+    d = Q.diff(f, q, qdq, dump, root / "htp-decode.json")
+    import json
+    report = json.loads((root / "htp-decode.json").read_text())
+    steps = {r["key"].split("/")[0] for r in report["results"]}
+    assert steps == {"0", "1", "2"} and len(report["results"]) > 240, steps
+    assert d.exit_code == 0 and {r["status"] for r in report["results"]} == {"pass"}, (d.first, d.excess)
+
+
 @pytest.mark.device_matrix   # one more HTP run of the dense model (W4A16) and its diff: ~5-10 s
 def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_honest_w4a16_run(diffed, dense_w4,
                                                                                              htp_goldens):
