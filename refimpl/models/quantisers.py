@@ -336,21 +336,25 @@ class Quantisers:
     def _float16_cache(self, name: str, enc: Encoding, x):
         """The cache the host feeds float, as the device holds it (DEVICE_FLOAT16_CACHE): its quantiser's codes taken
         from its float16 copy (recorded and held as the device's), and that float16 copy returned: the Concat after it
-        reads it, held in the quantiser's range (the QNN EP folds the quantiser's pair into the Concat, which quantises
-        the float16 value into its own encoding: every code of layer 0's cached keys and values of a decode call,
-        layers 1-3's 99.55-100 %, the rest ties the float32 x / s rounds the other way; through the quantiser's own
-        codes 98.0-99.3 %; the range kept: a cache quantiser calibrated on empty caches, [0, 1e-4], zeroes the cache
-        on the HTP, every code of such a model's decode calls)."""
+        reads it (the QNN EP folds the quantiser's pair into the Concat, which quantises the float16 value into its
+        own encoding: every code of layer 0's cached keys and values of a decode call, layers 1-3's 99.55-100 %, the
+        rest ties the float32 x / s rounds the other way; through the quantiser's own codes 98.0-99.3 %; a cached key
+        202 steps beyond its quantiser's range reaches the Concat unclipped). A quantiser whose 1 / s leaves float16's
+        range (a cache encoding calibrated on empty caches: [0, 1e-4], s = 1.5e-9) is not folded so: the Concat reads
+        the value clipped to that range (every code of such a model's decode calls: the cache zeroed; where between
+        s = 1.5e-9 and 1e-4 the HTP changes over is not measured)."""
         x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # the device's float16 copy
         q = htp_quantised.quantize_float16(x, (enc.scale, -np.asarray(enc.offset)))     # its quantiser's codes
         y = enc.dequantize(q).astype(x16.dtype, copy=False)
-        lo, hi = enc.dequantize(np.array(enc.qrange)).astype(x16.dtype)                  # the quantiser's range
         self.given.pop(name, None)
         if self.record is not None:
             self.record[name] = np.array(y, copy=True)
         if name in self._holds:
             self.held[name] = (y, enc)
-        return np.clip(x16, lo, hi)                                                      # the copy, in its range
+        if 1 / float(enc.scale) > float(np.finfo(np.float16).max):                      # 1 / s beyond float16
+            lo, hi = enc.dequantize(np.array(enc.qrange)).astype(x16.dtype)              # the quantiser's range
+            return np.clip(x16, lo, hi)
+        return x16                                                                       # the copy, unclipped
 
     def _float_input(self, name: str, inputs: tuple) -> bool:
         """Whether the device op at `name` reads one of its node's own points (a constant or graph input) with no
