@@ -737,7 +737,8 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
     ties float32 rounds the other way, 1 code), every one in layer 0; the exact quantisation of the host's float32
     under 40 %. The Concat with the new entries quantises the float16 copy into its own encoding (99.5 % at least per
     tensor), not the input quantiser's codes requantised (under 99.4 % in layers 1-3, where the encodings differ).
-    Quantisers under the HTP's arithmetic: a past_keys point records those codes and passes the float16 copy on."""
+    Quantisers under the HTP's arithmetic: a past_keys point records those codes and passes the float16 copy on,
+    clipped to the quantiser's range only where 1 / s leaves float16 (the empty-cache encoding)."""
     with np.load(HTP_CACHE) as f:
         c = {k: f[k] for k in f.files}
     same, total = 0, 0
@@ -759,3 +760,6 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
         codes = e.codes(qs.record["n/past_keys"] if arithmetic else y)
         assert np.array_equal(y, c["key1_x"].astype(np.float16).astype(np.float32)) == (arithmetic == "htp")
         assert ((codes == c["key1_input"]).mean() > 0.99) == (arithmetic == "htp"), arithmetic
+    empty = enc(1.5259022e-09, 0)   # a cache encoding calibrated on empty caches: [0, 1e-4], 1 / s beyond float16
+    y = Quantisers(points={"n": {"past_keys": empty}}, arithmetic="htp").quantise("n/past_keys", empty, c["key1_x"])
+    assert y.min() == 0 and np.isclose(y.max(), 65535 * np.float32(1.5259022e-09)) and (c["key1_x"] < 0).any()
