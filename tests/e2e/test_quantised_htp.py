@@ -443,7 +443,7 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_hone
     assert sum(c == 1.0 for c in d.codes.values()) >= 75, d.codes
 
 
-@pytest.mark.device_matrix   # a calibration with filled caches, three HTP calls on two models, goldens, diffs: ~25 s
+@pytest.mark.device_matrix   # a calibration with filled caches, three HTP calls on two models, goldens, diffs: ~10 s
 def test_refimpl_diff_with_the_htps_arithmetic_explains_a_padded_prompt_and_two_decode_calls(diffed):
     """The genie calls a bring-up engineer's device runs, not only one full chunk: a 7-token prompt (one pad slot
     in the AR = 8 chunk) and two decode calls of the same graph fed one token each, whose attention reads the KV
