@@ -107,6 +107,11 @@ DEVICE_FLOAT16_MOVES = {"htp": ("Expand",)}
 # rounded to float16, then quantised (the HTP: every code of the 3 masks' Muls of the aimet-onnx W8A16 dump on their
 # own inputs, the exact requantisation of x * 1 36 %, up to 9 codes)
 DEVICE_FLOAT16_FLOAT_INPUTS = ("htp",)
+# the device arithmetics that hold a cache the host feeds float (the genie past keys / values: graph inputs whose first
+# quantiser follows a Gather and an Unsqueeze) as its float16 copy, and the points holding it: its quantiser's codes
+# from that copy (htp_quantised.quantize_float16), the Concat with the new entries reading the copy (_float16_cache;
+# docs/htp.md §9: the dense W8A16 model's decode calls)
+DEVICE_FLOAT16_CACHE = {"htp": ("past_keys", "past_values")}
 # the device arithmetics whose Sigmoid writes codes of its own encoding whatever the graph's says, which every consumer
 # reads so (the HTP: sigmoid(x) 2^16; a plain Mul reads them at (2^-16, 0), a Gather of a token requantises them from
 # there into its encoding: htp_quantised.sigmoid_moved; the fused SiLU: htp_quantised.silu_product)
@@ -325,6 +330,9 @@ class Quantisers:
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
         chain = _chain(enc)
+        if name.rpartition("/")[2] in DEVICE_FLOAT16_CACHE.get(self.arithmetic, ()) and len(chain) == 1 and \
+                _per_tensor_integer(chain[0]):   # the host's float cache, on the device in float16
+            return self._float16_cache(name, chain[0], x)
         op = self.op(name) if self.ops else None
         y = self._device(name, chain[0], x) if op else None
         if y is None and op and self.arithmetic in DEVICE_FLOAT16_FLOAT_INPUTS and self._float_input(name, op[1]):
@@ -349,6 +357,29 @@ class Quantisers:
             if t.isdigit() and base not in self._whole:   # a per-token instance: two tokens back read no more
                 self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
+
+    def _float16_cache(self, name: str, enc: Encoding, x):
+        """The cache the host feeds float, as the device holds it (DEVICE_FLOAT16_CACHE): its quantiser's codes taken
+        from its float16 copy (recorded and held as the device's), and that float16 copy returned: the Concat after it
+        reads it (the QNN EP folds the quantiser's pair into the Concat, which quantises the float16 value into its
+        own encoding: every code of layer 0's cached keys and values of a decode call, layers 1-3's 99.55-100 %, the
+        rest ties the float32 x / s rounds the other way; through the quantiser's own codes 98.0-99.3 %; a cached key
+        202 steps beyond its quantiser's range reaches the Concat unclipped). A quantiser whose 1 / s leaves float16's
+        range (a cache encoding calibrated on empty caches: [0, 1e-4], s = 1.5e-9) is not folded so: the Concat reads
+        the value clipped to that range (every code of such a model's decode calls: the cache zeroed; where between
+        s = 1.5e-9 and 1e-4 the HTP changes over is not measured)."""
+        x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # the device's float16 copy
+        q = htp_quantised.quantize_float16(x, (enc.scale, -np.asarray(enc.offset)))     # its quantiser's codes
+        y = enc.dequantize(q).astype(x16.dtype, copy=False)
+        self.given.pop(name, None)
+        if self.record is not None:
+            self.record[name] = np.array(y, copy=True)
+        if name in self._holds:
+            self.held[name] = (y, enc)
+        if 1 / float(enc.scale) > float(np.finfo(np.float16).max):                      # 1 / s beyond float16
+            lo, hi = enc.dequantize(np.array(enc.qrange)).astype(x16.dtype)              # the quantiser's range
+            return np.clip(x16, lo, hi)
+        return x16                                                                       # the copy, unclipped
 
     def _float_input(self, name: str, inputs: tuple) -> bool:
         """Whether the device op at `name` reads one of its node's own points (a constant or graph input) with no

@@ -932,6 +932,43 @@ def device_dumps(case: FloatCase, qm, directory: Path, devices=("cpu", "htp"), d
     return {d: write_dump(qm, run(sessions[d](b), case.feed), directory / d, dequantised) for d in devices}
 
 
+def cache_feeds(case: FloatCase) -> list[dict]:
+    """Calibration feeds of calls that read a filled KV cache: each CALIBRATION prompt as a 4-token chunk, a 4-token
+    chunk reading it and 2 decode calls of the same AR graph fed one token (the float graph on the CPU EP, the host
+    carrying its KV outputs). The prompt calls alone (case.feeds) calibrate the cache inputs on empty caches: an
+    encoding of [0, 1e-4] that zeroes every cached entry (docs/htp.md section 9)."""
+    session, feeds = case.float_session(), []
+
+    def graph(inputs, k):
+        feeds.append(dict(inputs))
+        values = run(session, inputs)
+        return {o: values[o] for o in case.outs}, {}
+    for tokens in CALIBRATION:
+        D.run_genie(graph, case.model.config, [("prompt", tokens[:4]), ("prompt", tokens[4:]), ("token", tokens[:1]),
+                                               ("token", tokens[1:2])], dict(GENIE, decode_ar=GENIE["ar"]))
+    return feeds
+
+
+def genie_dumps(case: FloatCase, qm, golden: Path, directory: Path, device: str = "htp") -> Path:
+    """The QDQ model run on one device for every call of a genie golden (`refimpl golden ... --decode-ar AR` of the
+    graph's AR: a prompt of several chunks, decode calls fed one token in the same graph), in order, the host
+    carrying each call's KV outputs into the next call's cache window (devices.run_genie); each call's quantisers
+    dumped under directory/<k>/ (write_dump), the layout `refimpl diff` reads as step k."""
+    import json
+    manifest = json.loads((golden / "manifest.json").read_text())
+    session = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}[device](
+        with_outputs(qm, quantiser_taps(qm)))
+    outs = D.genie_names(case.model.config)[1]
+
+    def graph(inputs, k):
+        values = run(session, inputs)
+        write_dump(qm, values, directory / str(k))
+        return {o: values[o] for o in outs}, {}
+    D.run_genie(graph, case.model.config, [(s["graph"], s["tokens"]) for s in manifest["steps"]],
+                manifest["convention"]["params"])
+    return directory
+
+
 def diff_matrix(archs, mixes, root: Path, faults: bool = True) -> None:
     """`python tests/e2e/quantised.py diff [ARCH,...] [MIX,...] [DIR]`: the table of docs/htp.md §9 (refimpl's
     diff of quantised runs): per model x mix (QNN QDQ config), each device's honest run and the planted faults

@@ -16,6 +16,8 @@ faults on the HTP with its arithmetic ~6 s, the honest W4A16 run with it ~1.3 s,
 sweeps 6-15 s. MoE and Qwen3.5 are measured by `python tests/e2e/quantised.py [diff]` (their exports take 1-2 min
 each), not here."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -440,6 +442,41 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_every_tensor_of_its_hone
     d = Q.diff(f, q, path, dumps["htp"], root / "htp-arithmetic.json")
     assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) > 80, (d.first, d.excess)
     assert sum(c == 1.0 for c in d.codes.values()) >= 75, d.codes
+
+
+@pytest.mark.device_matrix   # a calibration with filled caches, three HTP calls on two models, goldens, diffs: ~10 s
+def test_refimpl_diff_with_the_htps_arithmetic_explains_a_padded_prompt_and_two_decode_calls(diffed):
+    """The genie calls a bring-up engineer's device runs, not only one full chunk: a 7-token prompt (one pad slot
+    in the AR = 8 chunk) and two decode calls of the same graph fed one token each, whose attention reads the KV
+    cache the host carried over (quantised.genie_dumps: the HTP session run in order). Against the golden with the
+    HTP's arithmetic over the same calls (`--decode-steps 2 --decode-ar 8`): every tensor of every call explained,
+    on the session's model (its cache encoding calibrated on empty caches zeroes the cache, on the HTP and in the
+    golden: measured 273 of 273, codes identical at 219 of 246 taps) and on the model calibrated with filled caches
+    too (quantised.cache_feeds: measured 273 of 273, 246 of 246; 115 of 273 before the cache was held as the HTP's
+    float16 copy, the first excess layer 0's attn_output of the first decode call)."""
+    import dataclasses
+
+    import htp_runs
+    case, qm, qdq, f, _, _, root = diffed
+    args = ("--input-ids", ",".join(map(str, htp_runs.PROMPT)), "--convention", "genie", "--ar", Q.GENIE["ar"],
+            "--cl", Q.GENIE["cl"], "--mask-floor", Q.GENIE["mask_floor"], "--decode-ar", Q.GENIE["ar"],
+            "--decode-steps", 2, "-q", "--overwrite")
+    checkpoint = case.path.parent / "checkpoint"
+    cached = root / "qdq_w8a16_cache.onnx"
+    models = {"prompts": (qm, qdq),
+              "cache": (Q.quantise_qdq(dataclasses.replace(case, feeds=case.feeds + Q.cache_feeds(case)), "w8a16",
+                                       cached), cached)}
+    for name, (model, path) in models.items():
+        q, f = root / f"golden-htp-decode-{name}", root / f"golden-float-decode-{name}"
+        assert Q.cli("golden", "--model", checkpoint, *args, "--encodings", path, "--codes", "--device-arithmetic",
+                     "htp", "--out", q) == 0
+        assert Q.cli("golden", "--model", checkpoint, *args, "--follow", q, "--out", f) == 0
+        dump = Q.genie_dumps(case, model, q, root / f"dump-decode-{name}")
+        assert sorted(p.name for p in dump.iterdir()) == ["0", "1", "2"]
+        d = Q.diff(f, q, path, dump, root / f"htp-decode-{name}.json")
+        report = json.loads((root / f"htp-decode-{name}.json").read_text())
+        assert {r["key"].split("/")[0] for r in report["results"]} == {"0", "1", "2"} and len(report["results"]) > 240
+        assert d.exit_code == 0 and {r["status"] for r in report["results"]} == {"pass"}, (name, d.first, d.excess)
 
 
 @pytest.mark.device_matrix   # one more HTP run of the dense model (W4A16) and its diff: ~5-10 s

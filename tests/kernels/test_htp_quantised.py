@@ -793,3 +793,45 @@ def test_gated_attentions_sigmoid_reads_the_gate_half_of_q_projs_codes():
         got[told] = e_s.codes(q.at(f"{p}.gated_output")("sigmoid", 1 / (1 + np.exp(-gate))))
     assert np.array_equal(got[True], want)
     assert not np.array_equal(got[False], want)
+
+
+# --- the genie KV cache the host feeds float (tests/fixtures/quantised/tiny-qwen3-htp-w8a16-cache-codes.npz: the same
+# simulator, the dense W8A16 QNN QDQ model calibrated with filled caches (3 prompts, each as a 4-token chunk, a
+# 4-token chunk reading it and 2 decode calls of the AR = 8 graph): per layer and key / value, "x" the host's float
+# copy of the 7-token prompt call's past_*_out (real slots, [Hkv, 7, D]), "input" the first decode call's codes at
+# that cache input's quantiser, "concat" its Concat's codes of those cached slots; "enc" (s_in, z_in, s_cat, z_cat))
+
+HTP_CACHE = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-htp-w8a16-cache-codes.npz"
+
+
+def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_copy():
+    """The cache input's quantiser: the float16 copy times float32(1 / s) rounded, 3577 of 3584 codes (the 7 others
+    ties float32 rounds the other way, 1 code), every one in layer 0; the exact quantisation of the host's float32
+    under 40 %. The Concat with the new entries quantises the float16 copy into its own encoding (99.5 % at least per
+    tensor), not the input quantiser's codes requantised (under 99.4 % in layers 1-3, where the encodings differ).
+    Quantisers under the HTP's arithmetic: a past_keys point records those codes and passes the float16 copy on,
+    clipped to the quantiser's range only where 1 / s leaves float16 (the empty-cache encoding)."""
+    with np.load(HTP_CACHE) as f:
+        c = {k: f[k] for k in f.files}
+    same, total = 0, 0
+    for k in (f"{kind}{i}" for i in range(4) for kind in ("key", "value")):
+        x, (s, z, sc, zc) = c[f"{k}_x"], c[f"{k}_enc"]
+        q = H.quantize_float16(x, (s, int(z)))
+        same, total = same + int((q == c[f"{k}_input"]).sum()), total + q.size
+        assert np.abs(q - c[f"{k}_input"]).max() <= 1 and (k[-1] != "0" or np.array_equal(q, c[f"{k}_input"])), k
+        assert (np.clip(np.rint(x.astype(np.float64) / s) + z, 0, 65535) == c[f"{k}_input"]).mean() < 0.4, k
+        via = H.quantize_float16(((q - int(z)) * np.float32(s)).astype(np.float32), (sc, int(zc)))   # requantised
+        assert (H.quantize_float16(x, (sc, int(zc))) == c[f"{k}_concat"]).mean() >= 0.995, k
+        assert k[-1] == "0" or (via == c[f"{k}_concat"]).mean() < 0.994, k
+    assert same == 3577 and total == 3584
+    e = enc(float(c["key1_enc"][0]), int(c["key1_enc"][1]))
+    for arithmetic in ("htp", None):
+        qs = Quantisers(points={"n": {"past_keys": e}}, arithmetic=arithmetic)
+        qs.record = {}
+        y = qs.quantise("n/past_keys", e, c["key1_x"])
+        codes = e.codes(qs.record["n/past_keys"] if arithmetic else y)
+        assert np.array_equal(y, c["key1_x"].astype(np.float16).astype(np.float32)) == (arithmetic == "htp")
+        assert ((codes == c["key1_input"]).mean() > 0.99) == (arithmetic == "htp"), arithmetic
+    empty = enc(1.5259022e-09, 0)   # a cache encoding calibrated on empty caches: [0, 1e-4], 1 / s beyond float16
+    y = Quantisers(points={"n": {"past_keys": empty}}, arithmetic="htp").quantise("n/past_keys", empty, c["key1_x"])
+    assert y.min() == 0 and np.isclose(y.max(), 65535 * np.float32(1.5259022e-09)) and (c["key1_x"] < 0).any()
