@@ -65,6 +65,11 @@ class Encoding:
     stored_transposed: bool = False
 
     @property
+    def scale_zero(self) -> tuple:
+        """(scale, zero point): the pair a device kernel takes (kernels/htp_quantised.py); the zero point is -offset."""
+        return self.scale, -np.asarray(self.offset)
+
+    @property
     def qrange(self) -> tuple[int, int]:
         """(qmin, qmax) of the integer codes."""
         if self.signed:

@@ -1127,10 +1127,15 @@ def softplus(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 #     q = clip(round_half_even(float32(float16(x)) float32(1 / s)) + z, 0, 2^16 - 1)
 
 
+def float16_copy(x) -> np.ndarray:
+    """x as the HTP holds a value it computes or moves in float16: rounded to float16 (RNE), as float32."""
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
 def quantize_float16(x, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's quantisation of a float value it holds in float16.  x: float32 values; out: (scale, zero point).
     -> int64 codes."""
     s, z = out
-    x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)          # the device's float16 copy
+    x16 = float16_copy(x)                                                          # the device's float16 copy
     inv = np.float32(np.float32(1) / np.float32(s))                                # float32(1 / s)
     return np.clip(np.rint(x16 * inv).astype(np.int64) + np.int64(z), *qrange)      # round(x16 / s) + z, saturated

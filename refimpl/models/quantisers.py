@@ -336,7 +336,7 @@ class Quantisers:
         op = self.op(name) if self.ops else None
         y = self._device(name, chain[0], x) if op else None
         if y is None and op and self.arithmetic in DEVICE_FLOAT16_FLOAT_INPUTS and self._float_input(name, op[1]):
-            y = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # computed in float16
+            y = htp_quantised.float16_copy(x).astype(np.asarray(x).dtype, copy=False)   # computed in float16
         self.given.pop(name, None)
         if self.record is not None:        # a device op's value is the device's (its codes those of its quantiser)
             self.record[name] = np.array(x if y is None else y, copy=True)
@@ -349,7 +349,7 @@ class Quantisers:
         moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
         for e, op in zip(chain, moves or (None,) * len(chain)):
             if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
-                x = np.asarray(x, np.float32).astype(np.float16).astype(np.float32)   # the device's float16 copy
+                x = htp_quantised.float16_copy(x)                                        # the device's float16 copy
             x = self._rnd(e.apply(x))
         base, _, t = name.rpartition("@")
         if name in self._holds or (t.isdigit() and base in self._holds):
@@ -368,8 +368,8 @@ class Quantisers:
         range (a cache encoding calibrated on empty caches: [0, 1e-4], s = 1.5e-9) is not folded so: the Concat reads
         the value clipped to that range (every code of such a model's decode calls: the cache zeroed; where between
         s = 1.5e-9 and 1e-4 the HTP changes over is not measured)."""
-        x16 = np.asarray(x, np.float32).astype(np.float16).astype(np.asarray(x).dtype)   # the device's float16 copy
-        q = htp_quantised.quantize_float16(x, (enc.scale, -np.asarray(enc.offset)))     # its quantiser's codes
+        x16 = htp_quantised.float16_copy(x).astype(np.asarray(x).dtype, copy=False)   # the device's float16 copy
+        q = htp_quantised.quantize_float16(x, enc.scale_zero)                             # its quantiser's codes
         y = enc.dequantize(q).astype(x16.dtype, copy=False)
         self.given.pop(name, None)
         if self.record is not None:
@@ -410,7 +410,7 @@ class Quantisers:
                                                                                          if h[0] is not None))):
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
-        encs = [(h[1].scale, -np.asarray(h[1].offset)) for h in held]                 # (scale, zero point) each
+        encs = [h[1].scale_zero for h in held]                                        # (scale, zero point) each
         for j, i in enumerate(inputs):     # a Sigmoid's codes at the device's encoding (DEVICE_SIGMOID_CODES)
             if i.partition("@")[0] in self.sigmoids:
                 if "@" in i:               # a token of it: the device graph's Gather moves it into its encoding
@@ -426,14 +426,14 @@ class Quantisers:
             if operands is None:
                 return None
             codes, put = operands
-            q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            q = DEVICE_OPS[self.arithmetic]["MatMul16"](codes, encs, enc.scale_zero)
             return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
         if op == "Conv":                   # the depthwise conv over [state | x] ([B, C, S + T]) into [B, T, C]
             operands = conv_operands(codes, np.shape(x))
             if operands is None:
                 return None
             codes, put = operands
-            q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+            q = DEVICE_OPS[self.arithmetic][op](codes, encs, enc.scale_zero)
             return enc.dequantize(put(q)).astype(np.asarray(x).dtype, copy=False)
         if op in BROADCASTING:             # an input held before a split of its last axis (q_proj's [B, T, H D]
             codes = [c.reshape(np.shape(x)) if np.size(c) == np.size(x) and np.shape(c) != np.shape(x)   # as
@@ -450,13 +450,13 @@ class Quantisers:
         c0 = np.shape(codes[0])
         axes = [a for a in range(len(c0)) if c0[:a] + c0[a + 1:] == np.shape(x)]     # the axis a sum removes
         if op == "ReduceSum" and given is not None and axes:   # a per-token sum over its kernel's axis (S^T k: Dk)
-            q = htp_quantised.reduce_sum(codes[0], encs[0], (enc.scale, -np.asarray(enc.offset)), axes[0], False)
+            q = htp_quantised.reduce_sum(codes[0], encs[0], enc.scale_zero, axes[0], False)
             return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
         if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
             return None                                                             # modelled (htp_quantised.softmax)
-        q = DEVICE_OPS[self.arithmetic][op](codes, encs, (enc.scale, -np.asarray(enc.offset)))
+        q = DEVICE_OPS[self.arithmetic][op](codes, encs, enc.scale_zero)
         shape = np.shape(x)                # the inputs may be held with axes split or merged (q_proj's [B, T, H D]
         if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
             return None                    # Hq/Hkv, T, L] for [B, Hq, T, L]); transposed, it is not the op's
@@ -495,8 +495,8 @@ class Quantisers:
         qx = qx if qx.shape[0] == np.shape(x)[0] else qx[sel["tokens"]]                # expert e's tokens
         if qx.shape != (np.shape(x)[0], w[0].shape[1]) or np.shape(x)[-1] != w[0].shape[0]:
             return None
-        q = DEVICE_OPS[self.arithmetic]["ExpertMatMul"]([w[0], qx.T], [w[1], (held[1].scale, -np.asarray(
-            held[1].offset))], (enc.scale, -np.asarray(enc.offset))).T                  # [n_e, out]
+        q = DEVICE_OPS[self.arithmetic]["ExpertMatMul"]([w[0], qx.T], [w[1], held[1].scale_zero],
+                                                        enc.scale_zero).T                       # [n_e, out]
         return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
 
     def _expert_weight(self, name: str, e: int):
@@ -511,7 +511,7 @@ class Quantisers:
             return None
         enc = chain[-1]                                                 # one encoding per tensor: every expert's
         codes = np.concatenate([enc.codes(np.asarray(self._weight(n)[0], np.float32)) for n in parts])   # [out, in]
-        return codes, (enc.scale, -np.asarray(enc.offset))
+        return codes, enc.scale_zero
 
     def input(self, module: str, x: np.ndarray, i: int = 0) -> np.ndarray:
         enc = self.inputs.get((module, i)) if self.inputs else None
