@@ -1,8 +1,6 @@
 """The CLI: useful output, and one-line errors with exit status 2."""
 
 import json
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -41,10 +39,15 @@ def test_run_prints_top_tokens(capsys):
     (["run", "tiny-qwen3", "--input-ids", "1", "--weights", "int5-per-channel-qnn"], "precision weights"),
     (["run", "tiny-qwen3", "--input-ids", "1", "--encodings", "no/such.json"], "no such file (encodings file)"),
 ])
-def test_bad_arguments_exit_2_with_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "refimpl.cli", *argv], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_arguments_exit_2_with_one_line(argv, message, capfd):
+    """Through main() in this process (tests/test_cli_errors.py runs the CLI as a process too)."""
+    try:
+        status = main(argv)
+    except SystemExit as e:   # argparse's own errors
+        status = e.code
+    err = capfd.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
 
 
 def test_golden_records_the_precision_policy(tmp_path, capsys):

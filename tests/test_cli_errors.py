@@ -127,16 +127,39 @@ def test_every_subcommand_is_listed():
     assert set(sub.choices) == set(CASES)
 
 
+def _in_a_process(argv) -> bool:
+    """The first case of each subcommand and every named-pipe case run as `python -m refimpl` (the process path,
+    with a timeout should the pipe ever be opened); the others through main() in this process (the same code,
+    without a second of interpreter start-up and imports each)."""
+    return any(argv == cases[0] for cases in CASES.values()) or any("{fifo}" in a for a in argv)
+
+
+def _run(case, paths, work, capfd, monkeypatch) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the CLI given a case's arguments (their {names} from paths), run in the
+    directory `work`."""
+    argv = [a.format(**paths) for a in case]
+    if _in_a_process(case):
+        proc = subprocess.run([sys.executable, "-m", "refimpl", *argv], cwd=work, capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+        return proc.returncode, proc.stdout, proc.stderr
+    monkeypatch.chdir(work)
+    capfd.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as e:   # argparse's own errors
+        status = e.code
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
 @pytest.mark.parametrize("argv", [a for cases in CASES.values() for a in cases], ids=lambda a: " ".join(a)[:70])
-def test_bad_arguments_exit_2_with_one_line_and_write_nothing(argv, inputs, tmp_path):
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(argv, inputs, tmp_path, capfd, monkeypatch):
     root, paths = inputs
     before = _tree(root)
     work = tmp_path / "work"
     work.mkdir()
-    argv = [a.format(**paths) for a in argv]
-    proc = subprocess.run([sys.executable, "-m", "refimpl", *argv], cwd=work, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
-    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
-    assert proc.stderr.startswith("refimpl: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    status, out, err = _run(argv, paths, work, capfd, monkeypatch)
+    assert (status, out) == (2, ""), err
+    assert err.startswith("refimpl: error: ") and err.count("\n") == 1, err
     assert list(work.iterdir()) == []
     assert _tree(root) == before
