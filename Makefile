@@ -44,13 +44,17 @@ demo: $(VENV)/.runtime
 # two pytest workers on two cores: one BLAS / OpenMP thread each (oversubscribed OpenBLAS threads spin and
 # slow everything down many times over); --dist loadgroup keeps the blocks of one documentation page on one worker
 # (tests/test_doc_blocks.py: a page's blocks build on each other), every other test is spread as before
+# refimpl's sources byte-compiled once: where PYTHONDONTWRITEBYTECODE is set (as on the developers' machine) every
+# `refimpl` process the tests start would otherwise compile them again (~0.2 s a process, hundreds of processes)
 test: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
+	$(PY) -m compileall -q refimpl tests
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q
 
 # the rest of the device matrix (pyproject's `device_matrix` marker): every architecture, graph form and planted fault
 # on Qualcomm's HTP simulator, beside the one of each kind `make test` runs (~25 min on 2 cores; docs/testing.md)
 test-devices: $(VENV)/.dev
+	$(PY) -m compileall -q refimpl tests
 	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup -q -m device_matrix \
 		tests/e2e
 
