@@ -124,7 +124,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
 
     n    = |q_a - z_a|, halved (floor) at n >= 2^15 (g = 1, else 0)   the numerator's magnitude, 15 bits
     k    = floor(log2 n)
-    K    = s_a / (s_b s_o) = K_m 2^e_K, K_m a 15-bit integer (rounded half up)
+    K    = s_a (1 / s_b) (1 / s_o) in float32 (one rounding per operation) = K_m 2^e_K, K_m a 15-bit integer
+           (rounded half up; a mantissa rounding up to 2^15 is the next octave's 2^14: 14 bits)
     A    = floor(n K_m / 2^(k + 1) + 1/2)                  n K_m normalised to ~15 bits (K_m / 2 <= A <= K_m)
     R    = r 2^(e - 29) ~ 1 / n_b: n_b = q_b - z_b > 0 as m 2^-e, m in [2^15, 2^16); r = recip_mantissa(m >> 1):
            4 quadratic pieces per octave of m, evaluated in fixed point (RECIP_PIECES; 14 significant bits, within
@@ -458,8 +459,9 @@ def div(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16, constant
         c = (int(np.ravel(qb)[0]) - int(zb)) * np.float64(np.float32(sb))          # c = (q_c - z_c) s_c
         if c > 0 and abs(np.float64(np.float32(sa)) / (c * np.float64(np.float32(so))) - 1) < DIV_FOLDED_TOLERANCE:
             return np.asarray(qa, np.int64)                                         # q_o = q_a: folded
-    k_ratio = np.float64(np.float32(sa)) / (np.float64(np.float32(sb)) * np.float64(np.float32(so)))   # K
-    e_k = int(np.floor(np.log2(k_ratio))) - DIV_SCALE_BITS + 1
+    one = np.float32(1)
+    k_ratio = np.float64(np.float32(sa) * (one / np.float32(sb)) * (one / np.float32(so)))   # K = s_a (1/s_b) (1/s_o),
+    e_k = int(np.floor(np.log2(k_ratio))) - DIV_SCALE_BITS + 1                     # float32, one rounding per op
     k_m = int(np.floor(k_ratio / 2.0 ** e_k + 0.5))                                # K_m, 15 bits (rounded half up)
     if k_m >> DIV_SCALE_BITS:
         k_m, e_k = k_m >> 1, e_k + 1
