@@ -716,7 +716,8 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 # one-op graphs whose rows hold the maximum, a swept element and elements far enough below it to have no exp, each
 # row's reciprocal read off the maximum's output, the swept element's exp off its own): the exps are 15-bit integers,
 # the device's table of 2^-f at a Q16 fraction of y = (x_max - x) log2(e) shifted right by y's integer part; their sum
-# S, halved, indexes the device's reciprocal tables; each probability is E_i r floored, in units of 2^-16:
+# S, scaled by the output scale's mantissa (halved at (1 / 65535, 0)), indexes the device's reciprocal tables; each
+# probability is E_i r floored, shifted by the output scale's exponent (in units of 2^-16 at (1 / 65535, 0)):
 #
 #     n_i = q_max - q_i                                     the row's steps below its maximum (integers)
 #     M   = floor(s_x log2(e) 2^(22 - k)) 2^k               y's multiplier, Q22 truncated to a 16-bit mantissa (k the
