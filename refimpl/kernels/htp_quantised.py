@@ -124,7 +124,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
 
     n    = |q_a - z_a|, halved (floor) at n >= 2^15 (g = 1, else 0)   the numerator's magnitude, 15 bits
     k    = floor(log2 n)
-    K    = s_a / (s_b s_o) = K_m 2^e_K, K_m a 15-bit integer (rounded half up)
+    K    = s_a (1 / s_b) (1 / s_o) in float32 (one rounding per operation) = K_m 2^e_K, K_m a 15-bit integer
+           (rounded half up; a mantissa rounding up to 2^15 is the next octave's 2^14: 14 bits)
     A    = floor(n K_m / 2^(k + 1) + 1/2)                  n K_m normalised to ~15 bits (K_m / 2 <= A <= K_m)
     R    = r 2^(e - 29) ~ 1 / n_b: n_b = q_b - z_b > 0 as m 2^-e, m in [2^15, 2^16); r = recip_mantissa(m >> 1):
            4 quadratic pieces per octave of m, evaluated in fixed point (RECIP_PIECES; 14 significant bits, within
@@ -458,8 +459,9 @@ def div(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16, constant
         c = (int(np.ravel(qb)[0]) - int(zb)) * np.float64(np.float32(sb))          # c = (q_c - z_c) s_c
         if c > 0 and abs(np.float64(np.float32(sa)) / (c * np.float64(np.float32(so))) - 1) < DIV_FOLDED_TOLERANCE:
             return np.asarray(qa, np.int64)                                         # q_o = q_a: folded
-    k_ratio = np.float64(np.float32(sa)) / (np.float64(np.float32(sb)) * np.float64(np.float32(so)))   # K
-    e_k = int(np.floor(np.log2(k_ratio))) - DIV_SCALE_BITS + 1
+    one = np.float32(1)
+    k_ratio = np.float64(np.float32(sa) * (one / np.float32(sb)) * (one / np.float32(so)))   # K = s_a (1/s_b) (1/s_o),
+    e_k = int(np.floor(np.log2(k_ratio))) - DIV_SCALE_BITS + 1                     # float32, one rounding per op
     k_m = int(np.floor(k_ratio / 2.0 ** e_k + 0.5))                                # K_m, 15 bits (rounded half up)
     if k_m >> DIV_SCALE_BITS:
         k_m, e_k = k_m >> 1, e_k + 1
@@ -714,7 +716,8 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 # one-op graphs whose rows hold the maximum, a swept element and elements far enough below it to have no exp, each
 # row's reciprocal read off the maximum's output, the swept element's exp off its own): the exps are 15-bit integers,
 # the device's table of 2^-f at a Q16 fraction of y = (x_max - x) log2(e) shifted right by y's integer part; their sum
-# S, halved, indexes the device's reciprocal tables; each probability is E_i r floored, in units of 2^-16:
+# S, scaled by the output scale's mantissa (halved at (1 / 65535, 0)), indexes the device's reciprocal tables; each
+# probability is E_i r floored, shifted by the output scale's exponent (in units of 2^-16 at (1 / 65535, 0)):
 #
 #     n_i = q_max - q_i                                     the row's steps below its maximum (integers)
 #     M   = floor(s_x log2(e) 2^(22 - k)) 2^k               y's multiplier, Q22 truncated to a 16-bit mantissa (k the
@@ -725,26 +728,30 @@ def matmul16(qa, a: tuple, qb, b: tuple, out: tuple, qrange: tuple = UINT16) -> 
 #     E_i = T(f_i) >> i_i                                   T: the device's table (SOFTMAX_EXP_TABLE, T(0) = 32767,
 #                                                           within -2.3..+1.9 of 32768 2^-f: four smooth quadratic
 #                                                           pieces per octave, their fixed-point form not found)
-#     S   = sum_i E_i,  h = floor(S / 2) in [2^(14 + l), 2^(15 + l))     the half-sum and its level l
-#     q_i = floor(E_i R_l(h) / 2^(13 + 2 l))                l = 0, 1, 2: R_0 ~ 2^28 / h, R_1 ~ 2^30 / h, R_2 ~ 2^32 / h
-#           floor(E_i R_3(h) / 2^18)                        l = 3: R_3 ~ 2^33 / h (S < 2^19): the device's tables
-#                                                           (SOFTMAX_RECIP_TABLES), each of all of h's bits
-#           floor(E_i floor(2^(30 + l) / h) / 2^(15 + l))   l >= 4 (S >= 2^19, sixteen maxima's worth): NOT the
-#                                                           device's (its 16-bit reciprocal of all of h's bits, not
-#                                                           tabulated: 99.1 % of level-4 rows' reciprocals, max 1 code)
-#     q_o = clip(q_i + z_o, 0, 2^16 - 1)                    at K = 2^-16 / s_o = 1 as a 15-bit mantissa (s_o =
-#                                                           1 / 65535, ONNX Runtime's QNN config)
-#     q_o = clip(floor(E_i R K / 2^shift) + z_o, 0, 2^16 - 1)     another output encoding (aimet-onnx's routers,
-#                                                           s_o ~ 1.07e-5: K ~ 1.43): the product E_i R times K, then
-#                                                           floored once (the codes floor(q_i K), floored twice, were
-#                                                           34 % of the device's, every one of them at most one
-#                                                           below: the codes "offset by +1"). NOT the device's: 75-87
-#                                                           % of codes on 6 output encodings (K 0.49-1.70, 4096 random
-#                                                           rows of 8 each at aimet's router input encoding), the rest
-#                                                           within 1 at level 2, up to 4-6 at level 0: the device's
-#                                                           reciprocal at another K is not R_l(h) K (read off the
-#                                                           rows' maxima, E = 32767: 20-35 % at level 0, 73-85 % at
-#                                                           level 2), not found
+#     S   = sum_i E_i                                       the exps' sum
+#     m   = floor(mu 2^16),  s_o = mu 2^e, mu in [1/2, 1)   the output scale's mantissa, 16 bits truncated
+#     h   = floor(S m / 2^16) in [2^(14 + l), 2^(15 + l))   the sum scaled by it (at s_o = 1 / 65535 or 2^-16, m =
+#                                                           2^15: h = floor(S / 2), the half-sum) and its level l
+#     c   = 13 + 2 l (l <= 2), 18 (l = 3), 15 + l (l >= 4)  the level's shift
+#     q_i = floor(E_i R_l(h) / 2^(c + 15 + e))              l = 0, 1, 2: R_0 ~ 2^28 / h, R_1 ~ 2^30 / h, R_2 ~ 2^32 / h
+#                                                           l = 3: R_3 ~ 2^33 / h (h < 2^18): the device's tables
+#                                                           (SOFTMAX_RECIP_TABLES), each of all of h's bits; l >= 4
+#                                                           (h >= 2^18, sixteen maxima's worth at s_o = 2^-16) R_l =
+#                                                           floor(2^(30 + l) / h): NOT the device's (its 16-bit
+#                                                           reciprocal of all of h's bits, not tabulated: 99.1 % of
+#                                                           level-4 rows' reciprocals, max 1 code)
+#     q_o = clip(q_i + z_o, 0, 2^16 - 1)
+#
+#     so the output encoding enters twice: its mantissa scales the sum before the reciprocal (its 16 bits truncated),
+#     its exponent e the final shift (a left shift where c + 15 + e < 0). At ONNX Runtime's QNN encoding (1 / 65535,
+#     0) and at (2^-16, 0) that is the half-sum's reciprocal; at aimet-onnx's calibrated router encodings (s_o
+#     8.3e-6 to 1.17e-5) the sum is scaled by 0.55-0.77 first (found on rows of 16 and 64 exps at s_o 1.07e-5, each
+#     row's reciprocal the one integer that fits all its codes: R_1(floor(S m / 2^16)) every one at level 0; every
+#     code of 15 output encodings' sweeps where h < 2^18, s_o 7e-6 to 4e-5; the product E R_l(h / 2) times 2^-16 /
+#     s_o floored once, the model before, 75-87 %, the codes at (2^-16, 0) requantised with an int16 multiplier
+#     rounded half up 33-67 %). Where two reciprocals gave the same codes for every 15-bit exp at s_o = 2^-16 (12
+#     entries of R_2, 43 of R_3) the tables hold the device's as read at s_o = 0.75 2^-18 (a shift 3 bits lower):
+#     the higher one at 23 of them (SOFTMAX_RECIP_HIGHER)
 #
 # The tables (T at every f, R_l at every h of its level) were read off the simulator (646,000 exps at 160
 # multipliers: one value per Q16 fraction, conflicts at Q15; R_2 and R_3 from 1 and 3.8 million random rows), not
@@ -757,11 +764,12 @@ SOFTMAX_MULTIPLIER_BITS = 16      # truncated to a 16-bit mantissa
 SOFTMAX_FRACTION_BITS = 16        # T's index: y's fraction in Q16
 SOFTMAX_EXP_BITS = 15             # the exps: 15-bit integers, the row's maximum 2^15 - 1
 SOFTMAX_RECIP_SHIFT = 13          # level l's probabilities E R_l(h) / 2^(13 + 2 l), l <= 2; 2^(15 + l) above
+SOFTMAX_SCALE_BITS = 16           # the output scale's mantissa m scaling the sum: 16 bits, truncated
 # The tables as their successive decreases (bytes, zlib, base64), read off the simulator (module comment above):
 # T(f) for f = 0..2^16 - 1 from 32767; R_0(h) for h = 2^14 - 1..2^15 - 1 from 16384 (S = 32767, a lone maximum,
 # has h = 2^14 - 1); R_1(h) for h = 2^15..2^16 - 1 from 32767; R_2(h) for h = 2^16..2^17 - 1 and R_3(h) for
 # h = 2^17..2^18 - 1 from 65534 (R_2 and R_3 near the ratios' exact values hold either of two reciprocals that give
-# the same codes for every 15-bit exp: the lower one).
+# the same codes for every 15-bit exp at s_o = 2^-16: the lower one, SOFTMAX_RECIP_HIGHER's 23 read since).
 SOFTMAX_EXP_STEPS = (
     "eNrtWIlyGzcMlf3/H91x26S2RRLvAkk5nUyStZYE3gXuWo+3x8efx8fft4//f198/H1/fLr4+8O3Txe/tn3Z/2XVr21f9v/T5ff+t38/WOFACno8SE"
     "BPBf+r7O6HAM0lHzj0rdDTfgfZtDKUHY0i5WaVJiIWhIpEISL5KlZilrLsn8MU955Dz4F9N92cN20sTfFZlgYOGduOnC+Oiu3N2Fiw+ZC7AqmU28/D"
@@ -886,6 +894,12 @@ SOFTMAX_RECIP_TABLES = (_stepped_table(SOFTMAX_RECIP0_STEPS, 2 ** 14),          
                         _stepped_table(SOFTMAX_RECIP1_STEPS, 2 ** 15 - 1),              # R_1(h), h >= 2^15
                         _stepped_table(SOFTMAX_RECIP2_STEPS, 2 ** 16 - 2),              # R_2(h), h >= 2^16
                         _stepped_table(SOFTMAX_RECIP3_STEPS, 2 ** 16 - 2))              # R_3(h), h >= 2^17
+# The reciprocals one above the tables' reading (the lower of two that give the same codes at s_o = 2^-16; read at
+# s_o = 0.75 2^-18, where the shift is 3 bits lower): R_2 at h = 65536-65537, 98300-98301, 131067-131069; R_3 above.
+SOFTMAX_RECIP_HIGHER = (65536, 65537, 98300, 98301, 131067, 131068, 131069, 131072, 131073, 131074, 163834, 163835,
+                        163836, 196600, 196601, 196602, 196603, 229372, 229373, 229374, 229375, 229376, 229377)
+for _h in SOFTMAX_RECIP_HIGHER:
+    SOFTMAX_RECIP_TABLES[_h.bit_length() - 15][_h - 2 ** (_h.bit_length() - 1)] += 1   # R_2 (h < 2^17), R_3
 
 
 def softmax_multiplier(sx: float) -> int:
@@ -906,7 +920,9 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
     f = (y >> (SOFTMAX_Y_BITS - SOFTMAX_FRACTION_BITS)) & ((1 << SOFTMAX_FRACTION_BITS) - 1)   # f_i in Q16
     e_x = SOFTMAX_EXP_TABLE[f] >> i                                                 # E_i = T(f_i) >> i_i
     s = e_x.sum(axis=-1, keepdims=True)                                             # S
-    h = s >> 1                                                                      # h = floor(S / 2)
+    mu, e_o = np.frexp(np.float64(np.float32(so)))                                  # s_o = mu 2^e, mu in [1/2, 1)
+    m = int(np.floor(mu * 2.0 ** SOFTMAX_SCALE_BITS))                               # m = floor(mu 2^16)
+    h = (s * m) >> SOFTMAX_SCALE_BITS                                               # h = floor(S m / 2^16)
     level = np.zeros_like(h)
     while ((h >> level) >= 1 << 15).any():
         level = np.where((h >> level) >= 1 << 15, level + 1, level)                # h in [2^(14 + l), 2^(15 + l))
@@ -916,11 +932,8 @@ def softmax(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) ->
         first = 2 ** 14 - 1 if lv == 0 else 2 ** (14 + lv)
         r = np.where(level == lv, table[np.clip(h - first, 0, len(table) - 1)], r)   # R_l(h)
         shift = np.where(level == lv, SOFTMAX_RECIP_SHIFT + min(2 * lv, lv + 2), shift)   # 13 + 2 l; 18 at l = 3
-    k = mantissa(2.0 ** -16 / np.float64(np.float32(so)), SQRT_SCALE_BITS)          # K, a 15-bit mantissa
-    if k == 1.0:
-        y_o = (e_x * r) >> shift                                                    # E R_l(h) / 2^shift
-    else:                                                                           # another output encoding
-        y_o = np.floor(e_x * r * k / 2.0 ** shift).astype(np.int64)                # E R K / 2^shift (not the device's)
+    shift = shift + SOFTMAX_EXP_BITS + e_o                                          # c + 15 + e
+    y_o = np.where(shift >= 0, (e_x * r) >> np.maximum(shift, 0), (e_x * r) << np.maximum(-shift, 0))  # E R / 2^shift
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)              # q_o, saturated
 
 

@@ -835,3 +835,58 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
     empty = enc(1.5259022e-09, 0)   # a cache encoding calibrated on empty caches: [0, 1e-4], 1 / s beyond float16
     y = Quantisers(points={"n": {"past_keys": empty}}, arithmetic="htp").quantise("n/past_keys", empty, c["key1_x"])
     assert y.min() == 0 and np.isclose(y.max(), 65535 * np.float32(1.5259022e-09)) and (c["key1_x"] < 0).any()
+
+
+# --- the MoE's routing under aimet-onnx's encodings (tests/fixtures/quantised/tiny-qwen3-moe-aimet-htp-softmax-div-
+# codes.npz: the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7.0. router_{w8a16,w4a16}_*: the tiny-qwen3-moe
+# preset's aimet-onnx W8A16 / W4A16 QDQ exports (tests/e2e/quantised.py, session 37's honest runs), the 4 router
+# Softmaxes' input and output codes as dumped ([4, 8, 8]; (s_x, z_x, s_o, z_o) per layer: aimet's calibrated output
+# scales 8.3e-6 to 1.17e-5); div_*: W4A16 layer 0's routing-weights Div, top-k values / their sum, as dumped
+# (s_a / (s_b s_o) = 65534.998: float32 65535.0); sweep_*: 512 rows of a one-op Softmax sweep at a held-out random
+# encoding (rows of 5, half of them masked); recip_*: one row of 64 exps per reciprocal SOFTMAX_RECIP_HIGHER corrects,
+# read at s_o = 0.75 2^-18; divsweep{0,1}_*: one-op Div graphs (numerators 0..65535 step 61 x 3 divisors) at scales
+# whose K's 15-bit mantissa sits on a half point, where float32 (s_a / s_b) (1 / s_o) and s_a (1 / s_b) (1 / s_o)
+# round apart; docs/htp.md §9)
+
+HTP_ROUTING = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-moe-aimet-htp-softmax-div-codes.npz"
+
+
+@pytest.fixture(scope="module")
+def routing_codes():
+    with np.load(HTP_ROUTING) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_the_htps_softmax_at_another_output_encoding_scales_the_sum_by_its_mantissa(routing_codes):
+    """aimet-onnx's 8 router Softmaxes on the HTP's own input codes, a held-out one-op sweep and the 23 corrected
+    reciprocals: every code (the model before, E R K floored once: 67-89 % of the routers' codes; the codes at
+    (2^-16, 0) times K floored: under 60 %)."""
+    c = routing_codes
+    for mix in ("w8a16", "w4a16"):
+        for x, y, (sx, zx, so, zo) in zip(c[f"router_{mix}_x"], c[f"router_{mix}_y"], c[f"router_{mix}_enc"]):
+            q = H.softmax(x.astype(np.int64), (sx, int(zx)), (so, int(zo)))
+            assert np.array_equal(q, y), (mix, so)
+            k = 2.0 ** -16 / np.float64(np.float32(so))
+            assert (np.floor(H.softmax(x.astype(np.int64), (sx, int(zx)), (2.0 ** -16, 0)) * k) == y).mean() < 0.6
+    for key in ("sweep", "recip"):
+        sx, zx, so, zo = c[f"{key}_enc"]
+        assert np.array_equal(H.softmax(c[f"{key}_x"].astype(np.int64), (sx, int(zx)), (so, int(zo))), c[f"{key}_y"])
+    assert len(H.SOFTMAX_RECIP_HIGHER) == len(c["recip_x"]) == 23
+
+
+def test_the_htps_div_takes_k_as_float32_s_a_times_the_reciprocals_of_s_b_and_s_o(routing_codes):
+    """W4A16 layer 0's routing Div on its own input codes, every code (the float64 ratio's K_m 32767: 2 of 16, up to 5
+    codes: the device's float32 65535.0 rounds to 2^15, the next octave's 14 bits); the two one-op sweeps at
+    half-point mantissas every code (where (s_a / s_b) (1 / s_o) rounds the other way)."""
+    c = routing_codes
+    sa, za, sb, zb, so, zo = c["div_enc"]
+    y = H.div(c["div_a"].astype(np.int64), (sa, int(za)), c["div_b"].astype(np.int64), (sb, int(zb)), (so, int(zo)))
+    assert np.array_equal(y, c["div_y"])
+    for i in (0, 1):
+        sa, za, sb, zb, so, zo = c[f"divsweep{i}_enc"]
+        qa, qb = c[f"divsweep{i}_a"].astype(np.int64)[None, :], c[f"divsweep{i}_b"].astype(np.int64)[:, None]
+        assert np.array_equal(H.div(qa, (sa, int(za)), qb, (sb, int(zb)), (so, int(zo))), c[f"divsweep{i}_y"]), i
+        f32 = np.float32
+        ks = [f32(sa) * (f32(1) / f32(sb)) * (f32(1) / f32(so)), (f32(sa) / f32(sb)) * (f32(1) / f32(so))]
+        m = [np.floor(np.float64(k) / 2.0 ** (np.floor(np.log2(k)) - 14) + 0.5) for k in ks]
+        assert m[0] != m[1], i                                       # the sweep tells the two orders apart
