@@ -69,6 +69,9 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softplus": lambda q, e, out: htp_quantised.softplus(q[0], e[0], out),
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
+                      "SoftmaxPair": lambda q, e, out: htp_quantised.softmax_pair(q[0], e[0], out),   # rows of 2
+                      # the values a TopK compares and returns (the whole row: its kernel selects; moe.route)
+                      "TopK": lambda q, e, out: htp_quantised.topk_values(q[0], e[0], out),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out),
                       "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out),
                       # the MoE's experts (section "MoE experts" below): W_e x as the device graph's batched MatMul of
@@ -155,7 +158,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                 if pt.onnx[0] == "ReduceSum" and pt.per_token and len(pt.inputs) == 1}     # "/o@*" -> "/S*q@*"
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
-            pt = next((f for f in pt.forms() if f.onnx[0] == forms.get(where)), pt)   # the device's form
+            pt = next((f for f in pt.forms()[1:] if f.onnx[0] == forms.get(where)), pt)   # the device's form
             if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
                     and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
                 declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
@@ -454,8 +457,10 @@ class Quantisers:
             return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
-        if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
-            return None                                                             # modelled (htp_quantised.softmax)
+        if op == "Softmax" and np.shape(codes[0])[-1] == 2:                       # the HTP's 2-element kernel
+            op = "SoftmaxPair"
+        if op == "Softmax" and np.shape(codes[0])[-1] < 2:
+            return None
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, enc.scale_zero)
         shape = np.shape(x)                # the inputs may be held with axes split or merged (q_proj's [B, T, H D]
         if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
@@ -563,6 +568,8 @@ class BlockHook:
         self.points = frozenset([n[cut:] for n in quantisers.outputs if n.startswith(prefix + ".")]
                                 + [f"{n[cut:]}/{p}" for n, h in quantisers.hooks.items() if n.startswith(prefix + ".")
                                    for p in h.points])
+        self.forms = {f"{n[cut:]}/{p}" if p else n[cut:]: op for n, h in quantisers.hooks.items()   # "node(/point)":
+                      if n.startswith(prefix + ".") for p, op in h.forms.items()}                  # its device form
 
     def __call__(self, point: str, value):
         if point not in self.points:
