@@ -182,11 +182,12 @@ def routing_as_topk_softmax(m) -> int:
     same function in the other order: TopK of the logits (its values quantised at the logits' own encoding), then
     Softmax over the k values (softmax over all experts, the top k renormalised, is the softmax of the k largest
     logits). The Softmax over all experts stays (the router's probabilities: its quantiser is a tap; no consumer);
-    the ReduceSum and its quantiser go. The routing weights' quantiser (the Div's, now the k-Softmax's, and the data
-    movement after it that shares its encoding) takes ROUTING_SOFTMAX_ENCODING, (1 / 65535, 0), the encoding QNN's
-    config gives every Softmax output (the HTP's Softmax writes p 2^16 codes there). The HTP computes the TopK of
-    the quantised Softmax from an fp16 softmax of the logits, not from the Softmax's codes (docs/htp.md §9, "The
-    MoE's routing on the HTP"); this form has no TopK of a Softmax. Applied to a QDQ model: returns the count."""
+    the ReduceSum and its quantiser go. The routing weights' quantiser (the Div's, now the k-Softmax's, and those of
+    the data movement after it: aimet-onnx gives them their own) takes ROUTING_SOFTMAX_ENCODING, (1 / 65535, 0), the
+    encoding QNN's config gives every Softmax output (the HTP's Softmax writes p 2^16 codes there). The HTP computes
+    the TopK of the quantised Softmax from an fp16 softmax of the logits, not from the Softmax's codes (docs/htp.md
+    §9, "The MoE's routing on the HTP"); this form has no TopK of a Softmax. Applied to a QDQ model: returns the
+    count."""
     producer = {o: n for n in m.graph.node for o in n.output}
     consumers = {}
     for n in m.graph.node:
@@ -221,8 +222,12 @@ def routing_as_topk_softmax(m) -> int:
             q.input[1:3] = logits.input[1:3]
         d = div[0]
         out = [c for c in consumers.get(d.output[0], ()) if c.op_type == "QuantizeLinear"]
-        for c in out:
-            renamed[c.input[1]], renamed[c.input[2]] = scale.name, zero.name
+        while len(out) == 1:                                        # its quantiser, and the data movement's after it
+            renamed[out[0].input[1]], renamed[out[0].input[2]] = scale.name, zero.name   # (aimet-onnx gives those
+            dq = [c for c in consumers.get(out[0].output[0], ()) if c.op_type == "DequantizeLinear"]   # their own)
+            moved = [c for c in consumers.get(dq[0].output[0], ()) if c.op_type in MOVES] if len(dq) == 1 else []
+            out = [c for c in consumers.get(moved[0].output[0], ()) if c.op_type == "QuantizeLinear"] \
+                if len(moved) == 1 else []
         d.op_type, d.input[:] = "Softmax", [dqv[0].output[0]]       # softmax over the k values
         d.attribute.append(onnx.helper.make_attribute("axis", -1))
         dead.update(id(x) for x in summed)
