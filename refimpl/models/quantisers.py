@@ -144,7 +144,7 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     Div by a constant of the graph (q / sqrt(D_k)) the op "DivConstant" (the HTP folds it where its output encoding is
     the input's / c). A per-token point's form is its instances' ("p@t" in forms); a per-token MatMul of two
     activations (k_t delta_t^T written [Dk, 1] x [1, Dv]) the op "MatMul16" on its operands as the kernel broadcasts
-    them."""
+    them. A TopK only in its other form (the MoE's top k of the logits, not of the Softmax's codes)."""
     ops = DEVICE_OPS[arithmetic]
     forms = dict(forms or {})
     for instance, op in list(forms.items()):   # a per-token point's instances "p@t": the form of p (its unrolled op)
@@ -159,6 +159,8 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
             pt = next((f for f in pt.forms()[1:] if f.onnx[0] == forms.get(where)), pt)   # the device's form
+            if pt.onnx[0] == "TopK" and forms.get(where) != "TopK":   # the top k of a Softmax's codes: the HTP's
+                continue                                              # reads an fp16 softmax instead (not modelled)
             if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
                     and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
                 declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
