@@ -898,8 +898,9 @@ def test_the_htps_softmax_of_two_is_its_cubic_exp_rounded_half_down():
 def test_the_moes_routing_in_its_topk_softmax_form_is_the_device_ops_and_the_same_routing():
     """The rewritten routing's forms (placement.forms: TopK of the logits, Softmax of the top k) make the device ops
     TopK on the router's logits and Softmax on the top-k codes; as declared, the Softmax over all experts -> TopK ->
-    ReduceSum -> Div. moe.route in that form chooses the same experts and weights (float: softmax of the top-k logits,
-    1 ulp from the renormalised probabilities)."""
+    ReduceSum -> Div, its TopK the HTP's of a Softmax (SoftmaxTopK: from the router's logits). moe.route in that
+    form chooses the same experts and weights (float: softmax of the top-k logits, 1 ulp from the renormalised
+    probabilities)."""
     from refimpl.kernels.activation import Unhooked
     from refimpl.kernels.moe import route
     from refimpl.models.config import config_from_dict
@@ -909,7 +910,7 @@ def test_the_moes_routing_in_its_topk_softmax_form_is_the_device_ops_and_the_sam
     plain = device_ops(nodes, "htp")
     forms = device_ops(nodes, "htp", {f"{p}.routing_weights/top-k": "TopK", f"{p}.routing_weights": "Softmax"})
     assert plain[f"{p}.routing_weights"] == ("Div", (f"{p}.routing_weights/top-k", f"{p}.routing_weights/sum"))
-    assert f"{p}.routing_weights/top-k" not in plain   # the TopK of the Softmax's codes: not the device's
+    assert plain[f"{p}.routing_weights/top-k"] == ("SoftmaxTopK", (f"{p}.router_logits",))   # not the probs' codes
     assert forms[f"{p}.routing_weights/top-k"] == ("TopK", (f"{p}.router_logits",))
     assert forms[f"{p}.routing_weights"] == ("Softmax", (f"{p}.routing_weights/top-k",))
 
