@@ -1231,3 +1231,30 @@ def test_the_htp_computes_the_routing_as_topk_softmax_as_its_topk_and_softmax_of
     w = htp_quantised.softmax_pair(got["v_q"].astype(np.int64), (sx, zx), (1 / 65535, 0))
     share, step = Q.codes_agreement(w, got["w_q"])
     assert share > 0.95 and step <= 1, (share, step)
+
+
+@pytest.mark.device_matrix   # the MoE's export, QNN W8A16 quantisation, two HTP runs, goldens and diffs: ~16 s
+def test_refimpl_diff_with_the_htps_arithmetic_explains_the_moe_past_its_routing(tmp_path):
+    """The tiny Qwen3-MoE quantised W8A16 (QNN QDQ) on the HTP: as exported, its TopK of the router Softmax reads a
+    float16 softmax of the logits (htp_quantised.softmax_topk, the device op SoftmaxTopK), and with the routing
+    rewritten as TopK of the logits -> Softmax over the k (routing_as_topk_softmax: the HTP's TopK of codes and its
+    Softmax of two): `refimpl diff` of each HTP run against the golden with the HTP's arithmetic explains every
+    tensor (measured on the /tmp/s37 export: 87 of 87 both, every tap's codes; as exported 31 of 87 before
+    SoftmaxTopK, the first excess layer 0's routing weights)."""
+    case = Q.float_case("moe", tmp_path / "case")
+    qm = Q.quantise_qdq(case, "w8a16")
+    rewritten = Q.onnx.ModelProto()
+    rewritten.CopyFrom(qm)
+    assert Q.routing_as_topk_softmax(rewritten) == 4
+    checkpoint, f = case.path.parent / "checkpoint", tmp_path / "golden-float"
+    assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--out", f) == 0
+    for name, model in (("exported", qm), ("rewritten", rewritten)):
+        path = tmp_path / f"qdq_w8a16_{name}.onnx"
+        Q.onnx.save(model, path)
+        dump = Q.device_dumps(case, model, tmp_path / name, devices=("htp",))["htp"]
+        golden = tmp_path / f"golden-{name}"
+        assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--encodings", path, "--codes",
+                     "--device-arithmetic", "htp", "--out", golden) == 0
+        d = Q.diff(f, golden, path, dump, tmp_path / f"{name}.json")
+        assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) == 87, (
+            name, d.first, d.excess.get(d.first))
