@@ -1152,3 +1152,91 @@ def quantize_float16(x, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
     x16 = float16_copy(x)                                                          # the device's float16 copy
     inv = np.float32(np.float32(1) / np.float32(s))                                # float32(1 / s)
     return np.clip(np.rint(x16 * inv).astype(np.int64) + np.int64(z), *qrange)      # round(x16 / s) + z, saturated
+
+
+# ------------------------------------------------------------------------------------- TopK, Softmax of two
+# The MoE's routing written as TopK of the router's logits, then Softmax over the k values (tests/e2e/quantised.py
+# `routing_as_topk_softmax`: the HTP's TopK of a quantised Softmax reads an fp16 softmax, not the Softmax's codes).
+#
+# TopK of uint16 codes (measured on one-op TopK(k = 2) graphs over rows of 8, 3 x 8192 rows at the QNN W8A16 router
+# encoding and at (3e-4, 30000), and on the 8 routers of the QNN W8A16 / W4A16 MoE dumps so rewritten): the HTP
+# compares and returns the values in float16. Each value (q - z) s in float32 rounded to float16, requantised into
+# the values' encoding rounded half up; the order by those float16 values, exact ties the higher index first (100 %
+# of the indices of the three sweeps, the 34 % of rows whose float16 values tie included; the values 99.96 % and 100 %
+# of two sweeps, 99.2-99.6 % with the product rounded half to even or the quotient v / s_o; the 0.04 % left one
+# float16 value whose float32 product sits 0.001 below the half, which the device rounds up):
+#
+#     v   = float16((q - z) s)                                the value the TopK compares
+#     q_o = clip(floor(v float32(1 / s_o) + 1/2) + z_o, 0, 2^16 - 1)    its code, the product in float32, half up
+
+
+def topk_values(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The codes of the HTP's TopK values, elementwise (the k selected are those of the largest, ties the higher
+    index: topk_order).  qx: codes; x, out: (scale, zero point), per tensor.  -> int64 codes, qx's shape."""
+    (sx, zx), (so, zo) = x, out
+    v = float16_copy((np.asarray(qx, np.int64) - np.int64(zx)).astype(np.float32) * np.float32(sx))   # float16(x)
+    y = v * (np.float32(1) / np.float32(so))                                        # v float32(1 / s_o), float32
+    return np.clip(np.floor(y + np.float32(0.5)).astype(np.int64) + np.int64(zo), *qrange)   # half up
+
+
+def topk_order(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the k largest along the last axis, largest first, exact ties the higher index first (the
+    HTP's TopK).  values [..., E] -> int64 [..., k]."""
+    n = values.shape[-1]
+    return (n - 1 - np.argsort(-values[..., ::-1], axis=-1, kind="stable"))[..., :k]   # stable on the reversed row
+
+
+# Softmax over rows of 2 (another kernel than `softmax`'s, measured on one-op Softmax graphs over [a, b] rows: every
+# code difference a - b at (8.73e-5, 33394) from three b, at (3e-4, 30000) and (2.1e-5, 30000), and the TopK sweeps'
+# top 2): p_1 + p_2 = 65535 but at exact or near ties; p depends on the code difference d = q_a - q_b only (every code
+# of 2 x 65536 rows shifted); the exp of the smaller's distance is 2^-y, y = |d| s log2(e), as a cubic of y's
+# fraction f times 2^-floor(y): its relative error is periodic in y (+1.3e-4 at f ~ 0.15, -5.2e-4 at f ~ 0.65,
+# the same in every octave; the exact exp is up to 9 codes off). The cubic is fitted (least squares on the implied
+# 2^-f of the 8 sweeps; fitted on one sweep alone it gives the held-out encodings 96.8-98.1 %); its codes rounded
+# half down (the tie d = 0: 32767 for both):
+#
+#     e   = P(f) 2^-floor(y)                                  the smaller's exp, the larger's P(0)
+#     p_i = E_i / (E_1 + E_2)
+#     q_i = clip(ceil(p_i float32(1 / s_o) - 1/2) + z_o, 0, 2^16 - 1)   (measured at s_o = 1 / 65535 only)
+#
+# 96.4-98.0 % of codes on the 8 sweeps, max 1 code (the device's evaluation rounds below the fit: float32 Horner of
+# the float32 coefficients no closer; exps as 14- to 20-bit integers 21-97 %).
+SOFTMAX_PAIR_EXP2 = (0.9999995592364235, -0.6905308101092735, 0.2263195765692293, -0.03578996527320959)   # P(f)
+
+
+def softmax_pair(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's quantised Softmax of rows of 2.  qx: codes, rows of 2 along axis; x, out: (scale, zero point), per
+    tensor.  -> int64 codes, qx's shape."""
+    (sx, _), (so, zo) = x, out
+    q = np.moveaxis(np.asarray(qx, np.int64), axis, -1)
+    d = q[..., :1] - q[..., 1:]                                                     # d = q_a - q_b
+    y = np.abs(d) * np.float64(np.float32(sx)) * np.log2(np.e)                      # y = |d| s_x log2(e)
+    i = np.floor(y)
+    e = np.polynomial.polynomial.polyval(y - i, SOFTMAX_PAIR_EXP2) * np.exp2(-i)   # e = P(f) 2^-i
+    one = np.polynomial.polynomial.polyval(0.0, SOFTMAX_PAIR_EXP2) + 0 * e           # the larger's, P(0)
+    big = np.concatenate([one, np.where(d == 0, one, e)], -1)                       # [E_a, E_b] when d >= 0
+    p = np.where(d >= 0, big, big[..., ::-1]) / (one + np.where(d == 0, one, e))     # p_i = E_i / (E_a + E_b)
+    y_o = np.ceil(p * np.float64(np.float32(1) / np.float32(so)) - 0.5).astype(np.int64)   # half down
+    return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)
+
+
+# The TopK of a quantised Softmax (the MoE's routing as exported: Softmax -> Q/DQ -> TopK): the HTP's TopK does not
+# read the Softmax's codes but a float softmax of the Softmax's input codes, the exps those of `softmax_pair` (its
+# cubic of y's fraction, y = (q_max - q_i) s_x log2(e)), normalised, rounded to float16 and quantised into the top k's
+# encoding (measured: 4096 random rows of 8 at QNN W8A16's router encoding, one-op Softmax -> TopK graphs: 99.77 % of
+# the top-2 values, max one float16 step; the exact softmax so rounded 71 %, the Softmax's own codes gathered 0-6 %):
+#
+#     e_i = P(f_i) 2^-floor(y_i),   p_i = e_i / sum_j e_j,   q_o = clip(round(float16(p_i) float32(1 / s_o)) + z_o)
+
+
+def softmax_topk(qx, x: tuple, out: tuple, k: int, qrange: tuple = UINT16) -> np.ndarray:
+    """The codes of the k values the HTP's TopK returns of a quantised Softmax of qx (its input's codes, rows along
+    the last axis), largest first.  x: the Softmax input's (scale, zero point); out: the top k's.  -> int64 [..., k]."""
+    (sx, _), (so, zo) = x, out
+    q = np.asarray(qx, np.int64)
+    y = (q.max(axis=-1, keepdims=True) - q) * np.float64(np.float32(sx)) * np.log2(np.e)   # y_i
+    i = np.floor(y)
+    e = np.polynomial.polynomial.polyval(y - i, SOFTMAX_PAIR_EXP2) * np.exp2(-i)           # e_i = P(f_i) 2^-i
+    v = float16_copy(e / e.sum(axis=-1, keepdims=True)).astype(np.float64)                  # float16(p_i)
+    top = -np.sort(-v, axis=-1)[..., :k]                                                    # the k largest
+    return np.clip(np.rint(top * np.float64(np.float32(1) / np.float32(so))).astype(np.int64) + np.int64(zo), *qrange)

@@ -19,14 +19,33 @@ def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity, at
     Experts are ordered by descending probability; exact ties go to the lower expert id (torch.topk on CPU
     breaks exact ties differently; the `selected_experts` tap records the choice). rnd: the activation cast of
     the weights (reduced-precision emulation; identity by default). Points (`at`, over the MoE block's nodes):
-    router_probs, routing_weights/top-k (the chosen probabilities), routing_weights/sum (their sum).
+    router_probs, routing_weights/top-k (the chosen probabilities), routing_weights/sum (their sum); where the
+    device graph computes the renormalised weights as the softmax of the top-k logits (`at.forms`: the routing
+    weights' form "Softmax"), routing_weights/top-k holds the chosen logits (_top_logits_softmax).
     """
     probs = at("router_probs", softmax(logits.astype(compute_dtype(logits), copy=False)))   # p = softmax(logits)
+    if renormalize and at.forms.get("routing_weights") == "Softmax":   # a device graph's form: top-k of the logits
+        weights, experts = _top_logits_softmax(logits, top_k, at)       # (then the softmax over the k)
+        return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     weights = at("routing_weights/top-k", np.take_along_axis(probs, experts, axis=-1))     # the top-k p
     if renormalize:
         weights = weights / at("routing_weights/sum", products.sum(weights, axis=-1, keepdims=True))  # w / sum w
     return probs, rnd(weights.astype(logits.dtype, copy=False)), experts
+
+
+def _top_logits_softmax(logits: np.ndarray, top_k: int, at) -> tuple[np.ndarray, np.ndarray]:
+    """The renormalised routing in the order a device graph rewrote it (tests/e2e/quantised.py
+    routing_as_topk_softmax): the top k of the logits, then the softmax over those k (= the top k of the softmax over
+    all experts, renormalised). The top-k point's quantiser acts on the whole row (what the TopK compares: the HTP's
+    float16 values of the codes), ties the higher expert id first (the HTP's TopK); the chosen values are the
+    Softmax's operand.  -> weights [N, k], experts [N, k]."""
+    ranked = at("routing_weights/top-k", logits.astype(compute_dtype(logits), copy=False))   # [N, E] as compared
+    n = ranked.shape[-1]
+    experts = (n - 1 - np.argsort(-ranked[:, ::-1], axis=-1, kind="stable"))[:, :top_k]   # ties: the higher id
+    top = np.take_along_axis(ranked, experts, axis=-1)                                       # the k largest
+    at.operand("routing_weights/top-k", top)                                                 # as the Softmax reads
+    return softmax(top), experts                                                             # softmax over the k
 
 
 def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert_fn, *, rnd=identity,

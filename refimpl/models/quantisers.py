@@ -69,6 +69,11 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "Exp": lambda q, e, out: htp_quantised.exp(q[0], e[0], out),        # x <= 0 (_device)
                       "Softplus": lambda q, e, out: htp_quantised.softplus(q[0], e[0], out),
                       "Softmax": lambda q, e, out: htp_quantised.softmax(q[0], e[0], out),
+                      "SoftmaxPair": lambda q, e, out: htp_quantised.softmax_pair(q[0], e[0], out),   # rows of 2
+                      # the values a TopK compares and returns (the whole row: its kernel selects; moe.route)
+                      "TopK": lambda q, e, out: htp_quantised.topk_values(q[0], e[0], out),
+                      # the k values of a TopK of a Softmax, from the Softmax's input (k: the point's; _device)
+                      "SoftmaxTopK": lambda q, e, out, k: htp_quantised.softmax_topk(q[0], e[0], out, k),
                       "RotateHalf": lambda q, e, out: htp_quantised.rotate_half(q[0], e[0], q[1], e[1], out),
                       "Conv": lambda q, e, out: htp_quantised.conv1d_depthwise(q[0], e[0], q[1], e[1], out),
                       # the MoE's experts (section "MoE experts" below): W_e x as the device graph's batched MatMul of
@@ -141,12 +146,16 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
     Div by a constant of the graph (q / sqrt(D_k)) the op "DivConstant" (the HTP folds it where its output encoding is
     the input's / c). A per-token point's form is its instances' ("p@t" in forms); a per-token MatMul of two
     activations (k_t delta_t^T written [Dk, 1] x [1, Dv]) the op "MatMul16" on its operands as the kernel broadcasts
-    them."""
+    them. A TopK of a Softmax node's output (the MoE's top k of the router's probabilities) is the op "SoftmaxTopK"
+    on the Softmax's input (the HTP's TopK reads a float16 softmax, not the Softmax's codes); in its other form (the
+    top k of the logits) "TopK"."""
     ops = DEVICE_OPS[arithmetic]
     forms = dict(forms or {})
     for instance, op in list(forms.items()):   # a per-token point's instances "p@t": the form of p (its unrolled op)
         forms.setdefault(instance.rpartition("@")[0] if "@" in instance else instance, op)
     out = {}
+    softmaxes = {name: pt.inputs for name, node in nodes.items() for pt in node.points   # a node that is a Softmax:
+                 if not pt.name and pt.onnx[0] == "Softmax" and len(pt.inputs) == 1}   # its input
     for name, node in nodes.items():
         declared = [(name, "Add", node.inputs)] if node.op == "residual add" else []
         sigmoids = {f"/{pt.name}": tuple(pt.inputs) for pt in node.points if pt.onnx[0] == "Sigmoid"}
@@ -155,7 +164,11 @@ def device_ops(nodes: dict, arithmetic: str, forms: dict | None = None) -> dict:
                 if pt.onnx[0] == "ReduceSum" and pt.per_token and len(pt.inputs) == 1}     # "/o@*" -> "/S*q@*"
         for pt in node.points:
             where = f"{name}/{pt.name}" if pt.name else name
-            pt = next((f for f in pt.forms() if f.onnx[0] == forms.get(where)), pt)   # the device's form
+            pt = next((f for f in pt.forms()[1:] if f.onnx[0] == forms.get(where)), pt)   # the device's form
+            if pt.onnx[0] == "TopK" and forms.get(where) != "TopK" and len(pt.inputs) == 1 \
+                    and pt.inputs[0] in softmaxes:                  # the top k of a Softmax's codes: the HTP's reads
+                declared.append((where, "SoftmaxTopK", softmaxes[pt.inputs[0]]))   # a float16 softmax of its input
+                continue
             if pt.onnx[0] == "Mul" and arithmetic in DEVICE_FUSES_SILU and len(pt.inputs) == 2 \
                     and sigmoids.get(pt.inputs[1]) == (pt.inputs[0],):
                 declared.append((where, "SiLU", pt.inputs))                     # x * sigmoid(x), fused
@@ -454,8 +467,15 @@ class Quantisers:
             return enc.dequantize(q).astype(np.asarray(x).dtype, copy=False)
         if op == "ReduceSum" and (np.shape(x)[-1:] != (1,) or np.shape(codes[0])[:-1] != np.shape(x)[:-1]):
             return None                    # a sum over another axis (the device op sums the last, keeping it)
-        if op == "Softmax" and np.shape(codes[0])[-1] <= 2:                       # the HTP's 2-element kernel: not
-            return None                                                             # modelled (htp_quantised.softmax)
+        if op == "SoftmaxTopK":            # the k values of the TopK of a Softmax of the held codes ([.., E] rows)
+            c = np.asarray(codes[0])
+            q = DEVICE_OPS[self.arithmetic][op]([c.reshape(-1, c.shape[-1])], encs, enc.scale_zero, np.shape(x)[-1])
+            return enc.dequantize(q.reshape(np.shape(x))).astype(np.asarray(x).dtype, copy=False) \
+                if q.size == np.size(x) else None
+        if op == "Softmax" and np.shape(codes[0])[-1] == 2:                       # the HTP's 2-element kernel
+            op = "SoftmaxPair"
+        if op == "Softmax" and np.shape(codes[0])[-1] < 2:
+            return None
         q = DEVICE_OPS[self.arithmetic][op](codes, encs, enc.scale_zero)
         shape = np.shape(x)                # the inputs may be held with axes split or merged (q_proj's [B, T, H D]
         if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
@@ -563,6 +583,8 @@ class BlockHook:
         self.points = frozenset([n[cut:] for n in quantisers.outputs if n.startswith(prefix + ".")]
                                 + [f"{n[cut:]}/{p}" for n, h in quantisers.hooks.items() if n.startswith(prefix + ".")
                                    for p in h.points])
+        self.forms = {f"{n[cut:]}/{p}" if p else n[cut:]: op for n, h in quantisers.hooks.items()   # "node(/point)":
+                      if n.startswith(prefix + ".") for p, op in h.forms.items()}                  # its device form
 
     def __call__(self, point: str, value):
         if point not in self.points:

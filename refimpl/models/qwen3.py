@@ -338,8 +338,12 @@ def moe_nodes(cfg, i: int) -> dict:
     checkpoint has one the shared expert and its gate."""
     p, x = f"model.layers.{i}.mlp", f"model.layers.{i}.post_attention_layernorm"
     shared = cfg.shared_expert_intermediate_size
-    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("#indices",)),)
-    weights = top + ((Point("sum", ("ReduceSum",), ("/top-k",)), Point("", ("Div",), ("/top-k", "/sum")))
+    # renormalised, a device graph may compute the same weights as the softmax of the top-k logits (the HTP's TopK of
+    # a quantised Softmax reads an fp16 softmax: tests/e2e/quantised.py routing_as_topk_softmax): the other forms
+    top = (Point("top-k", ("TopK",), (f"{p}.router_probs",), more=("#indices",),
+                 also=((("TopK",), (f"{p}.router_logits",)),) if cfg.norm_topk_prob else ()),)
+    weights = top + ((Point("sum", ("ReduceSum",), ("/top-k",)), Point("", ("Div",), ("/top-k", "/sum"),
+                                                                        also=((("Softmax",), ("/top-k",)),)))
                      if cfg.norm_topk_prob else ())
     nodes = declare({
         "router_logits": Node("linear", "router logits = x Wr^T", (x,), shape="[B, T, E]", module=1,

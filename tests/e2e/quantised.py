@@ -174,6 +174,75 @@ def outer_products_as_matmul(m) -> int:
     return n
 
 
+ROUTING_SOFTMAX_ENCODING = (np.float32(1 / 65535), np.uint16(0))   # a Softmax's output as QNN's config gives it
+
+
+def routing_as_topk_softmax(m) -> int:
+    """Each MoE routing with norm_topk_prob, TopK(DQ(Q(Softmax(logits)))) -> Div(top-k, ReduceSum(top-k)), -> the
+    same function in the other order: TopK of the logits (its values quantised at the logits' own encoding), then
+    Softmax over the k values (softmax over all experts, the top k renormalised, is the softmax of the k largest
+    logits). The Softmax over all experts stays (the router's probabilities: its quantiser is a tap; no consumer);
+    the ReduceSum and its quantiser go. The routing weights' quantiser (the Div's, now the k-Softmax's, and those of
+    the data movement after it: aimet-onnx gives them their own) takes ROUTING_SOFTMAX_ENCODING, (1 / 65535, 0), the
+    encoding QNN's config gives every Softmax output (the HTP's Softmax writes p 2^16 codes there). The HTP computes
+    the TopK of the quantised Softmax from an fp16 softmax of the logits, not from the Softmax's codes (docs/htp.md
+    §9, "The MoE's routing on the HTP"); this form has no TopK of a Softmax. Applied to a QDQ model: returns the
+    count."""
+    producer = {o: n for n in m.graph.node for o in n.output}
+    consumers = {}
+    for n in m.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+
+    def chain(name, ops):                       # the producers behind `name`, op types in order, else None
+        out = []
+        for op in ops:
+            n = producer.get(name)
+            if n is None or n.op_type != op:
+                return None
+            out.append(n)
+            name = n.input[0]
+        return out
+    scale = onnx.numpy_helper.from_array(ROUTING_SOFTMAX_ENCODING[0], "routing_softmax_scale")
+    zero = onnx.numpy_helper.from_array(ROUTING_SOFTMAX_ENCODING[1], "routing_softmax_zero_point")
+    dead, renamed, n = set(), {}, 0
+    for topk in [t for t in m.graph.node if t.op_type == "TopK"]:
+        behind = chain(topk.input[0], ("DequantizeLinear", "QuantizeLinear", "Softmax", "DequantizeLinear"))
+        qv = [c for c in consumers.get(topk.output[0], ()) if c.op_type == "QuantizeLinear"]
+        dqv = [c for c in consumers.get(qv[0].output[0], ()) if c.op_type == "DequantizeLinear"] if len(qv) == 1 else []
+        div = [c for c in consumers.get(dqv[0].output[0], ()) if c.op_type == "Div"] if len(dqv) == 1 else []
+        if behind is None or len(div) != 1 or div[0].input[0] != dqv[0].output[0]:
+            continue
+        logits = behind[3]                                          # DQ(logits): the Softmax's input
+        summed = chain(div[0].input[1], ("DequantizeLinear", "QuantizeLinear", "ReduceSum"))
+        if summed is None or summed[2].input[0] != dqv[0].output[0]:
+            continue
+        topk.input[0] = logits.output[0]                            # TopK of the logits
+        for q in (qv[0], dqv[0]):                                   # its values at the logits' encoding
+            q.input[1:3] = logits.input[1:3]
+        d = div[0]
+        out = [c for c in consumers.get(d.output[0], ()) if c.op_type == "QuantizeLinear"]
+        while len(out) == 1:                                        # its quantiser, and the data movement's after it
+            renamed[out[0].input[1]], renamed[out[0].input[2]] = scale.name, zero.name   # (aimet-onnx gives those
+            dq = [c for c in consumers.get(out[0].output[0], ()) if c.op_type == "DequantizeLinear"]   # their own)
+            moved = [c for c in consumers.get(dq[0].output[0], ()) if c.op_type in MOVES] if len(dq) == 1 else []
+            out = [c for c in consumers.get(moved[0].output[0], ()) if c.op_type == "QuantizeLinear"] \
+                if len(moved) == 1 else []
+        d.op_type, d.input[:] = "Softmax", [dqv[0].output[0]]       # softmax over the k values
+        d.attribute.append(onnx.helper.make_attribute("axis", -1))
+        dead.update(id(x) for x in summed)
+        n += 1
+    if n:
+        kept = [x for x in m.graph.node if id(x) not in dead]
+        del m.graph.node[:]
+        m.graph.node.extend(kept)
+        for x in m.graph.node:                                      # the routing weights' encoding, downstream too
+            if x.op_type in ("QuantizeLinear", "DequantizeLinear") and len(x.input) > 2 and x.input[1] in renamed:
+                x.input[1], x.input[2] = renamed[x.input[1]], renamed[x.input[2]]
+        m.graph.initializer.extend([scale, zero])
+    return n
+
+
 QUANTISED_REWRITES = {"reciprocal": reciprocal_as_div}
 # htp.HTP_REWRITES not applied to a graph that will be quantised: "gates" composes Softplus as Log(1 + Exp(x)), and
 # the HTP's quantised (uint16) Log returns code 0 for every input (measured: 0 % of codes right, the GDN's g then

@@ -1119,8 +1119,8 @@ def test_htp_topk_of_a_quantised_softmax_reads_an_fp16_softmax_not_its_codes():
     grid (rint(fp16(v) 65535), 99.98 %), within 2.6 fp16 ulps of the exact softmax and 71 % equal to it rounded to
     fp16 (no fp16 / fp32 composition of exp, sum and division tried reaches it: 59-71 %); the same with the Softmax's
     codes not a graph output. Exact ties of those fp16 values go to the HIGHER index first (34 of 34), where refimpl
-    routes ties to the lower expert id. Not modelled (`--device-arithmetic htp` keeps the CPU EP's arithmetic at
-    routing_weights/top-k)."""
+    routes ties to the lower expert id. Its exps are the Softmax of two's cubic (htp_quantised.softmax_topk: 99.77 % of
+    the values, max one fp16 step; `--device-arithmetic htp`'s device op SoftmaxTopK)."""
     from refimpl.kernels import htp_quantised
     rng = np.random.default_rng(1)
     sx, zx = np.float32(8.730124e-05), 33394
@@ -1140,6 +1140,8 @@ def test_htp_topk_of_a_quantised_softmax_reads_an_fp16_softmax_not_its_codes():
     assert ulps.max() < 3 and on_fp16.mean() > 0.999
     tie = np.nonzero(tq[:, :-1] == tq[:, 1:])
     assert len(tie[0]) > 10 and (ti[tie[0], tie[1]] > ti[tie[0], tie[1] + 1]).all()
+    share, step = Q.codes_agreement(htp_quantised.softmax_topk(q, (sx, zx), (1 / 65535, 0), 8), tq)
+    assert share > 0.997 and step <= 32, (share, step)
 
 
 @pytest.mark.device_matrix   # one HTP compile per output encoding (~10 s): make test-devices
@@ -1161,3 +1163,98 @@ def test_htp_softmax_at_another_output_encoding_scales_the_sum_by_its_mantissa()
         k = 2.0 ** -16 / np.float64(so)
         twice = np.floor(htp_quantised.softmax(q, (sx, zx), (1 / 65535, 0)) * k)
         assert (twice == dev).mean() < 0.6, so
+
+
+def routing_graph(sx, zx, rows: int, sw=1.3755484e-05):
+    """The MoE routing with norm_topk_prob as the QNN QDQ model has it: logits x -> Q/DQ -> Softmax -> Q/DQ (1/65535,
+    0) -> TopK(2) -> values Q/DQ -> ReduceSum -> Q/DQ, Div(values, sum) -> Q/DQ (s_w, 0) "w" -> Reshape -> Q/DQ;
+    indices "ti"."""
+    inits = [nh.from_array(np.array(v, t), n) for n, v, t in (
+        ("sx", sx, np.float32), ("zx", zx, np.uint16), ("sp", 1 / 65535, np.float32), ("zp", 0, np.uint16),
+        ("ss", 2 / 65535, np.float32), ("zs", 0, np.uint16), ("sw", sw, np.float32), ("zw", 0, np.uint16))]
+    inits += [nh.from_array(np.array([2], np.int64), "k"), nh.from_array(np.array([-1], np.int64), "axes"),
+              nh.from_array(np.array([rows, 2], np.int64), "shape")]
+
+    def qdq(t, s, z):
+        return [helper.make_node("QuantizeLinear", [t, s, z], [f"{t}_q"]),
+                helper.make_node("DequantizeLinear", [f"{t}_q", s, z], [f"{t}_d"])]
+    nodes = qdq("x", "sx", "zx") + [helper.make_node("Softmax", ["x_d"], ["p"], axis=-1)] + qdq("p", "sp", "zp") + [
+        helper.make_node("TopK", ["p_d", "k"], ["v", "ti"], axis=-1, largest=1, sorted=1)] + qdq("v", "sp", "zp") + [
+        helper.make_node("ReduceSum", ["v_d", "axes"], ["s"], keepdims=1)] + qdq("s", "ss", "zs") + [
+        helper.make_node("Div", ["v_d", "s_d"], ["w"])] + qdq("w", "sw", "zw") + [
+        helper.make_node("Reshape", ["w_d", "shape"], ["r"])] + qdq("r", "sw", "zw")
+    kinds = (("w_q", TensorProto.UINT16), ("ti", TensorProto.INT64), ("v_q", TensorProto.UINT16),
+             ("r_d", TensorProto.FLOAT))
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in kinds]
+    graph = helper.make_graph(nodes, "routing", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 8])],
+                              outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def test_routing_as_topk_softmax_keeps_the_routing_on_the_cpu_ep():
+    """The rewrite (TopK of the logits, its values at the logits' encoding, Softmax over the k into (1/65535, 0), the
+    Reshape after it too; the ReduceSum gone) on ONNX Runtime's CPU EP, QNN W8A16's layer-0 router encoding, 256
+    random rows: the same experts in the same order, the routing weights within 2e-4 (the quantisers between differ)."""
+    sx, zx = np.float32(8.730124e-05), 33394
+    q = np.clip(zx + np.random.default_rng(2).normal(0, 8000, (256, 8)).round(), 0, 65535).astype(np.int64)
+    m = routing_graph(sx, zx, len(q))
+    before = Q.run(Q.cpu_session(m.SerializeToString()), {"x": on_grid(q, sx, zx)})
+    assert Q.routing_as_topk_softmax(m) == 1
+    ops = [n.op_type for n in m.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear")]
+    assert ops == ["Softmax", "TopK", "Softmax", "Reshape"]
+    after = Q.run(Q.cpu_session(m.SerializeToString()), {"x": on_grid(q, sx, zx)})
+    assert np.array_equal(before["ti"], after["ti"])
+    assert np.array_equal(after["v_q"], -np.sort(-q, -1)[:, :2])                     # the logits' own codes
+    w0, w1 = before["w_q"] * np.float64(np.float32(1.3755484e-05)), after["w_q"] / 65535
+    assert np.abs(w0 - w1).max() < 2e-4 and np.abs(after["r_d"] - w1).max() < 1e-6
+
+
+@pytest.mark.device_matrix   # one HTP compile (~4 s): make test-devices
+def test_the_htp_computes_the_routing_as_topk_softmax_as_its_topk_and_softmax_of_two():
+    """The rewritten routing on the HTP simulator (QNN W8A16's layer-0 router encoding, 4096 random rows of 8): the
+    TopK's indices and values every one htp_quantised.topk_order / topk_values (float16 values, ties the higher
+    index), the routing weights htp_quantised.softmax_pair of its values (measured 97 %, max 1 code), where the
+    logits' codes gathered are the values at 12-25 % and the exact softmax of 2 is up to 9 codes off."""
+    from refimpl.kernels import htp_quantised
+    sx, zx = np.float32(8.730124e-05), 33394
+    q = np.clip(zx + np.random.default_rng(4).normal(0, 8000, (4096, 8)).round(), 0, 65535).astype(np.int64)
+    m = routing_graph(sx, zx, len(q))
+    Q.routing_as_topk_softmax(m)
+    got = Q.run(Q.htp_session(m.SerializeToString(), optimize=False), {"x": on_grid(q, sx, zx)})
+    values = htp_quantised.topk_values(q, (sx, zx), (sx, zx))
+    order = htp_quantised.topk_order(values, 2)
+    assert np.array_equal(order, got["ti"])
+    top = np.take_along_axis(values, order, -1)
+    assert (top == got["v_q"]).mean() > 0.999 and (np.take_along_axis(q, order, -1) == got["v_q"]).mean() < 0.5
+    w = htp_quantised.softmax_pair(got["v_q"].astype(np.int64), (sx, zx), (1 / 65535, 0))
+    share, step = Q.codes_agreement(w, got["w_q"])
+    assert share > 0.95 and step <= 1, (share, step)
+
+
+@pytest.mark.device_matrix   # the MoE's export, QNN W8A16 quantisation, two HTP runs, goldens and diffs: ~16 s
+def test_refimpl_diff_with_the_htps_arithmetic_explains_the_moe_past_its_routing(tmp_path):
+    """The tiny Qwen3-MoE quantised W8A16 (QNN QDQ) on the HTP: as exported, its TopK of the router Softmax reads a
+    float16 softmax of the logits (htp_quantised.softmax_topk, the device op SoftmaxTopK), and with the routing
+    rewritten as TopK of the logits -> Softmax over the k (routing_as_topk_softmax: the HTP's TopK of codes and its
+    Softmax of two): `refimpl diff` of each HTP run against the golden with the HTP's arithmetic explains every
+    tensor (measured on the /tmp/s37 export: 87 of 87 both, every tap's codes; as exported 31 of 87 before
+    SoftmaxTopK, the first excess layer 0's routing weights)."""
+    case = Q.float_case("moe", tmp_path / "case")
+    qm = Q.quantise_qdq(case, "w8a16")
+    rewritten = Q.onnx.ModelProto()
+    rewritten.CopyFrom(qm)
+    assert Q.routing_as_topk_softmax(rewritten) == 4
+    checkpoint, f = case.path.parent / "checkpoint", tmp_path / "golden-float"
+    assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--out", f) == 0
+    for name, model in (("exported", qm), ("rewritten", rewritten)):
+        path = tmp_path / f"qdq_w8a16_{name}.onnx"
+        Q.onnx.save(model, path)
+        dump = Q.device_dumps(case, model, tmp_path / name, devices=("htp",))["htp"]
+        golden = tmp_path / f"golden-{name}"
+        assert Q.cli("golden", "--model", checkpoint, *Q.golden_args(checkpoint), "--encodings", path, "--codes",
+                     "--device-arithmetic", "htp", "--out", golden) == 0
+        d = Q.diff(f, golden, path, dump, tmp_path / f"{name}.json")
+        assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) == 87, (
+            name, d.first, d.excess.get(d.first))

@@ -848,20 +848,21 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
 # whose K's 15-bit mantissa sits on a half point, where float32 (s_a / s_b) (1 / s_o) and s_a (1 / s_b) (1 / s_o)
 # round apart; docs/htp.md §9)
 
-HTP_ROUTING = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-moe-aimet-htp-softmax-div-codes.npz"
+HTP_AIMET_ROUTING = (Path(__file__).parent.parent / "fixtures" / "quantised"
+                     / "tiny-qwen3-moe-aimet-htp-softmax-div-codes.npz")
 
 
 @pytest.fixture(scope="module")
-def routing_codes():
-    with np.load(HTP_ROUTING) as f:
+def aimet_routing_codes():
+    with np.load(HTP_AIMET_ROUTING) as f:
         return {k: f[k] for k in f.files}
 
 
-def test_the_htps_softmax_at_another_output_encoding_scales_the_sum_by_its_mantissa(routing_codes):
+def test_the_htps_softmax_at_another_output_encoding_scales_the_sum_by_its_mantissa(aimet_routing_codes):
     """aimet-onnx's 8 router Softmaxes on the HTP's own input codes, a held-out one-op sweep and the 23 corrected
     reciprocals: every code (the model before, E R K floored once: 67-89 % of the routers' codes; the codes at
     (2^-16, 0) times K floored: under 60 %)."""
-    c = routing_codes
+    c = aimet_routing_codes
     for mix in ("w8a16", "w4a16"):
         for x, y, (sx, zx, so, zo) in zip(c[f"router_{mix}_x"], c[f"router_{mix}_y"], c[f"router_{mix}_enc"]):
             q = H.softmax(x.astype(np.int64), (sx, int(zx)), (so, int(zo)))
@@ -874,11 +875,11 @@ def test_the_htps_softmax_at_another_output_encoding_scales_the_sum_by_its_manti
     assert len(H.SOFTMAX_RECIP_HIGHER) == len(c["recip_x"]) == 23
 
 
-def test_the_htps_div_takes_k_as_float32_s_a_times_the_reciprocals_of_s_b_and_s_o(routing_codes):
+def test_the_htps_div_takes_k_as_float32_s_a_times_the_reciprocals_of_s_b_and_s_o(aimet_routing_codes):
     """W4A16 layer 0's routing Div on its own input codes, every code (the float64 ratio's K_m 32767: 2 of 16, up to 5
     codes: the device's float32 65535.0 rounds to 2^15, the next octave's 14 bits); the two one-op sweeps at
     half-point mantissas every code (where (s_a / s_b) (1 / s_o) rounds the other way)."""
-    c = routing_codes
+    c = aimet_routing_codes
     sa, za, sb, zb, so, zo = c["div_enc"]
     y = H.div(c["div_a"].astype(np.int64), (sa, int(za)), c["div_b"].astype(np.int64), (sb, int(zb)), (so, int(zo)))
     assert np.array_equal(y, c["div_y"])
@@ -890,3 +891,110 @@ def test_the_htps_div_takes_k_as_float32_s_a_times_the_reciprocals_of_s_b_and_s_
         ks = [f32(sa) * (f32(1) / f32(sb)) * (f32(1) / f32(so)), (f32(sa) / f32(sb)) * (f32(1) / f32(so))]
         m = [np.floor(np.float64(k) / 2.0 ** (np.floor(np.log2(k)) - 14) + 0.5) for k in ks]
         assert m[0] != m[1], i                                       # the sweep tells the two orders apart
+
+
+# --- the MoE's routing as TopK of the logits -> Softmax over the k (tests/e2e/quantised.routing_as_topk_softmax):
+# codes the simulator produced (tests/fixtures/quantised/tiny-qwen3-moe-htp-routing-codes.npz, its `provenance`: the
+# 8 routers of the QNN W8A16 / W4A16 tiny Qwen3-MoE prompt calls so rewritten, and one-op TopK / Softmax sweeps)
+
+HTP_ROUTING = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-moe-htp-routing-codes.npz"
+
+
+def routing_codes() -> dict:
+    with np.load(HTP_ROUTING) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_the_htps_topk_of_uint16_codes_compares_their_float16_values_ties_the_higher_index():
+    """The TopK's values are each code's float16 value requantised (half up), its order that of the float16 values,
+    ties to the higher index: every value of the 8 routers, every index and value of 2 x 1024 one-op rows (a third
+    of the near-tie rows tie in float16); the logits' own codes gathered 12.5-31 % of the routers' values."""
+    c = routing_codes()
+    encs = iter(c["router_encodings"])
+    for mix in ("w8a16", "w4a16"):
+        for logits, topk in zip(c[f"{mix}_logits"].astype(np.int64), c[f"{mix}_topk"].astype(np.int64)):
+            sl, zl, sv, zv, _, _ = next(encs)
+            values = H.topk_values(logits, (sl, int(zl)), (sv, int(zv)))
+            assert np.array_equal(np.take_along_axis(values, H.topk_order(values, 2), -1), topk), mix
+            assert (-np.sort(-logits, -1)[:, :2] == topk).mean() <= 0.32
+    for tag in ("l0tie", "big"):
+        x, (s, z) = c[f"topk_{tag}_x"].astype(np.int64), c[f"topk_{tag}_encoding"]
+        values = H.topk_values(x, (s, int(z)), (s, int(z)))
+        order = H.topk_order(values, 2)
+        assert np.array_equal(order, c[f"topk_{tag}_indices"]), tag
+        assert np.array_equal(np.take_along_axis(values, order, -1), c[f"topk_{tag}_values"]), tag
+    ties = H.topk_order(np.array([[1.0, 3.0, 3.0, 2.0]]), 2)
+    assert ties.tolist() == [[2, 1]]
+
+
+def test_the_htps_softmax_of_two_is_its_cubic_exp_rounded_half_down():
+    """Rows of 2: on the routers' own top-k codes 7 of 8 whole, the other 93.75 % (1 code); over the sweeps of code
+    differences at three input scales 96.9-98.0 %, max 1 code, where the exact softmax rounded is 6-65 % (the most at
+    the widest scale, whose rows mostly saturate), up to 9 off
+    (its exp's relative error, periodic in y = |d| s log2(e), is the device's cubic's)."""
+    c = routing_codes()
+    encs, whole = iter(c["router_encodings"]), 0
+    for mix in ("w8a16", "w4a16"):
+        for topk, weights in zip(c[f"{mix}_topk"].astype(np.int64), c[f"{mix}_weights"].astype(np.int64)):
+            _, _, sv, zv, sw, zw = next(encs)
+            got = H.softmax_pair(topk, (sv, int(zv)), (sw, int(zw)))
+            whole += int(np.array_equal(got, weights))
+            assert (got == weights).mean() >= 0.93 and np.abs(got - weights).max() <= 1, mix
+    assert whole == 7
+    for tag, s in zip(("l0", "big", "small"), c["pair_scales"]):
+        x, codes = c[f"pair_{tag}_x"].astype(np.int64), c[f"pair_{tag}_codes"].astype(np.int64)
+        got = H.softmax_pair(x, (s, 0), (1 / 65535, 0))
+        assert (got == codes).mean() >= 0.96 and np.abs(got - codes).max() <= 1, tag
+        d = (x[:, 0] - x[:, 1]) * np.float64(np.float32(s))
+        exact = np.rint(np.stack([1 / (1 + np.exp(-d)), 1 / (1 + np.exp(d))], -1) * 65535)
+        assert (exact == codes).mean() < 0.7 and np.abs(exact - codes).max() >= 8, tag
+    assert H.softmax_pair(np.array([[7, 7]]), (1e-4, 0), (1 / 65535, 0)).tolist() == [[32767, 32767]]
+
+
+def test_the_moes_routing_in_its_topk_softmax_form_is_the_device_ops_and_the_same_routing():
+    """The rewritten routing's forms (placement.forms: TopK of the logits, Softmax of the top k) make the device ops
+    TopK on the router's logits and Softmax on the top-k codes; as declared, the Softmax over all experts -> TopK ->
+    ReduceSum -> Div, its TopK the HTP's of a Softmax (SoftmaxTopK: from the router's logits). moe.route in that
+    form chooses the same experts and weights (float: softmax of the top-k logits, 1 ulp from the renormalised
+    probabilities)."""
+    from refimpl.kernels.activation import Unhooked
+    from refimpl.kernels.moe import route
+    from refimpl.models.config import config_from_dict
+    from refimpl.models.model import graph
+    from refimpl.presets import PRESETS
+    nodes, p = graph(config_from_dict(PRESETS["tiny-qwen3-moe"])), "model.layers.0.mlp"
+    plain = device_ops(nodes, "htp")
+    forms = device_ops(nodes, "htp", {f"{p}.routing_weights/top-k": "TopK", f"{p}.routing_weights": "Softmax"})
+    assert plain[f"{p}.routing_weights"] == ("Div", (f"{p}.routing_weights/top-k", f"{p}.routing_weights/sum"))
+    assert plain[f"{p}.routing_weights/top-k"] == ("SoftmaxTopK", (f"{p}.router_logits",))   # not the probs' codes
+    assert forms[f"{p}.routing_weights/top-k"] == ("TopK", (f"{p}.router_logits",))
+    assert forms[f"{p}.routing_weights"] == ("Softmax", (f"{p}.routing_weights/top-k",))
+
+    class Form(Unhooked):
+        forms = {"routing_weights": "Softmax"}
+    logits = np.random.default_rng(3).normal(0, 2, (64, 8)).astype(np.float32)
+    logits[0, 5] = logits[0, 1] = logits[0].max() + 1                      # an exact tie: the higher id first
+    _, w, e = route(logits, 2, True)
+    _, w2, e2 = route(logits, 2, True, at=Form())
+    assert np.array_equal(e2[1:], e[1:]) and e[0].tolist() == [1, 5] and e2[0].tolist() == [5, 1]
+    assert np.abs(w2 - w).max() <= 2 * np.finfo(np.float32).eps
+
+
+def test_the_htps_topk_of_a_quantised_softmax_is_a_float16_softmax_with_the_cubic_exps():
+    """The as-exported routing's TopK of the router Softmax reads not the Softmax's codes but a softmax of its input
+    codes with softmax_pair's cubic exps, rounded to float16: every top-2 value of the 16 routers of the four
+    as-exported MoE dumps (QNN and aimet-onnx, W8A16 and W4A16; the Softmax's codes gathered were 0-6 %); 99.8 % of a
+    one-op sweep's 1024 rows of 8, max one float16 step, where the exact softmax so rounded is 70.8 % and the
+    Softmax's own codes sorted 13 %."""
+    c = routing_codes()
+    for logits, topk, (sl, zl, sv, zv) in zip(c["exported_logits"].astype(np.int64),
+                                              c["exported_topk"].astype(np.int64), c["exported_encodings"]):
+        assert np.array_equal(H.softmax_topk(logits, (sl, int(zl)), (sv, int(zv)), 2), topk)
+    x, values = c["softmax_topk_x"].astype(np.int64), c["softmax_topk_values"].astype(np.int64)
+    sx, zx = np.float32(8.730124e-05), 33394
+    got = H.softmax_topk(x, (sx, zx), (1 / 65535, 0), 8)
+    assert (got == values).mean() > 0.997 and np.abs(got - values).max() <= 32
+    p = np.exp((x - x.max(-1, keepdims=True)) * np.float64(sx))
+    p = -np.sort(-p / p.sum(-1, keepdims=True), -1)
+    assert (np.rint(p.astype(np.float16).astype(np.float64) * 65535) == values).mean() < 0.72
+    assert (-np.sort(-c["softmax_topk_codes"].astype(np.int64), -1) == values).mean() < 0.15
