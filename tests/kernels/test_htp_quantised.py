@@ -883,8 +883,8 @@ def test_the_device_arithmetic_computes_a_gemm_whose_bias_is_float_on_the_float1
     e_x, e_y = enc(sa, int(za)), enc(so, int(zo))
     e_w = Encoding(8, np.float32(sw), np.int32(0), signed=True, arithmetic="onnx")
     wt = e_w.dequantize(w.T.astype(np.int64))                                       # [out, in]
-    for arithmetic, bias_enc in (("htp", None), ("htp", Encoding(16, np.float32(1), np.int32(0), float_dtype="float16")),
-                                 (None, None)):
+    float16 = Encoding(16, np.float32(1), np.int32(0), float_dtype="float16")        # a float entry
+    for arithmetic, bias_enc in (("htp", None), ("htp", float16), (None, None)):
         weights = {"w": (wt, e_w), "b": (b, bias_enc)}
         q = Quantisers(outputs={"x": e_x, "g": e_y}, arithmetic=arithmetic, weight=lambda n: weights[n],
                        ops={"g": ("Gemm", ("x", "weight:w", "weight:b"))} if arithmetic else None)
