@@ -1147,7 +1147,7 @@ def quantize_float16(x, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 # inputs dequantised to float16 and its output quantised from float16, each conversion rounding ties away from zero
 # (measured on one-op QDQ graphs on the simulator, int8 symmetric weights per tensor, 2.24M codes: every code of 3 K = 1
 # sweeps over every activation code 0-65535 at three encodings and 3 over 26,000 codes, of 12 random sweeps at K = 2-64
-# and 3 at K = 64 of the model's encodings; 19 codes off in 6 random sweeps at random encodings, K = 5-128 (1-12 codes:
+# and 3 at K = 64 of the model's encodings; 19 codes off in 6 random sweeps at random encodings, K = 5-128 (1 code each:
 # the accumulator's own rounding, not found); every code of the aimet-onnx W8A16 dump's 3 Gemms on their own inputs):
 #
 #     x_i  = float16_away(float32(n_a,i s_a))             the activation's steps times its scale, to float16
@@ -1160,7 +1160,7 @@ def quantize_float16(x, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 # Refuted (here and before): the weight's float16 from the float32 scale (a 127-step weight one ulp low: 16 % of that
 # column's codes; 63 % of a K = 2 sweep), the weight's or the activation's ties to even (96 %; 4 rows of 65,536 at the
 # model's encoding), the activation as float16(n float16(s_a)) (82 %), the products in float16 (57 % at K = 64 summed
-# wide, 18 % summed in float16), the sum's ties away from zero (99.3 %), the output as round(v / s_o) (2,754 codes of
+# wide, 18 % summed in float16), the sum's ties away from zero (99.4 %), the output as round(v / s_o) (2,754 codes of
 # 65,536 x 8 at v / s_o = 1/2 +- 1e-3) or its float32 product rounded to even (301 of 65,536 x 8). A subnormal bias
 # (|b| < 2^-14, -0.0 included) is not that: its sign rounds the sum up or down (directed: 56-78 % of codes by the
 # model), not modelled (the models' biases are normal).
