@@ -284,13 +284,18 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 #
 #     r   = s_x / s_o
 #     m   = round(r (1 - 10^-5) 2^k), k the largest shift with m <= 2^15 - 1      (mean_multiplier)
-#     k > 15:  q_o = clip(floor(m sum_i (q_i - z_x) / 2^k + 1) + z_o, 0, 2^16 - 1)     a whole step added
+#     k > 15:  q_o = clip(floor((m sum_i (q_i - z_x) + N) / 2^k + 1) + z_o, 0, 2^16 - 1)   a whole step added, and
+#                                                                                     a unit of Q(k) per term
 #     k <= 15: q_o = clip(floor((m sum_i q_i + 2^(k-1)) / 2^k) - floor(m N z_x / 2^k) + z_o, 0, 2^16 - 1)
 #
 # so from r = 1/2 every code carries the zero point term's truncation (a constant 0-1 code, 1/2 + frac(m N z_x / 2^k)
 # over the sum's rounding, as measured on each sweep), below it a half code up. The multiplier is r less 1e-5 of it,
 # rounded (mean_multiplier: the "floor(r 2^k + 1/4)" read before, which missed 4 of 80 sweeps and 12 of the models'
-# 375 reductions, was its average: r 2^k's fraction 0.58-0.79 rounded either way).
+# 375 reductions, was its average: r 2^k's fraction 0.58-0.79 rounded either way). Below r = 1/2 the sum carries N
+# more units of Q(k) (measured: the one (m, C) with y = floor((m S + C) / 2^k) over 60,000 row sums S of each of 8
+# one-op sweeps, ReduceMean N = 16-64 at k 16-18, ReduceSum N = 2-16 at k 16-17, zero points 0-1000: m the model's,
+# C - 2^k in [N, N + 2) every time; without it 99.90-99.997 % of codes, one lower at sums whose fraction reaches
+# 1 - N 2^-k: the aimet-onnx Qwen3.5 W8A16 dump's layer 1 post-attention mean, one row of 8).
 REDUCE_SUM_SPLIT = 15             # the shift above which a reduction adds a whole step (r < 1/2), below it rounds
 
 
@@ -308,6 +313,7 @@ def reduce_steps(q: np.ndarray, r: float, zx, zo, axis: int, keepdims: bool, qra
     m, k = mean_multiplier(r)
     if k > REDUCE_SUM_SPLIT:
         acc = np.int64(m) * (q - np.int64(zx)).sum(axis=axis, keepdims=keepdims)    # m sum_i n_i   (Q(k))
+        acc = acc + q.shape[axis]                                                   # + N: a unit per term
         return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                      # floor(acc / 2^k + 1) + z_o
     acc = np.int64(m) * q.sum(axis=axis, keepdims=keepdims)                         # m sum_i q_i   (Q(k))
     z = (m * q.shape[axis] * int(zx)) >> k                                          # floor(m N z_x / 2^k)
