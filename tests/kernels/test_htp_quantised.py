@@ -842,7 +842,8 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
 # aimet-onnx W8A16 QDQ export of the tiny Qwen3.5 on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, the prompt
 # call of tests/e2e/quantised.py with ONNX Runtime's graph optimizations off (its x, int8 weight, float bias and
 # output codes); and two one-op QDQ Gemm sweeps of random codes (K = 2 and 8, 16 columns, the encodings
-# `sweep_enc`), run so on the simulator; docs/htp.md §9)
+# `sweep_enc`), run so on the simulator; and the same export with k delta^T as MatMul (/tmp/i27kd), its dump's layer 1
+# post-attention RMSNorm mean (the ReduceMean's input x^2 and output codes); docs/htp.md §9)
 
 AIMET_HTP_GEMM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-aimet-htp-w8a16-gemm-codes.npz"
 
@@ -891,3 +892,16 @@ def test_the_device_arithmetic_computes_a_gemm_whose_bias_is_float_on_the_float1
         xv = q.output("x", e_x.dequantize(x.astype(np.int64)))
         got = e_y.codes(q.output("g", (xv @ wt.T + b).astype(np.float32)))
         assert (got == y).all() == (arithmetic == "htp"), (arithmetic, bias_enc)
+
+
+def test_a_reduction_below_half_a_step_carries_one_unit_per_term():
+    """Below r = 1/2 the HTP's ReduceMean / ReduceSum sums m n_i plus N units of Q(k) before adding its whole step
+    (htp_quantised.reduce_steps): the aimet-onnx Qwen3.5 dump's layer 1 post-attention mean (r = 0.127, k = 17, N = 64)
+    every code; without the N units its last row is one code low (m S / 2^k = 17223.99989)."""
+    with np.load(AIMET_HTP_GEMM) as f:
+        x, ex, y, ey = f["mean_x"], f["mean_x_enc"], f["mean_y"], f["mean_y_enc"]
+    ex, ey = (np.float32(ex[0]), int(ex[1])), (np.float32(ey[0]), int(ey[1]))
+    assert np.array_equal(H.reduce_mean(x, ex, ey), y)
+    m, k = H.mean_multiplier(np.float64(ex[0]) / (x.shape[-1] * np.float64(ey[0])))
+    without = (m * x.astype(np.int64).sum(-1, keepdims=True) >> k) + 1
+    assert (without == y).mean() == 7 / 8
