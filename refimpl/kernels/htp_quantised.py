@@ -41,9 +41,10 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
     r   = s_x / (N s_o)
     k   = the largest k with round(r (1 - 10^-5) 2^k) <= 2^15 - 1
     m   = round(r (1 - 10^-5) 2^k)                      an int16 multiplier of r less 1e-5 of it (rounded half up)
-    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      k > 15 (r < 1/2): a whole step added before
-                                                                    the floor: the mean lands half a code above
-                                                                    the rounded one (from r = 1/2: rounded half up)
+    q_o = clip(floor((m sum_i n_i + N) / 2^k + 1) + z_o, 0, 2^16 - 1)   k > 15 (r < 1/2): a whole step added
+                                                                    before the floor, and a unit of Q(k) per term:
+                                                                    the mean lands half a code above the rounded
+                                                                    one (from r = 1/2: rounded half up)
 
     The multiplier's shortfall (measured: the ratio at which m steps to m + 1, bisected to one float32 step of s_x
     on 12 one-op graphs, N 16-64, k 16-18, m 16,596-31,988, s_o 1.2e-5 to 9.6e-5: r 2^k (1 - eps) = m + 1/2 at eps
