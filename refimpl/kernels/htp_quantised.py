@@ -138,7 +138,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
 Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul, Softmax (its exps' and reciprocals' tables),
-RoPE's fused rotate_half, ReduceSum, the Div by a constant (folded) and Exp: the sections further on (Sub: Add's).
+RoPE's fused rotate_half, ReduceSum, the Div by a constant (folded), Exp and a Gemm with a float bias (on the float16
+grid): the sections further on (Sub: Add's).
 """
 
 import numpy as np
