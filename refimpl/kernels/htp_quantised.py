@@ -41,9 +41,10 @@ their own inputs, 99.92-100 % on 18 sweeps of N = 32 / 64 random codes, max 1 co
     r   = s_x / (N s_o)
     k   = the largest k with round(r (1 - 10^-5) 2^k) <= 2^15 - 1
     m   = round(r (1 - 10^-5) 2^k)                      an int16 multiplier of r less 1e-5 of it (rounded half up)
-    q_o = clip(floor(m sum_i n_i / 2^k + 1) + z_o, 0, 2^16 - 1)      k > 15 (r < 1/2): a whole step added before
-                                                                    the floor: the mean lands half a code above
-                                                                    the rounded one (from r = 1/2: rounded half up)
+    q_o = clip(floor((m sum_i n_i + N) / 2^k + 1) + z_o, 0, 2^16 - 1)   k > 15 (r < 1/2): a whole step added
+                                                                    before the floor, and a unit of Q(k) per term:
+                                                                    the mean lands half a code above the rounded
+                                                                    one (from r = 1/2: rounded half up)
 
     The multiplier's shortfall (measured: the ratio at which m steps to m + 1, bisected to one float32 step of s_x
     on 12 one-op graphs, N 16-64, k 16-18, m 16,596-31,988, s_o 1.2e-5 to 9.6e-5: r 2^k (1 - eps) = m + 1/2 at eps
@@ -138,7 +139,8 @@ divisor's integer steps, rounded half up, sign-magnitude:
     zero point; no RMSNorm input) is not modelled: the quotient saturates.
 
 Neg, the fused SiLU product, Sigmoid, the uint16 x uint16 MatMul, Softmax (its exps' and reciprocals' tables),
-RoPE's fused rotate_half, ReduceSum, the Div by a constant (folded) and Exp: the sections further on (Sub: Add's).
+RoPE's fused rotate_half, ReduceSum, the Div by a constant (folded), Exp and a Gemm with a float bias (on the float16
+grid): the sections further on (Sub: Add's).
 """
 
 import numpy as np
@@ -285,13 +287,18 @@ def reduce_mean(qx, x: tuple, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
 #
 #     r   = s_x / s_o
 #     m   = round(r (1 - 10^-5) 2^k), k the largest shift with m <= 2^15 - 1      (mean_multiplier)
-#     k > 15:  q_o = clip(floor(m sum_i (q_i - z_x) / 2^k + 1) + z_o, 0, 2^16 - 1)     a whole step added
+#     k > 15:  q_o = clip(floor((m sum_i (q_i - z_x) + N) / 2^k + 1) + z_o, 0, 2^16 - 1)   a whole step added, and
+#                                                                                     a unit of Q(k) per term
 #     k <= 15: q_o = clip(floor((m sum_i q_i + 2^(k-1)) / 2^k) - floor(m N z_x / 2^k) + z_o, 0, 2^16 - 1)
 #
 # so from r = 1/2 every code carries the zero point term's truncation (a constant 0-1 code, 1/2 + frac(m N z_x / 2^k)
 # over the sum's rounding, as measured on each sweep), below it a half code up. The multiplier is r less 1e-5 of it,
 # rounded (mean_multiplier: the "floor(r 2^k + 1/4)" read before, which missed 4 of 80 sweeps and 12 of the models'
-# 375 reductions, was its average: r 2^k's fraction 0.58-0.79 rounded either way).
+# 375 reductions, was its average: r 2^k's fraction 0.58-0.79 rounded either way). Below r = 1/2 the sum carries N
+# more units of Q(k) (measured: the one (m, C) with y = floor((m S + C) / 2^k) over 60,000 row sums S of each of 8
+# one-op sweeps, ReduceMean N = 16-64 at k 16-18, ReduceSum N = 2-16 at k 16-17, zero points 0-1000: m the model's,
+# C - 2^k in [N, N + 2) every time; without it 99.90-99.997 % of codes, one lower at sums whose fraction reaches
+# 1 - N 2^-k: the aimet-onnx Qwen3.5 W8A16 dump's layer 1 post-attention mean, one row of 8).
 REDUCE_SUM_SPLIT = 15             # the shift above which a reduction adds a whole step (r < 1/2), below it rounds
 
 
@@ -309,6 +316,7 @@ def reduce_steps(q: np.ndarray, r: float, zx, zo, axis: int, keepdims: bool, qra
     m, k = mean_multiplier(r)
     if k > REDUCE_SUM_SPLIT:
         acc = np.int64(m) * (q - np.int64(zx)).sum(axis=axis, keepdims=keepdims)    # m sum_i n_i   (Q(k))
+        acc = acc + q.shape[axis]                                                   # + N: a unit per term
         return np.clip((acc >> k) + 1 + np.int64(zo), *qrange)                      # floor(acc / 2^k + 1) + z_o
     acc = np.int64(m) * q.sum(axis=axis, keepdims=keepdims)                         # m sum_i q_i   (Q(k))
     z = (m * q.shape[axis] * int(zx)) >> k                                          # floor(m N z_x / 2^k)
@@ -1240,3 +1248,58 @@ def softmax_topk(qx, x: tuple, out: tuple, k: int, qrange: tuple = UINT16) -> np
     v = float16_copy(e / e.sum(axis=-1, keepdims=True)).astype(np.float64)                  # float16(p_i)
     top = -np.sort(-v, axis=-1)[..., :k]                                                    # the k largest
     return np.clip(np.rint(top * np.float64(np.float32(1) / np.float32(so))).astype(np.int64) + np.int64(zo), *qrange)
+
+
+# ------------------------------------------------------------------------------------------ a Gemm with a float bias
+# A Gemm whose bias the graph leaves float (aimet-onnx's Qwen3.5 in_proj_a + dt_bias; with ONNX Runtime's graph
+# optimizations off, as the honest runs, no int32 bias is made): the HTP runs it on the float16 grid, its quantised
+# inputs dequantised to float16 and its output quantised from float16, each conversion rounding ties away from zero
+# (measured on one-op QDQ graphs on the simulator, int8 symmetric weights per tensor, 2.24M codes: every code of 3 K = 1
+# sweeps over every activation code 0-65535 at three encodings and 3 over 26,000 codes, of 12 random sweeps at K = 2-64
+# and 3 at K = 64 of the model's encodings; 19 codes off in 6 random sweeps at random encodings, K = 5-128 (1 code each:
+# the accumulator's own rounding, not found); every code of the aimet-onnx W8A16 dump's 3 Gemms on their own inputs):
+#
+#     x_i  = float16_away(float32(n_a,i s_a))             the activation's steps times its scale, to float16
+#     w_ij = float16_away(k_ij float16(s_w))              the weight's steps times its scale's float16, to float16
+#                                                         (3 float16(s_w) 2^m is a tie: one ulp up)
+#     v_j  = float16(float32(sum_i x_i w_ij + float16(b_j)))   the products summed wide, the bias's float16 added,
+#                                                              rounded once (ties to even)
+#     q_o  = clip(round_away(float32(v_j float32(1 / s_o))) + z_o, 0, 2^16 - 1)
+#
+# Refuted (here and before): the weight's float16 from the float32 scale (a 127-step weight one ulp low: 16 % of that
+# column's codes; 63 % of a K = 2 sweep), the weight's or the activation's ties to even (96 %; 4 rows of 65,536 at the
+# model's encoding), the activation as float16(n float16(s_a)) (82 %), the products in float16 (57 % at K = 64 summed
+# wide, 18 % summed in float16), the sum's ties away from zero (99.4 %), the output as round(v / s_o) (2,754 codes of
+# 65,536 x 8 at v / s_o = 1/2 +- 1e-3) or its float32 product rounded to even (301 of 65,536 x 8). A subnormal bias
+# (|b| < 2^-14, -0.0 included) is not that: its sign rounds the sum up or down (directed: 56-78 % of codes by the
+# model), not modelled (the models' biases are normal).
+FLOAT16_MANTISSA_BITS = 10           # float16's significand: 10 bits after the leading one
+FLOAT16_MIN_EXPONENT = -14           # its smallest normal exponent (below it: subnormals, steps of 2^-24)
+
+
+def float16_away(v) -> np.ndarray:
+    """v (float64) rounded to the float16 grid, ties away from zero (no overflow: |v| < 65504).  -> float64."""
+    v = np.asarray(v, np.float64)
+    e = np.maximum(np.frexp(v)[1] - 1, FLOAT16_MIN_EXPONENT) - FLOAT16_MANTISSA_BITS     # the ulp's exponent
+    return np.ldexp(round_away(np.ldexp(v, -e)), e)                                      # in ulps, rounded
+
+
+def round_away(t) -> np.ndarray:
+    """t rounded to an integer, ties away from zero.  -> float64."""
+    t = np.asarray(t, np.float64)
+    return np.sign(t) * np.floor(np.abs(t) + 0.5)
+
+
+def gemm_float_bias(qa, a: tuple, qw, w: tuple, bias, out: tuple, qrange: tuple = UINT16) -> np.ndarray:
+    """The HTP's Gemm of uint16 activations [..., K] and 8-bit per-tensor weights [K, N] with a float bias [N] (above).
+    a, w, out: (scale, zero point).  -> int64 codes [..., N]."""
+    (sa, za), (sw, zw), (so, zo) = a, w, out
+    n = np.asarray(qa, np.int64) - np.int64(za)                                     # n_a
+    x = float16_away(np.float32(n * np.float64(np.float32(sa))))                   # float16_away(float32(n_a s_a))
+    s16 = np.float64(np.float16(np.float32(sw)))                                   # float16(s_w)
+    wt = float16_away((np.asarray(qw, np.int64) - np.int64(zw)) * s16)             # float16_away(k float16(s_w))
+    b16 = float16_copy(bias).astype(np.float64)                                    # float16(b)
+    v = float16_copy(x @ wt + b16)                                                 # float16(float32(sum x w + b))
+    inv = np.float32(np.float32(1) / np.float32(so))                               # float32(1 / s_o)
+    t = round_away(v * inv)                                                        # round_away(float32(v / s_o))
+    return np.clip(t.astype(np.int64) + np.int64(zo), *qrange)                     # + z_o, saturated

@@ -60,6 +60,8 @@ DEVICE_OPS = {"htp": {"Add": lambda q, e, out: htp_quantised.add(q[0], e[0], q[1
                       "MatMul": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out),
                       "MatMul16": lambda q, e, out: htp_quantised.matmul16(q[0], e[0], q[1], e[1], out),
                       "Gemm": lambda q, e, out: htp_quantised.matmul(q[0], e[0], q[1], e[1], out, bias=(q[2], e[2][0])),
+                      "GemmFloat16Bias": lambda q, e, out: htp_quantised.gemm_float_bias(q[0], e[0], q[1], e[1], q[2],
+                                                                                          out),
                       "Mul": lambda q, e, out: htp_quantised.mul(q[0], e[0], q[1], e[1], out),
                       "Div": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out),
                       "DivConstant": lambda q, e, out: htp_quantised.div(q[0], e[0], q[1], e[1], out, constant=True),
@@ -98,6 +100,11 @@ DEVICE_WEIGHTS = {"MatMul": ((8, False), (8, True), (4, True)), "Mul": ((16, Fal
 # biases an op of the device arithmetic reads as stored: a Gemm's (x W + b: Qwen3.5's in_proj_a with dt_bias fused),
 # 32-bit signed per tensor
 DEVICE_BIASES = {"Gemm": ((32, True),)}
+# the device arithmetics that compute a Gemm whose bias the graph leaves float (no integer encoding: aimet-onnx's
+# Qwen3.5 in_proj_a + dt_bias, with ONNX Runtime's graph optimizations off) on the float16 grid, op "GemmFloat16Bias"
+# (the HTP: kernels/htp_quantised.gemm_float_bias; every code of the aimet-onnx W8A16 dump's 3 Gemms on their own
+# inputs)
+DEVICE_FLOAT16_BIASES = {"htp": ("Gemm",)}
 assert set(DEVICE_OPS) == set(DEVICE_ARITHMETICS)
 # the device arithmetics that compute a Mul of a tensor and its own Sigmoid's codes, x * sigmoid(x), as one fused op
 # "SiLU" (the HTP: its rounding differs from its Mul's; kernels/htp_quantised.silu_product)
@@ -414,6 +421,9 @@ class Quantisers:
             inputs = tuple(inputs[0].replace("@*", f"@{t}") for t in range(np.shape(x)[1]))
         held = [self.held.get(i, self.held.get(i.partition("@")[0])) if not i.startswith("weight:")   # (x@t: x's
                 else self._weight_held(i[7:], op, bias=n == 2) for n, i in enumerate(inputs)]      # encoding) x, W, b
+        bias = self._float16_bias(op, inputs, held)   # a Gemm whose bias the graph leaves float (DEVICE_FLOAT16_BIASES)
+        if bias is not None:
+            held, op = held[:2], "GemmFloat16Bias"
         given = self.given.get(name)   # the values a per-token op reads, as its kernel broadcasts them
         if given is not None:
             if len(given) != len(held) or any(h is None for h in held):
@@ -424,6 +434,8 @@ class Quantisers:
             return None
         codes = [h[1].codes(np.asarray(h[0], np.float32)) if h[0] is not None else h[2] for h in held]   # on grid
         encs = [h[1].scale_zero for h in held]                                        # (scale, zero point) each
+        if bias is not None:
+            codes.append(bias)                                                        # its float values [N]
         for j, i in enumerate(inputs):     # a Sigmoid's codes at the device's encoding (DEVICE_SIGMOID_CODES)
             if i.partition("@")[0] in self.sigmoids:
                 if "@" in i:               # a token of it: the device graph's Gather moves it into its encoding
@@ -481,6 +493,17 @@ class Quantisers:
         if q.shape != shape and not regrouped(q.shape, shape):   # for q_norm's [B, T, H, D]; the scores' [B, Hkv,
             return None                    # Hq/Hkv, T, L] for [B, Hq, T, L]); transposed, it is not the op's
         return enc.dequantize(q.reshape(shape)).astype(np.asarray(x).dtype, copy=False)
+
+    def _float16_bias(self, op: str, inputs: tuple, held: list):
+        """The float values [N] of a Gemm's bias that no integer encoding holds (aimet-onnx leaves in_proj_a + dt_bias's
+        float), where the device computes such a Gemm on the float16 grid (DEVICE_FLOAT16_BIASES); None otherwise."""
+        if op not in DEVICE_FLOAT16_BIASES.get(self.arithmetic, ()) or len(inputs) != 3 or held[2] is not None \
+                or not inputs[2].startswith("weight:") or self._weight is None:
+            return None
+        got = self._weight(inputs[2][7:])
+        if got is None or (got[1] is not None and got[1].float_dtype is None):   # an integer bias: not this op
+            return None
+        return np.asarray(got[0], np.float32)
 
     def _weight_held(self, name: str, op: str, bias: bool = False):
         """(None, encoding, codes [in, out]) of stored weight `name` as op reads it (DEVICE_WEIGHTS, or a bias:

@@ -848,6 +848,11 @@ def htp_op(n, codes, fused: bool = False, constant: bool = False):
     if n.op_type == "MatMul" and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and np.asarray(codes[1][0]).dtype == np.uint8:
         return htp_quantised.matmul(q0, e0, codes[1][0], codes[1][1], out)
+    if n.op_type == "Gemm" and len(codes) == 4 and codes[1][1] is not None and codes[2][1] is None \
+            and np.asarray(codes[1][0]).dtype in (np.uint8, np.int8) and codes[1][0].ndim == 2 \
+            and not _attr(n, "transA", 0) and not _attr(n, "transB", 0) and _attr(n, "alpha", 1.0) == 1 \
+            and _attr(n, "beta", 1.0) == 1:               # x W + b, b left float (aimet-onnx's in_proj_a + dt_bias)
+        return htp_quantised.gemm_float_bias(q0, e0, codes[1][0], codes[1][1], codes[2][0], out)
     if n.op_type == "Gemm" and len(codes) in (3, 4) and codes[1][1] is not None and codes[1][0].ndim == 2 \
             and (np.asarray(codes[1][0]).dtype == np.uint8 or _int4(codes[1][0])) and not _attr(n, "transA", 0) \
             and _attr(n, "alpha", 1.0) == 1 and _attr(n, "beta", 1.0) == 1:   # x W (+ b): the MatMul, its int32 bias

@@ -1258,3 +1258,49 @@ def test_refimpl_diff_with_the_htps_arithmetic_explains_the_moe_past_its_routing
         d = Q.diff(f, golden, path, dump, tmp_path / f"{name}.json")
         assert d.exit_code == 0 and set(d.verdicts.values()) == {"explained"} and len(d.verdicts) == 87, (
             name, d.first, d.excess.get(d.first))
+
+
+def float_bias_gemm_graph(qw, sw: float, bias, x: tuple, out: tuple, rows: int) -> bytes:
+    """x [rows, K] (uint16, Q -> DQ) times an int8 symmetric weight per tensor [K, N] plus a float bias [N]
+    (aimet-onnx's in_proj_a + dt_bias: the bias no quantiser holds), quantised to uint16 "yq"."""
+    inits = [nh.from_array(np.array(x[0], np.float32), "sa"), nh.from_array(np.array(x[1], np.uint16), "za"),
+             nh.from_array(np.asarray(qw, np.int8), "wq"), nh.from_array(np.array(sw, np.float32), "sw"),
+             nh.from_array(np.array(0, np.int8), "wz"), nh.from_array(np.asarray(bias, np.float32), "b"),
+             nh.from_array(np.array(out[0], np.float32), "so"), nh.from_array(np.array(out[1], np.uint16), "zo")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sa", "za"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sa", "za"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw", "wz"], ["wd"]),
+             helper.make_node("Gemm", ["xd", "wd", "b"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
+    graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, len(qw)])],
+                              [helper.make_tensor_value_info("yq", TensorProto.UINT16, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+@pytest.mark.device_matrix
+def test_htp_a_gemm_with_a_float_bias_is_its_float16_gemm():
+    """A Gemm whose bias is left float (graph optimizations off: no int32 bias made) on the HTP: the float16 Gemm of
+    htp_quantised.gemm_float_bias (conversions to float16 and to codes rounding ties away from zero), on a held-out
+    sweep of random codes at layer 0's in_proj_a activation encodings of the aimet-onnx Qwen3.5 W8A16 export (K = 64,
+    as the model's; some weights of 3 2^m steps, float16 ties; ~1 s): every code; the weights' float16 rounded to
+    even, or the int32-bias Gemm, are not."""
+    from refimpl.kernels import htp_quantised
+    rng = np.random.default_rng(5)
+    x, sw, out = (1.0780981e-4, 33155), 2.5e-3, (8.181231e-05, 34294)   # float16(s_w) 1311 2^-19: 3 of it a tie
+    qa, qw = rng.integers(0, 65536, (512, 64)), rng.integers(-127, 128, (64, 16))
+    qw[:4, :4] = [[3, 6, 12, 24], [-3, -6, -12, -24], [48, 96, -48, -96], [1, 2, 4, 8]]   # 3 2^m: float16 ties
+    b = rng.uniform(-0.15, 0.15, 16).astype(np.float32)
+    got = Q.run(Q.htp_session(float_bias_gemm_graph(qw, sw, b, x, out, len(qa)), optimize=False),
+                {"x": on_grid(qa, *x)})["yq"]
+    want = htp_quantised.gemm_float_bias(qa, x, qw, (sw, 0), b, out)
+    assert Q.codes_agreement(want, got) == (1.0, 0)                               # measured: every code
+    wt = (qw * np.float64(np.float16(np.float32(sw)))).astype(np.float16)             # float16 ties to even
+    xf = htp_quantised.float16_away(np.float32((qa - x[1]) * np.float64(np.float32(x[0]))))
+    v = htp_quantised.float16_copy(xf @ wt.astype(np.float64) + htp_quantised.float16_copy(b))
+    even = np.clip(htp_quantised.round_away(v * np.float32(1 / np.float32(out[0]))) + out[1], 0, 65535)
+    assert Q.codes_agreement(even, got)[0] < 0.99
+    qb = np.rint(b / (np.float64(np.float32(x[0])) * np.float32(sw))).astype(np.int64)
+    int32 = htp_quantised.matmul(qa, x, qw, (sw, 0), out, bias=(qb, np.float32(x[0]) * np.float32(sw)))
+    assert Q.codes_agreement(int32, got)[0] < 0.5

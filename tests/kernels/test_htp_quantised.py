@@ -998,3 +998,73 @@ def test_the_htps_topk_of_a_quantised_softmax_is_a_float16_softmax_with_the_cubi
     p = -np.sort(-p / p.sum(-1, keepdims=True), -1)
     assert (np.rint(p.astype(np.float16).astype(np.float64) * 65535) == values).mean() < 0.72
     assert (-np.sort(-c["softmax_topk_codes"].astype(np.int64), -1) == values).mean() < 0.15
+
+
+# --- a Gemm whose bias the graph leaves float (aimet-onnx's Qwen3.5 in_proj_a + dt_bias): codes the simulator
+# produced (tests/fixtures/quantised/tiny-qwen3.5-aimet-htp-w8a16-gemm-codes.npz: the 3 Gemms of the /tmp/s37
+# aimet-onnx W8A16 QDQ export of the tiny Qwen3.5 on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, the prompt
+# call of tests/e2e/quantised.py with ONNX Runtime's graph optimizations off (its x, int8 weight, float bias and
+# output codes); and two one-op QDQ Gemm sweeps of random codes (K = 2 and 8, 16 columns, the encodings
+# `sweep_enc`), run so on the simulator; and the same export with k delta^T as MatMul (/tmp/i27kd), its dump's layer 1
+# post-attention RMSNorm mean (the ReduceMean's input x^2 and output codes); docs/htp.md §9)
+
+AIMET_HTP_GEMM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-aimet-htp-w8a16-gemm-codes.npz"
+
+
+def test_a_gemm_with_a_float_bias_is_the_htps_float16_gemm():
+    """The HTP computes a Gemm whose bias is left float on the float16 grid (htp_quantised.gemm_float_bias): every
+    code of the 3 dumped in_proj_a + dt_bias Gemms and of the two sweeps; the int32-bias Gemm (its bias at s_a s_w),
+    the weights' float16 rounded to even (a 3 2^m-step weight is a tie) and float16(k s_w) are not."""
+    with np.load(AIMET_HTP_GEMM) as f:
+        c = {k: f[k] for k in f.files}
+    op = DEVICE_OPS["htp"]["GemmFloat16Bias"]
+    for i in range(3):
+        ea, ew, ey = ((np.float32(c[f"gemm{i}_{n}_enc"][0]), int(c[f"gemm{i}_{n}_enc"][1])) for n in "xwy")
+        x, w, b, y = c[f"gemm{i}_x"], c[f"gemm{i}_w"], c[f"gemm{i}_b"], c[f"gemm{i}_y"]
+        assert np.array_equal(op([x, w, b], [ea, ew], ey), y)
+        qb = np.rint(b / (np.float64(ea[0]) * np.float64(ew[0]))).astype(np.int64)   # the int32 bias at s_a s_w
+        assert (H.matmul(x, ea, w, ew, ey, bias=(qb, ea[0] * ew[0])) == y).mean() < 0.5
+    sa, za, sw, zw, so, zo = c["sweep_enc"]
+    ea, ew, eo = (np.float32(sa), int(za)), (np.float32(sw), int(zw)), (np.float32(so), int(zo))
+    for key in ("K2_b0", "K8_b1"):
+        x, w, b, y = (c[f"sweep_{key}_{n}"] for n in "xwby")
+        assert np.array_equal(H.gemm_float_bias(x, ea, w, ew, b, eo), y)
+    x, w, b, y = (c[f"sweep_K2_b0_{n}"] for n in "xwby")
+    xf = H.float16_copy((x.astype(np.int64) - za) * np.float64(ea[0])).astype(np.float64)
+    for wf, share in (((w * np.float64(np.float16(ew[0]))).astype(np.float16), 0.96),    # ties to even: 96.2 %
+                      ((w * np.float64(ew[0])).astype(np.float16), 0.63)):               # float32 scale: 63.4 %
+        v = H.float16_copy(xf @ wf.astype(np.float64) + H.float16_copy(b)).astype(np.float64)
+        assert (np.rint(v / np.float64(eo[0])) + zo == y).mean() == pytest.approx(share, abs=0.01)
+
+
+def test_the_device_arithmetic_computes_a_gemm_whose_bias_is_float_on_the_float16_grid():
+    """--device-arithmetic htp: a Gemm point (x W + b) whose bias no integer encoding holds is the device op
+    GemmFloat16Bias on x's held codes and the weight's stored codes (layer 0's in_proj_a + dt_bias of the dump: every
+    code); with an int32 bias encoding it is the int32-bias Gemm; without the device arithmetic, x W + b quantised."""
+    with np.load(AIMET_HTP_GEMM) as f:
+        x, w, b, y = (f[f"gemm0_{n}"] for n in "xwby")
+        (sa, za), (sw, _), (so, zo) = (f[f"gemm0_{n}_enc"] for n in "xwy")
+    e_x, e_y = enc(sa, int(za)), enc(so, int(zo))
+    e_w = Encoding(8, np.float32(sw), np.int32(0), signed=True, arithmetic="onnx")
+    wt = e_w.dequantize(w.T.astype(np.int64))                                       # [out, in]
+    float16 = Encoding(16, np.float32(1), np.int32(0), float_dtype="float16")        # a float entry
+    for arithmetic, bias_enc in (("htp", None), ("htp", float16), (None, None)):
+        weights = {"w": (wt, e_w), "b": (b, bias_enc)}
+        q = Quantisers(outputs={"x": e_x, "g": e_y}, arithmetic=arithmetic, weight=lambda n: weights[n],
+                       ops={"g": ("Gemm", ("x", "weight:w", "weight:b"))} if arithmetic else None)
+        xv = q.output("x", e_x.dequantize(x.astype(np.int64)))
+        got = e_y.codes(q.output("g", (xv @ wt.T + b).astype(np.float32)))
+        assert (got == y).all() == (arithmetic == "htp"), (arithmetic, bias_enc)
+
+
+def test_a_reduction_below_half_a_step_carries_one_unit_per_term():
+    """Below r = 1/2 the HTP's ReduceMean / ReduceSum sums m n_i plus N units of Q(k) before adding its whole step
+    (htp_quantised.reduce_steps): the aimet-onnx Qwen3.5 dump's layer 1 post-attention mean (r = 0.127, k = 17, N = 64)
+    every code; without the N units its last row is one code low (m S / 2^k = 17223.99989)."""
+    with np.load(AIMET_HTP_GEMM) as f:
+        x, ex, y, ey = f["mean_x"], f["mean_x_enc"], f["mean_y"], f["mean_y_enc"]
+    ex, ey = (np.float32(ex[0]), int(ex[1])), (np.float32(ey[0]), int(ey[1]))
+    assert np.array_equal(H.reduce_mean(x, ex, ey), y)
+    m, k = H.mean_multiplier(np.float64(ex[0]) / (x.shape[-1] * np.float64(ey[0])))
+    without = (m * x.astype(np.int64).sum(-1, keepdims=True) >> k) + 1
+    assert (without == y).mean() == 7 / 8
