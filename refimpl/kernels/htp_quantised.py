@@ -1212,18 +1212,22 @@ def topk_order(values: np.ndarray, k: int) -> np.ndarray:
 SOFTMAX_PAIR_EXP2 = (0.9999995592364235, -0.6905308101092735, 0.2263195765692293, -0.03578996527320959)   # P(f)
 
 
+def cubic_exps(q: np.ndarray, sx) -> np.ndarray:
+    """The exps of the HTP's Softmax of two and of its TopK of a Softmax: each code's distance below its row's maximum
+    y = (q_max - q_i) s_x log2(e), its exp 2^-y the cubic P of y's fraction times 2^-floor(y) (P(0) at the maximum).
+    q: int64 codes, rows along the last axis; sx: their scale.  -> float64, q's shape."""
+    y = (q.max(axis=-1, keepdims=True) - q) * np.float64(np.float32(sx)) * np.log2(np.e)   # y_i
+    i = np.floor(y)
+    return np.polynomial.polynomial.polyval(y - i, SOFTMAX_PAIR_EXP2) * np.exp2(-i)         # P(f_i) 2^-floor(y_i)
+
+
 def softmax_pair(qx, x: tuple, out: tuple, axis: int = -1, qrange: tuple = UINT16) -> np.ndarray:
     """The HTP's quantised Softmax of rows of 2.  qx: codes, rows of 2 along axis; x, out: (scale, zero point), per
     tensor.  -> int64 codes, qx's shape."""
     (sx, _), (so, zo) = x, out
     q = np.moveaxis(np.asarray(qx, np.int64), axis, -1)
-    d = q[..., :1] - q[..., 1:]                                                     # d = q_a - q_b
-    y = np.abs(d) * np.float64(np.float32(sx)) * np.log2(np.e)                      # y = |d| s_x log2(e)
-    i = np.floor(y)
-    e = np.polynomial.polynomial.polyval(y - i, SOFTMAX_PAIR_EXP2) * np.exp2(-i)   # e = P(f) 2^-i
-    one = np.polynomial.polynomial.polyval(0.0, SOFTMAX_PAIR_EXP2) + 0 * e           # the larger's, P(0)
-    big = np.concatenate([one, np.where(d == 0, one, e)], -1)                       # [E_a, E_b] when d >= 0
-    p = np.where(d >= 0, big, big[..., ::-1]) / (one + np.where(d == 0, one, e))     # p_i = E_i / (E_a + E_b)
+    e = cubic_exps(q, sx)                                                           # [E_a, E_b]: the larger's P(0)
+    p = e / e.sum(axis=-1, keepdims=True)                                           # p_i = E_i / (E_a + E_b)
     y_o = np.ceil(p * np.float64(np.float32(1) / np.float32(so)) - 0.5).astype(np.int64)   # half down
     return np.moveaxis(np.clip(y_o + np.int64(zo), *qrange), -1, axis)
 
@@ -1241,10 +1245,7 @@ def softmax_topk(qx, x: tuple, out: tuple, k: int, qrange: tuple = UINT16) -> np
     """The codes of the k values the HTP's TopK returns of a quantised Softmax of qx (its input's codes, rows along
     the last axis), largest first.  x: the Softmax input's (scale, zero point); out: the top k's.  -> int64 [..., k]."""
     (sx, _), (so, zo) = x, out
-    q = np.asarray(qx, np.int64)
-    y = (q.max(axis=-1, keepdims=True) - q) * np.float64(np.float32(sx)) * np.log2(np.e)   # y_i
-    i = np.floor(y)
-    e = np.polynomial.polynomial.polyval(y - i, SOFTMAX_PAIR_EXP2) * np.exp2(-i)           # e_i = P(f_i) 2^-i
+    e = cubic_exps(np.asarray(qx, np.int64), sx)                                            # e_i = P(f_i) 2^-i
     v = float16_copy(e / e.sum(axis=-1, keepdims=True)).astype(np.float64)                  # float16(p_i)
     top = -np.sort(-v, axis=-1)[..., :k]                                                    # the k largest
     return np.clip(np.rint(top * np.float64(np.float32(1) / np.float32(so))).astype(np.int64) + np.int64(zo), *qrange)

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import products
 from .activation import compute_dtype, identity, softmax, unhooked
+from .htp_quantised import topk_order
 
 
 def route(logits: np.ndarray, top_k: int, renormalize: bool, *, rnd=identity, at=unhooked):
@@ -41,8 +42,7 @@ def _top_logits_softmax(logits: np.ndarray, top_k: int, at) -> tuple[np.ndarray,
     float16 values of the codes), ties the higher expert id first (the HTP's TopK); the chosen values are the
     Softmax's operand.  -> weights [N, k], experts [N, k]."""
     ranked = at("routing_weights/top-k", logits.astype(compute_dtype(logits), copy=False))   # [N, E] as compared
-    n = ranked.shape[-1]
-    experts = (n - 1 - np.argsort(-ranked[:, ::-1], axis=-1, kind="stable"))[:, :top_k]   # ties: the higher id
+    experts = topk_order(ranked, top_k)                                                      # ties: the higher id
     top = np.take_along_axis(ranked, experts, axis=-1)                                       # the k largest
     at.operand("routing_weights/top-k", top)                                                 # as the Softmax reads
     return softmax(top), experts                                                             # softmax over the k
