@@ -349,7 +349,7 @@ class Quantisers:
     def quantise(self, name: str, enc, x):
         """x through the quantiser(s) enc (recorded as `name` when recording); with a device arithmetic, an op it
         computes on codes (self.ops) takes its first quantiser's values from the device op instead (recorded so)."""
-        chain = _chain(enc)
+        chain = full = _chain(enc)
         if name.rpartition("/")[2] in DEVICE_FLOAT16_CACHE.get(self.arithmetic, ()) and len(chain) == 1 and \
                 _per_tensor_integer(chain[0]):   # the host's float cache, on the device in float16
             return self._float16_cache(name, chain[0], x)
@@ -363,17 +363,16 @@ class Quantisers:
         if y is not None:
             x, chain = self._rnd(y), chain[1:]
             own = DEVICE_SIGMOID_CODES.get(self.arithmetic)
-            first = _chain(enc)[0]
-            if op[0] == "Sigmoid" and own and (float(first.scale), -int(np.asarray(first.offset))) != own:
+            if op[0] == "Sigmoid" and own and (float(full[0].scale), -int(np.asarray(full[0].offset))) != own:
                 self.sigmoids.add(name)        # its consumers read the codes at the device's own encoding
-        moves = self.moved_by.get(name, ())[len(_chain(enc)) - len(chain):]   # the op making each link applied
+        moves = self.moved_by.get(name, ())[len(full) - len(chain):]   # the op making each link applied
         for e, op in zip(chain, moves or (None,) * len(chain)):
             if op is not None and op in DEVICE_FLOAT16_MOVES.get(self.arithmetic, ()):
                 x = htp_quantised.float16_copy(x)                                        # the device's float16 copy
             x = self._rnd(e.apply(x))
         base, _, t = name.rpartition("@")
         if name in self._holds or (t.isdigit() and base in self._holds):
-            self.held[name] = (x, _chain(enc)[-1])
+            self.held[name] = (x, full[-1])
             if t.isdigit() and base not in self._whole:   # a per-token instance: two tokens back read no more
                 self.held.pop(f"{base}@{int(t) - 2}", None)
         return x
