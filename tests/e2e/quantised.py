@@ -145,6 +145,19 @@ def reciprocal_as_div(m) -> int:
     return n
 
 
+def behind(producer: dict, name: str, ops: tuple) -> list | None:
+    """The nodes behind tensor `name` (producer: output name -> node), each one's first input followed, whose op types
+    are `ops` in order; None where they are not."""
+    chain = []
+    for op in ops:
+        n = producer.get(name)
+        if n is None or n.op_type != op:
+            return None
+        chain.append(n)
+        name = n.input[0]
+    return chain
+
+
 def outer_products_as_matmul(m) -> int:
     """Each broadcast Mul of a column and a row, Unsqueeze(a, -1) [.., Dk, 1] * Unsqueeze(b, -2) [.., 1, Dv] (the
     gated delta rule's k_t delta_t^T, 24 in the tiny Qwen3.5's prompt graph), -> MatMul(column, row): the same
@@ -155,11 +168,8 @@ def outer_products_as_matmul(m) -> int:
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
 
     def unsqueezed(name):                       # the Unsqueeze's axis behind DQ(Q(Unsqueeze(x))), else None
-        chain = [producer.get(name)]
-        for _ in range(2):
-            chain.append(producer.get(chain[-1].input[0]) if chain[-1] is not None else None)
-        if [n.op_type if n is not None else None for n in chain] != ["DequantizeLinear", "QuantizeLinear",
-                                                                      "Unsqueeze"]:
+        chain = behind(producer, name, ("DequantizeLinear", "QuantizeLinear", "Unsqueeze"))
+        if chain is None:
             return None
         axes = inits.get(chain[2].input[1]) if len(chain[2].input) > 1 else _attr(chain[2], "axes")
         return None if axes is None else tuple(np.ravel(axes).tolist())
@@ -194,27 +204,18 @@ def routing_as_topk_softmax(m) -> int:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
 
-    def chain(name, ops):                       # the producers behind `name`, op types in order, else None
-        out = []
-        for op in ops:
-            n = producer.get(name)
-            if n is None or n.op_type != op:
-                return None
-            out.append(n)
-            name = n.input[0]
-        return out
     scale = onnx.numpy_helper.from_array(ROUTING_SOFTMAX_ENCODING[0], "routing_softmax_scale")
     zero = onnx.numpy_helper.from_array(ROUTING_SOFTMAX_ENCODING[1], "routing_softmax_zero_point")
     dead, renamed, n = set(), {}, 0
     for topk in [t for t in m.graph.node if t.op_type == "TopK"]:
-        behind = chain(topk.input[0], ("DequantizeLinear", "QuantizeLinear", "Softmax", "DequantizeLinear"))
+        probs = behind(producer, topk.input[0], ("DequantizeLinear", "QuantizeLinear", "Softmax", "DequantizeLinear"))
         qv = [c for c in consumers.get(topk.output[0], ()) if c.op_type == "QuantizeLinear"]
         dqv = [c for c in consumers.get(qv[0].output[0], ()) if c.op_type == "DequantizeLinear"] if len(qv) == 1 else []
         div = [c for c in consumers.get(dqv[0].output[0], ()) if c.op_type == "Div"] if len(dqv) == 1 else []
-        if behind is None or len(div) != 1 or div[0].input[0] != dqv[0].output[0]:
+        if probs is None or len(div) != 1 or div[0].input[0] != dqv[0].output[0]:
             continue
-        logits = behind[3]                                          # DQ(logits): the Softmax's input
-        summed = chain(div[0].input[1], ("DequantizeLinear", "QuantizeLinear", "ReduceSum"))
+        logits = probs[3]                                           # DQ(logits): the Softmax's input
+        summed = behind(producer, div[0].input[1], ("DequantizeLinear", "QuantizeLinear", "ReduceSum"))
         if summed is None or summed[2].input[0] != dqv[0].output[0]:
             continue
         topk.input[0] = logits.output[0]                            # TopK of the logits
@@ -935,16 +936,12 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
         s = producer.get(q.input[0]) if q is not None else None
         return s is not None and s.op_type == "Sigmoid" and quantiser(s.input[0]) == quantiser(n.input[0]) is not None
     def negated(n):  # a Concat of a Neg (rotate_half's [-x2 | x1]): the Neg's input, which the HTP reads instead
-        d = producer.get(n.input[0]) if n.op_type == "Concat" and len(n.input) == 2 else None
-        q = producer.get(d.input[0]) if d is not None and d.op_type == "DequantizeLinear" else None
-        neg = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
-        return neg.input[0] if neg is not None and neg.op_type == "Neg" else None
+        chain = behind(producer, n.input[0], ("DequantizeLinear", "QuantizeLinear", "Neg")) \
+            if n.op_type == "Concat" and len(n.input) == 2 else None
+        return chain[2].input[0] if chain is not None else None
 
     def sigmoid_codes(t):   # a DequantizeLinear of a Sigmoid's own quantiser (DEVICE_SIGMOID_CODES)
-        d = producer.get(t or "")
-        q = producer.get(d.input[0]) if d is not None and d.op_type == "DequantizeLinear" else None
-        s = producer.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
-        return s is not None and s.op_type == "Sigmoid"
+        return behind(producer, t, ("DequantizeLinear", "QuantizeLinear", "Sigmoid")) is not None
     from refimpl.kernels.htp_quantised import SILU_SIGMOID as htp_sigmoid
 
     rows = []
@@ -958,10 +955,11 @@ def replayed(qm, values: dict, htp: bool = False) -> list[tuple]:
                 continue
             want = values[q.output[0]]
             x2 = negated(n) if htp else None
-            read = [codes(i) for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            names = [i for i in ([x2, n.input[1]] if x2 else n.input) if i]
+            read = [codes(i) for i in names]
             if htp:          # a Sigmoid's codes are sigmoid(x) 2^16 whatever its encoding: its consumers read them so
                 read = [(r[0], htp_sigmoid) if r is not None and r[1] is not None and sigmoid_codes(i) else r
-                        for r, i in zip(read, [x2, n.input[1]] if x2 else [i for i in n.input if i])]
+                        for r, i in zip(read, names)]
             d1 = producer.get(n.input[1]) if len(n.input) > 1 else None
             constant = d1 is not None and d1.op_type == "DequantizeLinear" and d1.input[0] in inits
             mine = htp_op(n, read + [(None, (inits[q.input[1]], inits[q.input[2]]))],
@@ -1028,7 +1026,6 @@ def genie_dumps(case: FloatCase, qm, golden: Path, directory: Path, device: str 
     graph's AR: a prompt of several chunks, decode calls fed one token in the same graph), in order, the host
     carrying each call's KV outputs into the next call's cache window (devices.run_genie); each call's quantisers
     dumped under directory/<k>/ (write_dump), the layout `refimpl diff` reads as step k."""
-    import json
     manifest = json.loads((golden / "manifest.json").read_text())
     session = {"cpu": cpu_session, "htp": lambda x: htp_session(x, optimize=False)}[device](
         with_outputs(qm, quantiser_taps(qm)))
