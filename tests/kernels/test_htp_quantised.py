@@ -14,6 +14,15 @@ from refimpl.kernels import htp_quantised as H
 from refimpl.models.quantisers import DEVICE_OPS, Quantisers, device_ops
 from refimpl.precision import DEVICE_ARITHMETICS, Policy
 
+QUANTISED_FIXTURES = Path(__file__).parent.parent / "fixtures" / "quantised"
+
+
+def anchor(name: str) -> dict:
+    """The arrays of a committed anchor of HTP-measured codes, tests/fixtures/quantised/<name> (its provenance in the
+    comment above the tests that read it)."""
+    with np.load(QUANTISED_FIXTURES / name) as f:
+        return {k: f[k] for k in f.files}
+
 
 def test_add_rounds_ties_up_and_shares_one_int16_shift():
     # two inputs of the output's scale, each half a step: the exact sum 1/2 code rounds up (ONNX: to even, 0)
@@ -404,12 +413,11 @@ def test_softmax_of_equal_maxima_is_the_htps():
 # the tiny Qwen3.5's QNN W8A16 QDQ model on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, its prompt call of
 # tests/e2e/quantised.py, layer 0; docs/htp.md §9)
 
-HTP_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-w8a16-codes.npz"
+HTP_CODES = "tiny-qwen3.5-htp-w8a16-codes.npz"
 
 
 def htp_codes():
-    with np.load(HTP_CODES) as f:
-        return {k: f[k] for k in f.files}
+    return anchor(HTP_CODES)
 
 
 def test_the_htps_depthwise_conv_is_its_matmul_per_channel_on_the_htps_codes():
@@ -492,15 +500,14 @@ def test_a_per_token_point_in_its_matmul_form_is_the_htps_matmul16_and_the_cores
 # sweep1 / sweep7: one-op QDQ Softplus graphs over every input code 0..65535 at two encodings not used to fit the
 # model (Qwen3.5's layer-2 encoding, and a random wide one), stored as the first code and the steps; docs/htp.md §9)
 
-HTP_SOFTPLUS = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-softplus-codes.npz"
+HTP_SOFTPLUS = "tiny-qwen3.5-htp-softplus-codes.npz"
 
 
 def test_the_htps_softplus_on_qwen35s_gates_and_on_held_out_sweeps():
     """The model's three Softpluses on the HTP's own input codes: every code (the correctly rounded softplus: none,
     up to 348 codes off). Over every input code at two held-out encodings: 99.59 % / 99.905 % identical as measured,
     max 1 (the fitted coefficients: the device's rounding inside its polynomial is not modelled)."""
-    with np.load(HTP_SOFTPLUS) as f:
-        c = {k: f[k] for k in f.files}
+    c = anchor(HTP_SOFTPLUS)
     for x, y, (sx, zx, so, zo) in zip(c["layers_x"], c["layers_y"], c["layers_enc"]):
         q = H.softplus(x.astype(np.int64), (sx, int(zx)), (so, int(zo)))
         assert np.array_equal(q, y)
@@ -521,15 +528,14 @@ def test_the_htps_softplus_on_qwen35s_gates_and_on_held_out_sweeps():
 # codes; l2norm_* / stk_*: two of the tiny Qwen3.5's QNN W8A16 ReduceSums on the HTP's own input codes (layer 0's
 # l2norm sum of k^2, [1, 8, 4, 16] over the last axis; S^T k over D_k, [1, 4, 16, 16] over axis -2); docs/htp.md §9)
 
-HTP_REDUCE_SUM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-reducesum-codes.npz"
+HTP_REDUCE_SUM = "tiny-qwen3.5-htp-reducesum-codes.npz"
 
 
 def test_the_htps_reduce_sum_multiplier_is_the_ratio_less_1e_5_rounded():
     """Every one of the 60 multipliers read off the simulator is round(r (1 - 1e-5) 2^k) (floor(r 2^k + 1/4): 56,
     round(r 2^k): 40), and the two Qwen3.5 ReduceSums whose codes that rule alone gives are every code (with
     floor(r 2^k + 1/4): 62.5 % and 95.3 %)."""
-    with np.load(HTP_REDUCE_SUM) as f:
-        c = {k: f[k] for k in f.files}
+    c = anchor(HTP_REDUCE_SUM)
     r = c["read_sx"].astype(np.float64) / c["read_so"].astype(np.float64)
     assert [H.mean_multiplier(v)[0] for v in r] == c["read_m"].tolist()
     k = [H.mean_multiplier(v)[1] for v in r]
@@ -694,12 +700,11 @@ def test_the_fused_silu_product_reads_the_sigmoids_codes_as_2_16_sigmoid_whateve
 # tests/e2e/quantised.py: layer 0's x * mask, beta and its 8 per-token Gathers, delta_0, layer 3's gated attention
 # output x * sigmoid(gate); docs/htp.md §9)
 
-AIMET_HTP_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-aimet-htp-w8a16-codes.npz"
+AIMET_HTP_CODES = "tiny-qwen3.5-aimet-htp-w8a16-codes.npz"
 
 
 def aimet_htp_codes():
-    with np.load(AIMET_HTP_CODES) as f:
-        return {k: (np.float32(f[k][0]), int(f[k][1])) if k.endswith("_enc") else f[k] for k in f.files}
+    return {k: (np.float32(v[0]), int(v[1])) if k.endswith("_enc") else v for k, v in anchor(AIMET_HTP_CODES).items()}
 
 
 def test_an_op_reading_an_input_the_graph_leaves_float_is_computed_in_float16():
@@ -743,15 +748,15 @@ def test_every_consumer_reads_the_htps_sigmoid_codes_as_sigmoid_times_2_16():
 # model of the tiny Qwen3.5 rewritten so, on the QNN 2.51 HTP v75 simulator, onnxruntime-qnn 2.7, the prompt call of
 # tests/e2e/quantised.py, its device_dumps; layer 0: token 3's k delta^T, every token's S * q and the core's stack)
 
-HTP_MATMUL_CODES = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-htp-w8a16-matmul-codes.npz"
+HTP_MATMUL_CODES = "tiny-qwen3.5-htp-w8a16-matmul-codes.npz"
 
 
 def test_the_htp_computes_k_delta_t_written_as_a_matmul_as_its_matmul16():
     """k_t [.., Dk, 1] x delta_t [.., 1, Dv] as a MatMul (K = 1) of two uint16 activations: every code the HTP's
     MatMul16 (delta requantised to uint8), the device op --device-arithmetic htp computes at the point when the
     graph's form there is a MatMul (quantisers.device_ops); the same product through the HTP's Mul is not."""
-    with np.load(HTP_MATMUL_CODES) as c:
-        k, ek, d, ed, y, ey = (c[n] for n in ("kd_k", "kd_k_enc", "kd_d", "kd_d_enc", "kd_y", "kd_y_enc"))
+    c = anchor(HTP_MATMUL_CODES)
+    k, ek, d, ed, y, ey = (c[n] for n in ("kd_k", "kd_k_enc", "kd_d", "kd_d_enc", "kd_y", "kd_y_enc"))
     enc = [(float(e[0]), int(e[1])) for e in (ek, ed, ey)]
     assert np.array_equal(DEVICE_OPS["htp"]["MatMul16"]([k, d], enc[:2], enc[2]), y)
     assert (H.mul(k.astype(np.int64), enc[0], d.astype(np.int64), enc[1], enc[2]) == y).mean() < 0.9
@@ -762,8 +767,8 @@ def test_the_htp_sums_each_tokens_o_into_the_cores_concat_encoding():
     the HTP's own S * q codes straight into the Concat's encoding (device op TokenSums,
     quantisers.DEVICE_CONCAT_ENCODES_INPUTS); o_t's own codes requantised into it are not (o_t's quantiser clips:
     up to 423 codes off)."""
-    with np.load(HTP_MATMUL_CODES) as c:
-        sq, esq, o, eo, stack, es = (c[n] for n in ("sq", "sq_enc", "o", "o_enc", "stack", "stack_enc"))
+    c = anchor(HTP_MATMUL_CODES)
+    sq, esq, o, eo, stack, es = (c[n] for n in ("sq", "sq_enc", "o", "o_enc", "stack", "stack_enc"))
     out = (float(es[0]), int(es[1]))
     got = DEVICE_OPS["htp"]["TokenSums"](list(sq), [(float(s), int(z)) for s, z in esq], out)   # [B, T, Hv, Dv]
     assert np.array_equal(got.transpose(0, 2, 1, 3), stack)                                        # [B, Hv, T, Dv]
@@ -801,7 +806,7 @@ def test_gated_attentions_sigmoid_reads_the_gate_half_of_q_projs_codes():
 # copy of the 7-token prompt call's past_*_out (real slots, [Hkv, 7, D]), "input" the first decode call's codes at
 # that cache input's quantiser, "concat" its Concat's codes of those cached slots; "enc" (s_in, z_in, s_cat, z_cat))
 
-HTP_CACHE = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-htp-w8a16-cache-codes.npz"
+HTP_CACHE = "tiny-qwen3-htp-w8a16-cache-codes.npz"
 
 
 def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_copy():
@@ -811,8 +816,7 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
     tensor), not the input quantiser's codes requantised (under 99.4 % in layers 1-3, where the encodings differ).
     Quantisers under the HTP's arithmetic: a past_keys point records those codes and passes the float16 copy on,
     clipped to the quantiser's range only where 1 / s leaves float16 (the empty-cache encoding)."""
-    with np.load(HTP_CACHE) as f:
-        c = {k: f[k] for k in f.files}
+    c = anchor(HTP_CACHE)
     same, total = 0, 0
     for k in (f"{kind}{i}" for i in range(4) for kind in ("key", "value")):
         x, (s, z, sc, zc) = c[f"{k}_x"], c[f"{k}_enc"]
@@ -848,14 +852,12 @@ def test_the_htp_holds_the_float_cache_as_float16_and_its_concat_quantises_that_
 # whose K's 15-bit mantissa sits on a half point, where float32 (s_a / s_b) (1 / s_o) and s_a (1 / s_b) (1 / s_o)
 # round apart; docs/htp.md §9)
 
-HTP_AIMET_ROUTING = (Path(__file__).parent.parent / "fixtures" / "quantised"
-                     / "tiny-qwen3-moe-aimet-htp-softmax-div-codes.npz")
+HTP_AIMET_ROUTING = "tiny-qwen3-moe-aimet-htp-softmax-div-codes.npz"
 
 
 @pytest.fixture(scope="module")
 def aimet_routing_codes():
-    with np.load(HTP_AIMET_ROUTING) as f:
-        return {k: f[k] for k in f.files}
+    return anchor(HTP_AIMET_ROUTING)
 
 
 def test_the_htps_softmax_at_another_output_encoding_scales_the_sum_by_its_mantissa(aimet_routing_codes):
@@ -897,12 +899,11 @@ def test_the_htps_div_takes_k_as_float32_s_a_times_the_reciprocals_of_s_b_and_s_
 # codes the simulator produced (tests/fixtures/quantised/tiny-qwen3-moe-htp-routing-codes.npz, its `provenance`: the
 # 8 routers of the QNN W8A16 / W4A16 tiny Qwen3-MoE prompt calls so rewritten, and one-op TopK / Softmax sweeps)
 
-HTP_ROUTING = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3-moe-htp-routing-codes.npz"
+HTP_ROUTING = "tiny-qwen3-moe-htp-routing-codes.npz"
 
 
 def routing_codes() -> dict:
-    with np.load(HTP_ROUTING) as f:
-        return {k: f[k] for k in f.files}
+    return anchor(HTP_ROUTING)
 
 
 def test_the_htps_topk_of_uint16_codes_compares_their_float16_values_ties_the_higher_index():
@@ -1008,15 +1009,14 @@ def test_the_htps_topk_of_a_quantised_softmax_is_a_float16_softmax_with_the_cubi
 # `sweep_enc`), run so on the simulator; and the same export with k delta^T as MatMul (/tmp/i27kd), its dump's layer 1
 # post-attention RMSNorm mean (the ReduceMean's input x^2 and output codes); docs/htp.md §9)
 
-AIMET_HTP_GEMM = Path(__file__).parent.parent / "fixtures" / "quantised" / "tiny-qwen3.5-aimet-htp-w8a16-gemm-codes.npz"
+AIMET_HTP_GEMM = "tiny-qwen3.5-aimet-htp-w8a16-gemm-codes.npz"
 
 
 def test_a_gemm_with_a_float_bias_is_the_htps_float16_gemm():
     """The HTP computes a Gemm whose bias is left float on the float16 grid (htp_quantised.gemm_float_bias): every
     code of the 3 dumped in_proj_a + dt_bias Gemms and of the two sweeps; the int32-bias Gemm (its bias at s_a s_w),
     the weights' float16 rounded to even (a 3 2^m-step weight is a tie) and float16(k s_w) are not."""
-    with np.load(AIMET_HTP_GEMM) as f:
-        c = {k: f[k] for k in f.files}
+    c = anchor(AIMET_HTP_GEMM)
     op = DEVICE_OPS["htp"]["GemmFloat16Bias"]
     for i in range(3):
         ea, ew, ey = ((np.float32(c[f"gemm{i}_{n}_enc"][0]), int(c[f"gemm{i}_{n}_enc"][1])) for n in "xwy")
@@ -1041,9 +1041,9 @@ def test_the_device_arithmetic_computes_a_gemm_whose_bias_is_float_on_the_float1
     """--device-arithmetic htp: a Gemm point (x W + b) whose bias no integer encoding holds is the device op
     GemmFloat16Bias on x's held codes and the weight's stored codes (layer 0's in_proj_a + dt_bias of the dump: every
     code); with an int32 bias encoding it is the int32-bias Gemm; without the device arithmetic, x W + b quantised."""
-    with np.load(AIMET_HTP_GEMM) as f:
-        x, w, b, y = (f[f"gemm0_{n}"] for n in "xwby")
-        (sa, za), (sw, _), (so, zo) = (f[f"gemm0_{n}_enc"] for n in "xwy")
+    f = anchor(AIMET_HTP_GEMM)
+    x, w, b, y = (f[f"gemm0_{n}"] for n in "xwby")
+    (sa, za), (sw, _), (so, zo) = (f[f"gemm0_{n}_enc"] for n in "xwy")
     e_x, e_y = enc(sa, int(za)), enc(so, int(zo))
     e_w = Encoding(8, np.float32(sw), np.int32(0), signed=True, arithmetic="onnx")
     wt = e_w.dequantize(w.T.astype(np.int64))                                       # [out, in]
@@ -1061,8 +1061,8 @@ def test_a_reduction_below_half_a_step_carries_one_unit_per_term():
     """Below r = 1/2 the HTP's ReduceMean / ReduceSum sums m n_i plus N units of Q(k) before adding its whole step
     (htp_quantised.reduce_steps): the aimet-onnx Qwen3.5 dump's layer 1 post-attention mean (r = 0.127, k = 17, N = 64)
     every code; without the N units its last row is one code low (m S / 2^k = 17223.99989)."""
-    with np.load(AIMET_HTP_GEMM) as f:
-        x, ex, y, ey = f["mean_x"], f["mean_x_enc"], f["mean_y"], f["mean_y_enc"]
+    f = anchor(AIMET_HTP_GEMM)
+    x, ex, y, ey = f["mean_x"], f["mean_x_enc"], f["mean_y"], f["mean_y_enc"]
     ex, ey = (np.float32(ex[0]), int(ex[1])), (np.float32(ey[0]), int(ey[1]))
     assert np.array_equal(H.reduce_mean(x, ex, ey), y)
     m, k = H.mean_multiplier(np.float64(ex[0]) / (x.shape[-1] * np.float64(ey[0])))
