@@ -34,6 +34,13 @@ pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("quantised")]   # one 
 Q = quantised
 
 
+def one_graph_model(graph):
+    """The graph as an ONNX model of opset 21 and IR version 10 (the QDQ ops of uint16 and int4 the QNN EP takes)."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
 @pytest.fixture(scope="module")
 def dense(quantised_dense):
     """tiny-qwen3's float graph and its W8A16 QDQ model (QNN config), built once for the session (conftest.py)."""
@@ -59,9 +66,7 @@ def one_op(op: str, x_range, y_range, shape=(1, 512)) -> bytes:
              helper.make_node(op, ["xd"], ["y"]), helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
     graph = helper.make_graph(nodes, op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info("yq", TensorProto.UINT16, shape)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 def both(model: bytes, feed: dict) -> tuple:
@@ -115,9 +120,7 @@ def qdq_op(op: str, inputs: list, out: tuple, constants=()) -> bytes:
     nodes += [helper.make_node(op, args + [n for n, _ in constants], ["y"]),
               helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
     graph = helper.make_graph(nodes, op, feeds, [helper.make_tensor_value_info("yq", TensorProto.UINT16, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 def on_grid(codes, scale, zp) -> np.ndarray:
@@ -661,9 +664,7 @@ def silu_graph(sx, zx, so, zo, other: bool = False) -> bytes:
     graph = helper.make_graph(nodes, "silu",
                               [helper.make_tensor_value_info(f, TensorProto.FLOAT, [65536]) for f in feeds],
                               [helper.make_tensor_value_info(o, TensorProto.UINT16, None) for o in ("yq", "sq")], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 def test_htp_fuses_x_times_sigmoid_x_into_a_product_rounded_its_own_way():
@@ -747,9 +748,7 @@ def rotate_half_graph(x: tuple, neg: tuple, out: tuple, n: int = 1024, d: int = 
     graph = helper.make_graph(nodes, "rotate_half", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, d])],
                               [helper.make_tensor_value_info(o, TensorProto.UINT16, None) for o in ("yq", "nq")],
                               inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 def test_htp_fuses_ropes_rotate_half_into_one_rescale_of_x_per_half():
@@ -1002,9 +1001,7 @@ def outer_product_graph(gathered: bool, k: tuple, d: tuple, out: tuple, T: int =
     graph = helper.make_graph(nodes, "outer", [helper.make_tensor_value_info("k", TensorProto.FLOAT, shape),
                                                helper.make_tensor_value_info("d", TensorProto.FLOAT, [1, H, D])],
                               [helper.make_tensor_value_info("yq", TensorProto.UINT16, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 # ------------------------------------------------------------------------------------------------ the MoE's routing
@@ -1028,9 +1025,7 @@ def softmax_topk_graph(sx, zx, rows: int, k: int) -> bytes:
             helper.make_tensor_value_info("sq", TensorProto.UINT16, None)]
     graph = helper.make_graph(nodes, "topk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 8])], outs,
                               inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 @pytest.mark.device_matrix
@@ -1188,9 +1183,7 @@ def routing_graph(sx, zx, rows: int, sw=1.3755484e-05):
     outs = [helper.make_tensor_value_info(n, t, None) for n, t in kinds]
     graph = helper.make_graph(nodes, "routing", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 8])],
                               outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model
+    return one_graph_model(graph)
 
 
 def test_routing_as_topk_softmax_keeps_the_routing_on_the_cpu_ep():
@@ -1274,9 +1267,7 @@ def float_bias_gemm_graph(qw, sw: float, bias, x: tuple, out: tuple, rows: int) 
              helper.make_node("QuantizeLinear", ["y", "so", "zo"], ["yq"])]
     graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, len(qw)])],
                               [helper.make_tensor_value_info("yq", TensorProto.UINT16, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    model.ir_version = 10
-    return model.SerializeToString()
+    return one_graph_model(graph).SerializeToString()
 
 
 @pytest.mark.device_matrix
