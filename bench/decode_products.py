@@ -14,7 +14,6 @@ weights of the 0.6B shapes (scaled as a trained model's, ~0.03), one random acti
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,21 +21,12 @@ import numpy as np
 from refimpl.kernels import products
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import memory_bandwidth  # noqa: E402
+from _common import median_time, memory_bandwidth  # noqa: E402
+from forward import count_fallbacks  # noqa: E402
 
 # [out, in] of one Qwen3-0.6B layer's projections: q, k, v, o, gate, up, down; the lm_head (the tied embedding)
 LAYER = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)]
 LM_HEAD = (151936, 1024)
-
-
-def best(fn, repeats: int) -> float:
-    """The least of `repeats` timings of fn() (seconds): a shared machine's noise only ever adds."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -62,29 +52,23 @@ def main() -> None:
              "plain": plain}
     for fn in sides.values():
         fn()                                                                       # warm: pages, threads
-    undecided = [0]
-    exact = products._exact_sums
-
-    def counted(a, b, *rest):
-        undecided[0] += a.shape[0]
-        return exact(a, b, *rest)
-    products._exact_sums = counted
-    sides["correctly rounded, resident"]()
-    products._exact_sums = exact
-    outputs = sum(w.shape[0] for w in weights)
     print(f"{len(weights)} products, {nbytes / 1e9:.2f} GB of float32 weights ({2 * nbytes / 1e9:.2f} GB float64 "
-          f"copies); correctly rounded: {undecided[0]} of {outputs:,} elements undecided by the bound (exact sums)")
+          f"copies)")
     ratios = {name: [] for name in sides}
     for r in range(args.rounds):
         read = memory_bandwidth(repeats=3)["read"]
         bound = nbytes / read
         for name, fn in sides.items():
-            ratios[name].append(best(fn, args.repeats) / bound)
+            ratios[name].append(min(median_time(fn, args.repeats)[1]) / bound)   # the least: noise only adds
         print(f"round {r}: read {read / 1e9:.1f} GB/s, bound {bound * 1e3:.1f} ms; "
               + ", ".join(f"{name} {v[-1]:.2f}x" for name, v in ratios.items()), flush=True)
     print("x the bound (min / median / max over the rounds):")
     for name, v in ratios.items():
         print(f"  {name:30s} {min(v):.2f} / {statistics.median(v):.2f} / {max(v):.2f}")
+    counts = count_fallbacks()                                                     # (patches the products: last)
+    sides["correctly rounded, resident"]()
+    print(f"correctly rounded: {counts['products_fallback']} of {counts['products']:,} elements undecided by the "
+          f"bound (exact sums)")
 
 
 if __name__ == "__main__":
