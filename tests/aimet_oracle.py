@@ -77,26 +77,42 @@ class CausalLM(torch.nn.Module):
         return self.lm_head(self.model(input_ids=input_ids, use_cache=False).last_hidden_state)
 
 
+_RUNNING = []    # the linear_attn modules of models given to conv1d_as_module whose forward is running (innermost last)
+_ORIGINAL = {}   # transformers module name -> its own causal_conv1d_fn, before conv1d_as_module replaced it
+
+
+def _enter(module, args):
+    _RUNNING.append(module)
+
+
+def _leave(module, args, output):
+    _RUNNING.pop()
+
+
+def _module_conv(original):
+    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+        if not _RUNNING:   # a model conv1d_as_module was not given (another test's, on this worker): transformers'
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        out = _RUNNING[-1].conv1d(hidden_states)[:, :, :hidden_states.shape[-1]]
+        return transformers.activations.ACT2FN[activation](out) if activation else out
+    return conv
+
+
 def conv1d_as_module(model) -> None:
     """Make each Gated DeltaNet run its conv1d *module* (so QuantSim quantises the conv's weight and output, as it
     does in a device graph), not transformers 5's causal_conv1d_fn on the raw weight, which bypasses AIMET's
-    wrappers. Same arithmetic: conv1d with Kc - 1 zeros of padding, the first T outputs, then the activation."""
-    current = []
-
-    def remember(module, args):
-        current[:] = [module]
-
-    def conv(hidden_states, weight, bias=None, activation=None, **kwargs):
-        module = current[0].conv1d
-        out = module(hidden_states)[:, :, :hidden_states.shape[-1]]
-        return transformers.activations.ACT2FN[activation](out) if activation else out
-
+    wrappers. Same arithmetic: conv1d with Kc - 1 zeros of padding, the first T outputs, then the activation.
+    causal_conv1d_fn is a global of transformers' module: it takes this path only inside the forward of a
+    linear_attn of a model given here, and is transformers' own for every other model the worker runs later (it
+    used to run the last AIMET model's conv for them: a Qwen3.5 model of another width then failed in F.conv1d)."""
     for name, sub in model.named_modules():
         if name.endswith("linear_attn"):
-            sub.register_forward_pre_hook(remember)
+            sub.register_forward_pre_hook(_enter)
+            sub.register_forward_hook(_leave, always_call=True)   # popped even when the forward raises
     for name in [n for n in sys.modules if n.startswith("transformers.models.qwen3")]:
-        if hasattr(sys.modules[name], "causal_conv1d_fn"):
-            sys.modules[name].causal_conv1d_fn = conv
+        if hasattr(sys.modules[name], "causal_conv1d_fn") and name not in _ORIGINAL:
+            _ORIGINAL[name] = sys.modules[name].causal_conv1d_fn
+            sys.modules[name].causal_conv1d_fn = _module_conv(_ORIGINAL[name])
 
 
 def quantsim(model, calibration, param_bw: int, act_bw: int):
