@@ -28,6 +28,9 @@ from refimpl.models.model import Model
 from refimpl.models.weights import Weights
 from refimpl.presets import PRESETS, random_weights
 
+# one xdist worker runs the module: its module-scoped `models` (five scaled presets, ~2 s) are then built once, not
+# once per worker (`make test` runs --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("generate")
 PROMPT = [9707, 11, 1879]
 
 

@@ -28,6 +28,9 @@ from refimpl.errors import FormatError  # noqa: E402
 from refimpl.formats.onnx_graph import read_onnx  # noqa: E402
 from refimpl.formats.qdq import QTYPES, read_qdq  # noqa: E402
 
+# one xdist worker runs the module: its module-scoped float_model (a torch export, ~3 s) is then made once, not once
+# per worker (`make test` runs --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("onnx-quantisers")
 TYPES = {v[0]: k for k, v in QTYPES.items()}
 
 

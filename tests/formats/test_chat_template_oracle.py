@@ -23,7 +23,9 @@ from refimpl.errors import InputError, RefimplError
 from refimpl.formats.chat_template import REFUSED_OPTIONS, read_chat_templates
 from refimpl.formats.tokenizer import Tokenizer, qwen_tokenizer
 
-pytestmark = pytest.mark.oracle
+# one xdist worker runs the module: its module-scoped `tokenizers` (transformers over a Qwen vocabulary, ~2 s) is
+# then built once, not once per worker (`make test` runs --dist loadgroup)
+pytestmark = [pytest.mark.oracle, pytest.mark.xdist_group("chat-template-oracle")]
 transformers = pytest.importorskip("transformers")
 
 TEMPLATES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates").glob("*.jinja"))
