@@ -169,7 +169,7 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
             width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
         # a large product's blocks over our threads, BLAS on one each (its rounding check, conversion and norms run
         # on every core too), at least two blocks a core; a small one (a decode step's attention) in this thread
-        threaded = _workers() > 1 and rows * depth * N >= _SPREAD_WORK
+        threaded = rows * depth * N >= _SPREAD_WORK and _workers() > 1
         if threaded:
             width = min(width, -(-N // (2 * _workers())))                       # (whoever is free takes the next)
         width = max(64, width)
