@@ -169,7 +169,7 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
             width = min(width, _IN_BLOCK // max(1, depth))                      # ... and b's converted block
         # a large product's blocks over our threads, BLAS on one each (its rounding check, conversion and norms run
         # on every core too), at least two blocks a core; a small one (a decode step's attention) in this thread
-        threaded = _workers() > 1 and rows * depth * N >= _SPREAD_WORK
+        threaded = rows * depth * N >= _SPREAD_WORK and _workers() > 1
         if threaded:
             width = min(width, -(-N // (2 * _workers())))                       # (whoever is free takes the next)
         width = max(64, width)
@@ -398,38 +398,40 @@ def _blas_libs() -> tuple:
 def _rounded_product(a64, b64, c, na, nb) -> np.ndarray:
     """RNE32 of each exact element of a64 @ b64, from its float64 value c and error bound e = na nb (step 3, then 4;
     na [..., M, 1] and nb [..., 1, N]: e is finite iff both are, zero where either is)."""
-    if np.isfinite(na).all() and np.isfinite(nb).all():
-        block, undecided = _round_verified(c, na * nb, maybe_zero=not (na.all() and nb.all()))
+    e = na * nb                                                                 # (finite iff na and nb are: no
+    if np.isfinite(e).all():                                                    # norm product overflows float64)
+        block, undecided = _round_verified(c, e)
     else:                                                                       # an inf / NaN operand
-        e = na * nb
         finite = np.isfinite(e)
         block, undecided = _round_verified(np.where(finite, c, 0), np.where(finite, e, 0))
         block = np.where(finite, block, _nonfinite(*_nonfinite_products(a64, b64)))
         undecided &= finite
     if undecided.any():
         idx = np.nonzero(undecided)
-        batch = block.shape[:-2]
-        rows = np.broadcast_to(a64, (*batch, *a64.shape[-2:]))[idx[:-1]]                       # [F, K]
-        cols = np.broadcast_to(b64, (*batch, *b64.shape[-2:])).swapaxes(-1, -2)[(*idx[:-2], idx[-1])]
+        if block.ndim == 2:                                                     # one product (a token's)
+            rows, cols = a64[idx[0]], b64.T[idx[1]]                             # [F, K]
+        else:
+            batch = block.shape[:-2]
+            rows = np.broadcast_to(a64, (*batch, *a64.shape[-2:]))[idx[:-1]]
+            cols = np.broadcast_to(b64, (*batch, *b64.shape[-2:])).swapaxes(-1, -2)[(*idx[:-2], idx[-1])]
         block[idx] = _exact_sums(rows, cols)
     return block
 
 
-def _round_verified(c: np.ndarray, e: np.ndarray, maybe_zero: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _round_verified(c: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 results where c - e and c + e round to one float32, and the mask of the undecided elements.
     c, e float64 (broadcasting), e >= 0 finite and large enough to cover the rounding of c -+ e. e = 0 means
-    every product is zero: the sum is +0 (maybe_zero=False: the caller knows no e is 0). Each end is computed in
-    float64 and rounded to float32 once (the ufunc's output cast)."""
-    shape = np.broadcast_shapes(c.shape, e.shape)
+    every product is zero: the sum is +0 (c may be -0 then). Each end is computed in float64 and rounded to float32
+    once (the ufunc's output cast)."""
+    shape = c.shape if c.shape == e.shape else np.broadcast_shapes(c.shape, e.shape)
     lo, hi = np.empty(shape, np.float32), np.empty(shape, np.float32)
     np.subtract(c, e, out=lo, casting="unsafe")
     np.add(c, e, out=hi, casting="unsafe")
     undecided = lo.view(np.int32) != hi.view(np.int32)
-    if maybe_zero:
-        zero = e == 0
-        if zero.any():
-            lo[np.broadcast_to(zero, lo.shape)] = 0
-            undecided &= ~zero
+    zero = e == 0
+    if zero.any():
+        lo[np.broadcast_to(zero, lo.shape)] = 0
+        undecided &= ~zero
     return lo, undecided
 
 
@@ -447,7 +449,7 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
     rows = max(1, chunk // K)
     for f in range(0, F, rows):
         p = a[f:f + rows] * b[f:f + rows]                                        # exact products
-        _, exponent = np.frexp(np.maximum(p.max(axis=-1), -p.min(axis=-1)))    # max|p| < 2^exponent
+        _, exponent = np.frexp(np.abs(p).max(axis=-1))                         # max|p| < 2^exponent
         sigma = np.ldexp(1.0, exponent + math.ceil(math.log2(K)) + 1)[:, None]
         q = (sigma + p) - sigma
         p -= q                                                                  # r, exactly
@@ -456,10 +458,11 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
         r = p.sum(axis=-1)                                                      # sum |r|
         e = (K * _U / (1 - K * _U)) * r * (1 + 2.0 ** -20) + np.abs(c) * 2.0 ** -51
         out[f:f + rows], undecided = _round_verified(c, e)
-        exact = undecided & (r == 0)                                           # c is the exact sum
-        out[f:f + rows][exact] = (c[exact] + 0.0).astype(np.float32)           # RNE32(c); an exact zero +0
-        for g in np.flatnonzero(undecided & ~exact):
-            out[f + g] = _exact_sum_rounded((a[f + g] * b[f + g]).tolist())
+        if undecided.any():
+            exact = undecided & (r == 0)                                       # c is the exact sum
+            out[f:f + rows][exact] = (c[exact] + 0.0).astype(np.float32)       # RNE32(c); an exact zero +0
+            for g in np.flatnonzero(undecided & ~exact):
+                out[f + g] = _exact_sum_rounded((a[f + g] * b[f + g]).tolist())
     return out
 
 
