@@ -52,15 +52,17 @@ def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = 
 
 def attention_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None,
                      mask_floor: float | None = None, rnd=identity, at=unhooked) -> np.ndarray:
-    """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] -> s [B, Hq, Lq, Lk].
+    """s = q k^T * scale + max(M, floor) with GQA: q [B, Hq, Lq, D], k [B, Hkv, Lk, D] (or k^T [B, Hkv, 1, D, Lk]
+    as a products.Constant: a cache's, Cache.operands) -> s [B, Hq, Lq, Lk].
     Sub-op points: q*k^T, scale (the constant), scaled, mask (as added, after the floor)."""
     B, Hq, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    kt = k if isinstance(k, products.Constant) else k[:, :, None].swapaxes(-1, -2)     # k^T [B, Hkv, 1, D, Lk]
+    Hkv, Lk = kt.shape[1], kt.shape[-1]
     n_rep = Hq // Hkv
     scale = elementary.inverse_sqrt(D) if scale is None else scale
     qg = q.reshape(B, Hkv, n_rep, Lq, D)
     # [B, Hkv, n_rep, Lq, Lk]
-    qk = at("q*k^T", rnd(products.matmul(qg, k[:, :, None].swapaxes(-1, -2))))          # q k^T
+    qk = at("q*k^T", rnd(products.matmul(qg, kt)))                                      # q k^T
     scores = at("scaled", rnd(qk * at("scale", q.dtype.type(scale))))                   # q k^T * scale
     if mask is not None:
         if mask_floor is not None:
@@ -77,9 +79,11 @@ def attention_probs(scores: np.ndarray, dtype, *, rnd=identity) -> np.ndarray:
 
 
 def attend(probs: np.ndarray, v: np.ndarray, *, rnd=identity) -> np.ndarray:
-    """o = p v with GQA.  probs [B, Hq, Lq, Lk] or grouped [B, Hkv, Hq/Hkv, Lq, Lk], v [B, Hkv, Lk, Dv]
-    -> o [B, Hq, Lq, Dv]; query head h reads kv head h // (Hq/Hkv)."""
-    B, Hkv, Lk, Dv = v.shape
+    """o = p v with GQA.  probs [B, Hq, Lq, Lk] or grouped [B, Hkv, Hq/Hkv, Lq, Lk], v [B, Hkv, Lk, Dv] (or
+    [B, Hkv, 1, Lk, Dv] as a products.Constant: a cache's, Cache.operands) -> o [B, Hq, Lq, Dv]; query head h
+    reads kv head h // (Hq/Hkv)."""
+    v = v if isinstance(v, products.Constant) else v[:, :, None]                        # [B, Hkv, 1, Lk, Dv]
+    B, Hkv, _, Lk, Dv = v.shape
     Lq = probs.shape[-2]
     probs = probs.reshape(B, Hkv, -1, Lq, Lk)
-    return rnd(products.matmul(probs, v[:, :, None])).reshape(B, -1, Lq, Dv)
+    return rnd(products.matmul(probs, v)).reshape(B, -1, Lq, Dv)

@@ -75,8 +75,11 @@ def correctly_rounded(x, float64_fn, mp_fn, *, trig: bool = False, float32_resul
         s = slice(i * _CHUNK, (i + 1) * _CHUNK)
         out[s], undecided[s] = _decided(flat[s], float64_fn, trig)
 
-    products.spread(chunk, -(-flat.size // _CHUNK))  # elementwise: the bits do not depend on the chunks
-    if undecided.any():                         # mpmath in this thread alone (its precision is a global)
+    if flat.size <= _CHUNK:                     # one chunk (a decode step's activations): in this thread
+        out, undecided = _decided(flat, float64_fn, trig)
+    else:
+        products.spread(chunk, -(-flat.size // _CHUNK))  # elementwise: the bits do not depend on the chunks
+    if np.count_nonzero(undecided):                         # mpmath in this thread alone (its precision is a global)
         with mpmath.workprec(_PREC):
             for i in np.flatnonzero(undecided):
                 out[i] = to_float32(mp_fn(mpmath.mpf(float(flat[i]))))

@@ -81,8 +81,8 @@ class Constant:
     column norms ||b_j||_2 of the error bound (step 2; float64 [..., 1, N]) and, optionally, b in float64 (then no
     product converts it again). Made once per weight by `constant`; b's values must not change afterwards."""
 
-    def __init__(self, b: np.ndarray, norms: np.ndarray, b64: np.ndarray | None = None):
-        self.b, self.norms, self.b64 = b, norms, b64
+    def __init__(self, b: np.ndarray, norms: np.ndarray, b64: np.ndarray | None = None, positive: bool = False):
+        self.b, self.norms, self.b64, self.positive = b, norms, b64, positive    # positive: every norm finite, > 0
         self.shape, self.dtype = b.shape, b.dtype
 
     @property
@@ -108,7 +108,7 @@ def constant(b: np.ndarray, keep_float64: bool = False) -> Constant:
         norms[..., j] = column_norms(b64[..., j] if keep_float64 else _to_float64(b[..., j]))
 
     spread(block, -(-b.shape[-1] // width))
-    return Constant(b, norms, b64)
+    return Constant(b, norms, b64, bool(((norms > 0) & (norms < np.inf)).all()))
 
 
 def _to_float64(b: np.ndarray) -> np.ndarray:
@@ -147,6 +147,11 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
         return np.matmul(a, b, out=out)
     if _runtime.get():
         return _into(out, mlas_sgemm(a, b))
+    if const is not None and const.b64 is not None and const.positive and a.ndim == 2 and b.ndim == 2 \
+            and a.shape[0] <= _THREADED_ROWS and a.shape[1] == b.shape[0]:
+        y = _few_rows_kept(a, const)
+        if y is not None:
+            return _into(out, y)
     K, N = b.shape[-2], b.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(f"matmul: inner dimensions differ: {a.shape} @ {b.shape}")
@@ -234,6 +239,26 @@ def _streamed(a64: np.ndarray, b: np.ndarray, batch: tuple) -> bool:
     """Whether a @ b is a few-row product over a weight: b [K, N] 2-D with contiguous columns (W^T of a weight
     W [N, K]), a [M, K] with M <= _THREADED_ROWS (one token's projections)."""
     return not batch and b.ndim == 2 and a64.shape[-2] <= _THREADED_ROWS and b.shape[0] > 0 and b.T.flags.c_contiguous
+
+
+def _few_rows_kept(a: np.ndarray, const: Constant) -> np.ndarray | None:
+    """RNE32 of a @ b for few rows of a [M, K] over a Constant b [K, N] with its float64 copy and finite non-zero
+    column norms (a decode step's projections over resident weights), or None where a row of a is zero or not
+    finite (the general path's cases). _few_rows's arithmetic (one BLAS product over the copy, its bound from the
+    kept norms, steps 1-4) in as few NumPy calls as it takes: a decode step makes some 200 of these products, and
+    each call's fixed cost is paid with cold caches (the weights streaming through them)."""
+    a64 = a.astype(np.float64)                                                  # [M, K], exact
+    na = np.sqrt(np.square(a64).sum(axis=-1))                                  # ||a_i||  [M]
+    if not ((na > 0) & (na < np.inf)).all():
+        return None
+    ct = np.matmul(const.b64.T, a64.T)                                          # c^T [N, M] (BLAS's own threads)
+    e = const.norms.T * (na * _bound_factor(a.shape[1], 1))                     # bound [N, M], finite and > 0
+    lo, hi = (ct - e).astype(np.float32), (ct + e).astype(np.float32)           # each end rounded once
+    undecided = lo.view(np.int32) != hi.view(np.int32)
+    if np.count_nonzero(undecided):
+        cols, rows = np.nonzero(undecided)
+        lo[cols, rows] = _exact_sums(a64[rows], const.b64.T[cols])
+    return np.ascontiguousarray(lo.T)                                           # [M, N]
 
 
 def _few_rows(a64: np.ndarray, norm_a: np.ndarray, b: np.ndarray, const) -> np.ndarray:
@@ -440,26 +465,27 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
     at a time (in cache).
 
     One error-free extraction: with sigma a power of two >= 2 K max|p|, q = (sigma + p) - sigma is p on the grid
-    ulp(sigma)/2 and r = p - q exactly; sum q is exact in any order, |r| <= 2^-53 sigma, and
-    c = fl(sum q + fl(sum r)) errs by at most gamma_K sum |r| + 2^-52 |c|. Where every r is 0, c = sum q is the
-    exact sum and its cast to float32 is RNE32 (the exact float32 ties that sums of bfloat16-valued products often
-    are: no fsum for them)."""
+    ulp(sigma)/2 and r = p - q exactly, |r| <= 2^-53 sigma; sum q is exact in any order, and
+    c = fl(sum q + fl(sum r)) errs by at most gamma_K K 2^-53 sigma + 2^-52 |c|. Where every r is 0, c = sum q is
+    the exact sum and its cast to float32 is RNE32 (the exact float32 ties that sums of bfloat16-valued products
+    often are: no fsum for them)."""
     F, K = a.shape
     out = np.empty(F, np.float32)
     rows = max(1, chunk // K)
+    extra = math.ceil(math.log2(K)) + 1 if K else 1
     for f in range(0, F, rows):
         p = a[f:f + rows] * b[f:f + rows]                                        # exact products
-        _, exponent = np.frexp(np.abs(p).max(axis=-1))                         # max|p| < 2^exponent
-        sigma = np.ldexp(1.0, exponent + math.ceil(math.log2(K)) + 1)[:, None]
+        _, exponent = np.frexp(np.abs(p).max(axis=-1, keepdims=True))           # max|p| < 2^exponent
+        sigma = np.ldexp(1.0, exponent + extra)                                 # [n, 1]
         q = (sigma + p) - sigma
         p -= q                                                                  # r, exactly
         c = q.sum(axis=-1) + p.sum(axis=-1)
-        np.abs(p, out=p)
-        r = p.sum(axis=-1)                                                      # sum |r|
-        e = (K * _U / (1 - K * _U)) * r * (1 + 2.0 ** -20) + np.abs(c) * 2.0 ** -51
-        out[f:f + rows], undecided = _round_verified(c, e)
-        if undecided.any():
-            exact = undecided & (r == 0)                                       # c is the exact sum
+        e = (K * _U / (1 - K * _U) * K * _U * (1 + 2.0 ** -20)) * sigma[:, 0] + np.abs(c) * 2.0 ** -51
+        lo, hi = (c - e).astype(np.float32), (c + e).astype(np.float32)        # each end rounded once
+        out[f:f + rows] = lo
+        undecided = lo.view(np.int32) != hi.view(np.int32)
+        if np.count_nonzero(undecided):
+            exact = undecided & ~p.any(axis=-1)                                 # every r 0: c is the exact sum
             out[f:f + rows][exact] = (c[exact] + 0.0).astype(np.float32)       # RNE32(c); an exact zero +0
             for g in np.flatnonzero(undecided & ~exact):
                 out[f + g] = _exact_sum_rounded((a[f + g] * b[f + g]).tolist())
@@ -511,6 +537,8 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
     if np.result_type(a.dtype, np.float32 if b is None else b.dtype, np.float32) == np.float64 or _plain.get():
         return np.sum(a if b is None else a * b, axis=axis, keepdims=keepdims)
     squares = a is b
+    if (b is None or squares) and a.size < _SPREAD_SUM and axis in (-1, a.ndim - 1):
+        return _small_sums(a, squares, keepdims)
     if b is not None and not squares:
         a, b = np.broadcast_arrays(a, b)
     a = np.moveaxis(a, axis, -1)
@@ -541,6 +569,19 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
                 block(i)
     out = out.reshape(shape)
     return np.expand_dims(out, axis) if keepdims else out
+
+
+def _small_sums(a: np.ndarray, squares: bool, keepdims: bool) -> np.ndarray:
+    """sumprod's sums of a or of its squares over the last axis, for an a small enough to take at once (a decode
+    step's norms and softmax denominators: sumprod's arithmetic without its blocks and moved axes)."""
+    K = a.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.square(a, dtype=np.float64) if squares else a.astype(np.float64)  # exact terms [..., K]
+        c = p.sum(axis=-1)
+        nonnegative = squares or a.min(initial=0) >= 0                         # (NaN compares False)
+        out = _sums(p, c, c if nonnegative else np.abs(p).sum(axis=-1), K,
+                    lambda test: test(p).any(axis=-1), lambda idx: p[idx])
+    return out[..., None] if keepdims else out
 
 
 def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  # noqa: A001 (the kernel's name)

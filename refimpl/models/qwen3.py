@@ -95,6 +95,8 @@ def attention(w, p: str, x: np.ndarray, cfg, ctx, layer: int, *, gated: bool = F
     scale = None
     if ctx.k_prescale:  # q . (k / sqrt(D)): the cache keeps the unscaled keys
         k, scale = r(k * k.dtype.type(inverse_sqrt(D))), 1.0
+    if ctx.cache is not None:
+        k, v = ctx.cache.operands(layer, k, v)                   # with float64 copies, where attention reads the cache
     scores = attention_scores(q, k, mask, scale=scale, mask_floor=ctx.mask_floor, rnd=r,
                               at=quant.at(f"{p}.attn_scores"))
     scores = tap(p, "attn_scores", quant.output(f"{p}.attn_scores", scores))

@@ -202,11 +202,11 @@ class Weights:
             if hit is not None and hit[2] is not None:
                 self.float64_nbytes -= hit[2].nbytes
             c = products.constant((self[name] if whole else W).T, keep_float64=whole and self.float64_copies_planned())
-            hit = self._constants[key] = (stored, c.norms, c.b64)
+            hit = self._constants[key] = (stored, c.norms, c.b64, c.positive)
             self.float64_nbytes += 0 if c.b64 is None else c.b64.nbytes
         if rows is None or not whole:
-            return products.Constant(W.T, hit[1], hit[2])
-        return products.Constant(W.T, hit[1][..., rows], None if hit[2] is None else hit[2][:, rows])
+            return products.Constant(W.T, *hit[1:])
+        return products.Constant(W.T, hit[1][..., rows], None if hit[2] is None else hit[2][:, rows], hit[3])
 
     def float64_copies_planned(self) -> bool:
         """Whether the matrices' float64 copies are kept: `float64_copies` is on, the model is resident, and the
