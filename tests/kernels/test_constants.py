@@ -115,3 +115,27 @@ def test_plain_one_token_products_are_blas_by_column_blocks(monkeypatch):
         got = products.matmul(a, w.T)
     want = np.concatenate([np.matmul(a, w.T[:, j:j + 4]) for j in range(0, 100, 4)], axis=1)
     assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("row", [None, "zero", np.inf, -np.inf, np.nan])
+def test_few_rows_over_kept_copies_take_the_short_path_or_the_general_one(M, row):
+    """One token's product over a kept float64 copy (_few_rows_kept, a decode step's path) gives the exact product
+    rounded once; a zero or non-finite row of a goes the general way (IEEE's answer, +0 for a zero row)."""
+    rng = np.random.default_rng(11)
+    a, w = scaled(rng, (M, 70), 8), scaled(rng, (90, 70), 8)
+    if row == "zero":
+        a[M - 1] = 0
+    elif row is not None:
+        a[M - 1, 5] = row
+    c = products.constant(w.T, keep_float64=True)
+    assert c.positive
+    short = products._few_rows_kept(a, c)
+    assert (short is None) == (row is not None)
+    want = serial(a, w.T)
+    assert np.array_equal(bits(products.matmul(a, c)), bits(want))
+    if row is None:
+        assert np.array_equal(bits(short), bits(exact.matmul(a, w.T)))
+    w[3, 4] = 0                                                           # a zero column of b = w^T: not positive
+    w[3] = 0
+    assert not products.constant(w.T, keep_float64=True).positive
