@@ -7,7 +7,9 @@ wrapper) with timers that count each stage's own time (time in a nested stage is
     float32 -> float64           products._to_float64 / _convert: converting an operand (weights without a float64
                                  copy; one token's products convert a cache-sized block of the weight at a time)
     column norms (error bound)   products.column_norms and products.constant: the bound's per-column quantities
-    rounding check               products._rounded_product: both ends of the interval rounded, compared
+    rounding check               products._rounded_product: both ends of the interval rounded, compared (and
+                                 _few_rows_kept: a decode step's product over a kept float64 copy, its activations'
+                                 conversion and norms included)
     exact fallback               products._exact_sums / _exact_sum_rounded: undecided elements summed again
     product set-up               the rest of products.matmul (the activations' conversion and norms, the blocks)
     sums (norms, softmax)        products.sumprod / cumsum: correctly rounded sums
@@ -37,6 +39,7 @@ STAGES = {   # (module, attribute) -> stage
     ("products", "column_norms"): "column norms (error bound)",
     ("products", "constant"): "column norms (error bound)",
     ("products", "_rounded_product"): "rounding check",
+    ("products", "_few_rows_kept"): "rounding check",
     ("products", "_exact_sums"): "exact fallback",
     ("products", "_exact_sum_rounded"): "exact fallback",
     ("products", "matmul"): "product set-up",

@@ -251,7 +251,8 @@ def _few_rows_kept(a: np.ndarray, const: Constant) -> np.ndarray | None:
     na = np.sqrt(np.square(a64).sum(axis=-1))                                  # ||a_i||  [M]
     if not ((na > 0) & (na < np.inf)).all():
         return None
-    ct = np.matmul(const.b64.T, a64.T)                                          # c^T [N, M] (BLAS's own threads)
+    ct = np.empty((const.shape[1], a.shape[0]))                                 # c^T [N, M]
+    _vector_product(const.b64.T, a64.T, ct, a.shape[1])                         # one BLAS product, its own threads
     e = const.norms.T * (na * _bound_factor(a.shape[1], 1))                     # bound [N, M], finite and > 0
     lo, hi = (ct - e).astype(np.float32), (ct + e).astype(np.float32)           # each end rounded once
     undecided = lo.view(np.int32) != hi.view(np.int32)
