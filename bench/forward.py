@@ -213,12 +213,18 @@ def count_fallbacks() -> dict:
     fallback (kernels/products.py steps 3 and 4), and the elementary-function values that need mpmath."""
     from refimpl.kernels import elementary, products
     counts = {"products": 0, "products_fallback": 0, "products_fsum": 0, "functions": 0, "functions_mpmath": 0}
-    rounded, exact_sums, exact_one, to_float32 = (products._rounded_product, products._exact_sums,
-                                                  products._exact_sum_rounded, elementary.to_float32)
+    rounded, kept, exact_sums, exact_one, to_float32 = (
+        products._rounded_product, products._few_rows_kept, products._exact_sums, products._exact_sum_rounded,
+        elementary.to_float32)
 
     def _rounded_product(a64, b64, c, *bound):
         counts["products"] += c.size
         return rounded(a64, b64, c, *bound)
+
+    def _few_rows_kept(a, const):
+        out = kept(a, const)
+        counts["products"] += 0 if out is None else out.size
+        return out
 
     def _exact_sums(a, b, *args):
         counts["products_fallback"] += a.shape[0]
@@ -238,8 +244,8 @@ def count_fallbacks() -> dict:
         counts["functions_mpmath"] += 1
         return to_float32(value)
 
-    products._rounded_product, products._exact_sums, products._exact_sum_rounded = (
-        _rounded_product, _exact_sums, _exact_sum_rounded)
+    products._rounded_product, products._few_rows_kept, products._exact_sums, products._exact_sum_rounded = (
+        _rounded_product, _few_rows_kept, _exact_sums, _exact_sum_rounded)
     elementary.correctly_rounded, elementary.to_float32 = counted, _to_float32
     return counts
 
