@@ -248,8 +248,8 @@ def _few_rows_kept(a: np.ndarray, const: Constant) -> np.ndarray | None:
     kept norms, steps 1-4) in as few NumPy calls as it takes: a decode step makes some 200 of these products, and
     each call's fixed cost is paid with cold caches (the weights streaming through them)."""
     a64 = a.astype(np.float64)                                                  # [M, K], exact
-    na = np.sqrt(np.square(a64).sum(axis=-1))                                  # ||a_i||  [M]
-    if not ((na > 0) & (na < np.inf)).all():
+    na = np.sqrt(a64 @ a64[0] if len(a64) == 1 else np.square(a64).sum(axis=-1))  # ||a_i||  [M]
+    if not all(0 < n < math.inf for n in na.tolist()):
         return None
     ct = np.empty((const.shape[1], a.shape[0]))                                 # c^T [N, M]
     _vector_product(const.b64.T, a64.T, ct, a.shape[1])                         # one BLAS product, its own threads
@@ -454,8 +454,8 @@ def _round_verified(c: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarra
     np.subtract(c, e, out=lo, casting="unsafe")
     np.add(c, e, out=hi, casting="unsafe")
     undecided = lo.view(np.int32) != hi.view(np.int32)
-    zero = e == 0
-    if zero.any():
+    if not e.all():                                                             # (the zeros: one call when none)
+        zero = e == 0
         lo[np.broadcast_to(zero, lo.shape)] = 0
         undecided &= ~zero
     return lo, undecided
