@@ -14,8 +14,9 @@ are built) is its own. All stay resident while the timed rounds alternate betwee
 at a time, so all see the same machine state; times are medians over rounds, and every ratio is also given per
 round (min / median / max: the noise of a shared machine; /proc/loadavg is printed). The decode step is also
 compared with its memory-bandwidth bound: the bytes one step must read (every weight matrix, the tied
-embedding as lm_head, the KV cache) over the streaming-read bandwidth measured before each round (the machine's
-varies by tens of percent within minutes: 34 to 60 GB/s in one afternoon), each round's steps against its own bound.
+embedding as lm_head, the KV cache) over the streaming-read bandwidth measured just before and just after each
+side's round (the machine's varies by tens of percent within minutes: 34 to 60 GB/s in one afternoon), each side's
+steps against the mean of the two around them.
 
     python bench/forward.py            # full 28-layer model (about 2.4 GB of float32 weights per side, and
                                        # 4.8 GB of float64 copies on the resident correctly rounded side)
@@ -265,7 +266,7 @@ class Side:
         self.proc = subprocess.Popen([sys.executable, *argv, "--side", side], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.info = self.read()
-        self.prefill, self.decode = [], []
+        self.prefill, self.decode, self.bandwidth = [], [], []     # per round: times, the read rate around them
 
     def read(self) -> dict:
         for line in self.proc.stdout:
@@ -290,7 +291,7 @@ class Side:
     def finish(self) -> dict:
         self.info.update(self.ask("finish"))
         self.proc.wait()
-        self.info.update(prefill_all=self.prefill, decode_all=self.decode,
+        self.info.update(prefill_all=self.prefill, decode_all=self.decode, bandwidth_all=self.bandwidth,
                          prefill=statistics.median(self.prefill), decode=statistics.median(self.decode))
         return self.info
 
@@ -299,7 +300,8 @@ class Side:
 
 def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, contention, loads) -> None:
     """r: refimpl (correctly rounded, float64 copies resident), c: the same converting the float32 weights on every
-    product, f: refimpl fast (plain BLAS), h: transformers; bws: the bandwidth measured before each round."""
+    product, f: refimpl fast (plain BLAS), h: transformers; bws: every bandwidth measurement, in order (each side's
+    round between two of them: its bound is from their mean read rate, its bandwidth_all)."""
     d = model_config(args.layers)
     L, Hkv, D = d["num_hidden_layers"], d["num_key_value_heads"], d["head_dim"]
     W = r["weight_bytes"]
@@ -308,7 +310,7 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
     mean_past = args.prompt_len + (args.steps - 1) / 2
     kv_bytes = 2 * L * Hkv * D * 4 * mean_past
     step_bytes = W + kv_bytes
-    bound = [step_bytes / bw["read"] for bw in bws]                                # per round
+    bound = lambda x: [step_bytes / bw for bw in x["bandwidth_all"]]              # noqa: E731 (per round)
     per_token = lambda x: [t / args.steps for t in x["decode_all"]]                # noqa: E731
     load = lambda side, phase: np.load(f"{out_dir}/{side}_{phase}.npy")          # noqa: E731
     rp, cp, fp, hp = (load(s, "prefill") for s in SIDES)
@@ -330,14 +332,14 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
             TARGETS["exact_prefill"]),
         row("  (converting the weights) / plain", c["prefill_all"], f["prefill_all"]),
         row("prefill: plain / transformers", f["prefill_all"], h["prefill_all"], TARGETS["prefill"]),
-        row("decode per token: correctly rounded, float64 copies resident / bound", per_token(r), bound,
+        row("decode per token: correctly rounded, float64 copies resident / bound", per_token(r), bound(r),
             TARGETS["exact_bound"]),
-        row("decode per token: correctly rounded, converting float32 / bound", per_token(c), bound,
+        row("decode per token: correctly rounded, converting float32 / bound", per_token(c), bound(c),
             TARGETS["convert_bound"]),
-        row("decode per token: plain / bandwidth bound", per_token(f), bound, TARGETS["bound"]),
+        row("decode per token: plain / bandwidth bound", per_token(f), bound(f), TARGETS["bound"]),
         row("decode per token: correctly rounded / plain", per_token(r), per_token(f)),
         row("decode per token: plain / transformers", per_token(f), per_token(h), TARGETS["decode"]),
-        row("decode per token: transformers / bound", per_token(h), bound),
+        row("decode per token: transformers / bound", per_token(h), bound(h)),
         row("prefill: correctly rounded / transformers", r["prefill_all"], h["prefill_all"]),
         row("peak memory - baseline (correctly rounded, float64 copies) / weights", r["peak"], W, fmt=fmt_bytes),
         row("peak memory - baseline (correctly rounded, converting) / weights", c["peak"], W, TARGETS["memory"],
@@ -367,9 +369,11 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
     bw = min(bws, key=lambda x: x["read"])
     reads = ", ".join(f"{x['read'] / 1e9:.1f}" for x in bws)
     rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bw.items() if k not in ("read", "read_method"))
-    print(f"bandwidth, GB/s (1 GiB float32, best of 3 per method, measured before every round: this machine's "
-          f"varies by tens of percent within minutes): best read per round {reads} -> bound "
-          f"{', '.join(fmt_s(b) for b in bound)} per step; the round with the least: {rates}")
+    print(f"bandwidth, GB/s (1 GiB float32, best of 3 per method, measured before and after every side's round: "
+          f"this machine's varies by tens of percent within minutes, so each side's steps are held against the mean "
+          f"of the two around them): best read, in order, {reads}; the least: {rates}")
+    for name, x in zip(SIDES, (r, c, f, h)):
+        print(f"bound per round, {name}: {', '.join(fmt_s(b) for b in bound(x))} per step")
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
@@ -441,21 +445,29 @@ def main(argv=None):
             s.ask("warmup")
         loads = loadavg()
         waited = timed = 0.0  # seconds some task waited for a CPU during the timed rounds, and their length
-        bws = []                  # the streaming bandwidth before each round: the bound of that round's steps
+        # the streaming bandwidth, measured before and after each side's round (the one after a side is the one
+        # before the next): a side's steps are held against the mean read rate of the two around them
+        bws = []
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", file=sys.stderr, flush=True)
-            if args.wait_idle:
-                wait_idle(args.wait_idle)
-            bws.append(memory_bandwidth(repeats=3))
             gc.collect()
+            before = None
             for s in (sides if i % 2 == 0 else sides[::-1]):
                 if args.wait_idle:
                     wait_idle(args.wait_idle)
+                    before = None                                    # (measured again after the wait)
+                if before is None:
+                    before = memory_bandwidth(repeats=3)
+                    bws.append(before)
                 p0, t0 = cpu_pressure_total(), time.perf_counter()
                 s.round()
                 if p0 is not None:
                     waited += cpu_pressure_total() - p0
                     timed += time.perf_counter() - t0
+                after = memory_bandwidth(repeats=3)
+                bws.append(after)
+                s.bandwidth.append((before["read"] + after["read"]) / 2)
+                before = after
         loads = (loads, loadavg())
         for s in sides:
             if s.name in PROFILED:

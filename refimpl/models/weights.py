@@ -377,7 +377,8 @@ class Weights:
         if self.resident:
             copies = "" if self.dtype != np.float32 else \
                 (f"; float64 copies of the matrices kept for the correctly rounded products "
-                 f"(+{size_text(self.float64_copies_nbytes())}; and of a KV cache: twice its bytes)" if self.float64_copies_planned() else
+                 f"(+{size_text(self.float64_copies_nbytes())}; and of a KV cache: twice its bytes)"
+                 if self.float64_copies_planned() else
                  "; no float64 copies of the matrices (" + ("float64_copies is off" if not self.float64_copies else
                                                             f"+{size_text(self.float64_copies_nbytes())} would exceed "
                                                             "the budget") + ")")
