@@ -79,7 +79,7 @@ def correctly_rounded(x, float64_fn, mp_fn, *, trig: bool = False, float32_resul
         out, undecided = _decided(flat, float64_fn, trig)
     else:
         products.spread(chunk, -(-flat.size // _CHUNK))  # elementwise: the bits do not depend on the chunks
-    if np.count_nonzero(undecided):                         # mpmath in this thread alone (its precision is a global)
+    if np.count_nonzero(undecided):             # mpmath in this thread alone (its precision is a global)
         with mpmath.workprec(_PREC):
             for i in np.flatnonzero(undecided):
                 out[i] = to_float32(mp_fn(mpmath.mpf(float(flat[i]))))
