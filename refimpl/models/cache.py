@@ -41,6 +41,7 @@ class Float64Mirror:
     values: np.ndarray         # [B, Hkv, capacity, Dv] float64
     key_norms: np.ndarray      # [B, Hkv, capacity]: ||k_p||_2 of each key
     value_squares: np.ndarray  # [B, Hkv, Dv]: sum_p v_pj^2 over the P positions (the value columns' norms squared)
+    views: tuple = ()          # the (keys, values) views the last append_kv returned: what the mirror stands for
 
 
 @dataclasses.dataclass
@@ -91,16 +92,18 @@ class Cache:
             m.key_norms[:, :, P:P + T] = np.sqrt(np.square(m.keys[:, :, P:P + T]).sum(axis=-1))
             m.value_squares += np.square(m.values[:, :, P:P + T]).sum(axis=2)
         kv.length = P + T
-        return kv.keys, kv.values
+        views = kv.keys, kv.values
+        if kv.float64 is not None:
+            kv.float64.views = views
+        return views
 
     def operands(self, layer: int, keys: np.ndarray, values: np.ndarray):
         """The operands of attention's two products over layer `layer`'s cache: keys^T [B, Hkv, 1, D, P] and values
         [B, Hkv, 1, P, Dv] as products.Constants with the float64 mirror's copies and norms where `keys` / `values`
-        are the views append_kv returned (attention reads the cache as it is), else the arrays as they are."""
+        are the very views append_kv returned (attention reads the cache as it is), else the arrays as they are."""
         kv = self.layers[layer]
         m = kv.float64 if isinstance(kv, KVCache) else None
-        if m is None or not _views_of(keys, kv.key_buffer, kv.length) or \
-                not _views_of(values, kv.value_buffer, kv.length):
+        if m is None or len(m.views) != 2 or keys is not m.views[0] or values is not m.views[1]:
             return keys, values
         P = kv.length
         keys_t = products.Constant(keys[:, :, None].swapaxes(-1, -2), m.key_norms[:, :, None, None, :P],
@@ -125,8 +128,3 @@ class Cache:
         self.batch_size = len(rows)
         return self
 
-
-def _views_of(x: np.ndarray, buffer: np.ndarray, length: int) -> bool:
-    """Whether x is buffer[:, :, :length] itself (the view append_kv returned, not a changed copy)."""
-    return isinstance(x, np.ndarray) and x.base is buffer and x.shape[2] == length and \
-        x.__array_interface__["data"][0] == buffer.__array_interface__["data"][0] and x.strides == buffer.strides

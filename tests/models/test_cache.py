@@ -111,7 +111,7 @@ def test_bad_forward_inputs_raise_input_error():
         model.forward(np.array([[1, 2]]), cache=model.new_cache(batch_size=2))
 
 
-def test_float64_mirror_gives_the_same_bits_and_tracks_the_cache():
+def test_float64_mirror_gives_the_same_bits_and_tracks_the_cache(monkeypatch):
     """A cache with float64 copies and norms (Model.new_cache over kept float64 weights) decodes the same bits as
     one without; its norms are the keys' and the value columns' over every appended position, also after the
     buffers grow (256 positions) and after select(); attention reads them only where it reads the cache as is."""
@@ -122,6 +122,14 @@ def test_float64_mirror_gives_the_same_bits_and_tracks_the_cache():
     ids = np.random.default_rng(4).integers(0, 101, size=(2, 300))
     plain, mirrored = Cache(3, 2), model.new_cache(batch_size=2)
     assert mirrored.float64_mirror and not plain.float64_mirror
+    taken, operands = [], Cache.operands                                  # which operands attention was given
+
+    def spy(self, *args):
+        out = operands(self, *args)
+        taken.append((self is mirrored, all(isinstance(x, products.Constant) for x in out)))
+        return out
+
+    monkeypatch.setattr(Cache, "operands", spy)
     for a, b in [(0, 250), (250, 251), (251, 260), (260, 261)]:
         want, got = (model.forward(ids[:, a:b], cache=c) for c in (plain, mirrored))
         assert np.array_equal(want.view(np.int32), got.view(np.int32))
@@ -129,16 +137,17 @@ def test_float64_mirror_gives_the_same_bits_and_tracks_the_cache():
     for t in range(261, 264):
         want, got = (model.forward(ids[1:, t:t + 1], cache=c) for c in (plain, mirrored))
         assert np.array_equal(want.view(np.int32), got.view(np.int32))
+    assert set(taken) == {(True, True), (False, False)}                   # every mirrored read, none of the plain
     kv = mirrored.layers[0]
     m = kv.float64
     assert kv.key_buffer.shape[2] > 256 and m is not None and plain.layers[0].float64 is None
     k64, v64 = kv.keys.astype(np.float64), kv.values.astype(np.float64)
     np.testing.assert_allclose(m.key_norms[:, :, :kv.length], np.sqrt((k64 ** 2).sum(-1)), rtol=1e-14)
     np.testing.assert_allclose(m.value_squares, (v64 ** 2).sum(2), rtol=1e-13)
-    keys_t, values = mirrored.operands(0, kv.keys, kv.values)
+    keys_t, values = mirrored.operands(0, *m.views)                        # the views the last append returned
     assert isinstance(keys_t, products.Constant) and isinstance(values, products.Constant)
     assert np.array_equal(keys_t.b64, k64[:, :, None].swapaxes(-1, -2)) and np.array_equal(values.b64, v64[:, :, None])
-    changed = kv.keys * np.float32(0.5)                                    # a prescaled copy: the array as it is
-    values = kv.values
-    got_k, got_v = mirrored.operands(0, changed, values)
-    assert got_k is changed and got_v is values
+    changed = kv.keys * np.float32(0.5)                                    # a prescaled copy: the arrays as they are
+    for k, v in ((changed, m.views[1]), (kv.keys, kv.values)):             # a changed copy; other views alike
+        got_k, got_v = mirrored.operands(0, k, v)
+        assert got_k is k and got_v is v
