@@ -148,7 +148,8 @@ def matmul(a: np.ndarray, b, out: np.ndarray | None = None) -> np.ndarray:
     if _runtime.get():
         return _into(out, mlas_sgemm(a, b))
     if const is not None and const.b64 is not None and const.positive and a.ndim == 2 and b.ndim == 2 \
-            and a.shape[0] <= _THREADED_ROWS and a.shape[1] == b.shape[0]:
+            and a.shape[0] <= _THREADED_ROWS and a.shape[1] == b.shape[0] and \
+            (out is None or out.shape == (a.shape[0], b.shape[1]) and out.dtype == np.float32):
         y = _few_rows_kept(a, const)
         if y is not None:
             return _into(out, y)
@@ -254,11 +255,12 @@ def _few_rows_kept(a: np.ndarray, const: Constant) -> np.ndarray | None:
     ct = np.empty((const.shape[1], a.shape[0]))                                 # c^T [N, M]
     _vector_product(const.b64.T, a64.T, ct, a.shape[1])                         # one BLAS product, its own threads
     e = const.norms.T * (na * _bound_factor(a.shape[1], 1))                     # bound [N, M], finite and > 0
-    lo, hi = (ct - e).astype(np.float32), (ct + e).astype(np.float32)           # each end rounded once
-    undecided = lo.view(np.int32) != hi.view(np.int32)
-    if np.count_nonzero(undecided):
-        cols, rows = np.nonzero(undecided)
-        lo[cols, rows] = _exact_sums(a64[rows], const.b64.T[cols])
+    with np.errstate(over="ignore"):                                            # (IEEE overflow to +-inf)
+        lo, hi = (ct - e).astype(np.float32), (ct + e).astype(np.float32)       # each end rounded once
+        undecided = lo.view(np.int32) != hi.view(np.int32)
+        if np.count_nonzero(undecided):
+            cols, rows = np.nonzero(undecided)
+            lo[cols, rows] = _exact_sums(a64[rows], const.b64.T[cols])
     return np.ascontiguousarray(lo.T)                                           # [M, N]
 
 
@@ -494,18 +496,19 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
 
 
 def _exact_sum_rounded(terms: list) -> np.float32:
-    """RNE32 of the exact sum of finite float64 terms."""
+    """RNE32 of the exact sum s of finite float64 terms. r = RN64(s) (math.fsum) is within half a float64 ulp of s,
+    so RNE32(s) = RNE32(r) unless r is itself a float32 rounding midpoint (float32 values and midpoints are float64
+    numbers: s cannot cross one that r is not on); there the exact sign of s - r decides, and s = r is a tie."""
     r = math.fsum(terms) + 0.0              # RN64(s); + 0.0 makes an exact zero +0
-    down = np.float32(np.nextafter(r, -np.inf))
-    up = np.float32(np.nextafter(r, np.inf))
-    if down.view(np.int32) == up.view(np.int32):
-        return down                         # every float64 within an ulp of r rounds alike: s does too
-    residual = math.fsum(terms + [-r])      # r is a float32 midpoint: the exact sign of s - r decides
-    if residual > 0:
-        return up
-    if residual < 0:
-        return down
-    return np.float32(r)                    # s = r exactly: IEEE's tie to even
+    _, exponent = math.frexp(r)             # 2^(exponent - 1) <= |r| < 2^exponent
+    half = math.ldexp(1.0, max(exponent - 25, -150))                           # half the float32 spacing at |r|
+    with np.errstate(over="ignore"):
+        if (abs(r) / half) % 2 != 1:        # not an odd multiple of the half spacing: not a midpoint
+            return np.float32(r)
+        residual = math.fsum(terms + [-r])  # r is a float32 midpoint: the exact sign of s - r decides
+        if residual == 0:
+            return np.float32(r)            # s = r exactly: IEEE's tie to even
+        return np.float32(r + math.copysign(half, residual))                     # the neighbour toward s
 
 
 def _nonfinite(nan: np.ndarray, pos_inf: np.ndarray, neg_inf: np.ndarray) -> np.ndarray:
@@ -538,7 +541,7 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
     if np.result_type(a.dtype, np.float32 if b is None else b.dtype, np.float32) == np.float64 or _plain.get():
         return np.sum(a if b is None else a * b, axis=axis, keepdims=keepdims)
     squares = a is b
-    if (b is None or squares) and a.size < _SPREAD_SUM and axis in (-1, a.ndim - 1):
+    if (b is None or squares) and a.ndim and a.size < _SPREAD_SUM and axis in (-1, a.ndim - 1):
         return _small_sums(a, squares, keepdims)
     if b is not None and not squares:
         a, b = np.broadcast_arrays(a, b)

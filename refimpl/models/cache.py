@@ -51,9 +51,10 @@ class LinearAttentionState:
 
 
 class Cache:
-    def __init__(self, num_layers: int, batch_size: int, float64_mirror: bool = False):
-        """float64_mirror: keep a Float64Mirror beside float32 keys and values (correctly rounded attention
-        over resident weights whose float64 copies are kept: Model.new_cache)."""
+    def __init__(self, num_layers: int, batch_size: int, float64_mirror: float = 0):
+        """float64_mirror: bytes a Float64Mirror beside float32 keys and values may take (correctly rounded
+        attention over resident weights whose float64 copies are kept: Model.new_cache gives the budget's room left
+        beside them); when the mirrors would outgrow it they are dropped, and attention converts the cache again."""
         self.batch_size = batch_size
         self.float64_mirror = float64_mirror
         self.layers: list[KVCache | LinearAttentionState | None] = [None] * num_layers
@@ -73,7 +74,8 @@ class Cache:
             capacity = max(2 * (P + T), 256)
             grown = KVCache(np.empty((*keys.shape[:2], capacity, keys.shape[3]), keys.dtype),
                             np.empty((*values.shape[:2], capacity, values.shape[3]), values.dtype), P)
-            if self.float64_mirror and keys.dtype == values.dtype == np.float32 and (kv is None or kv.float64):
+            if self.float64_mirror and keys.dtype == values.dtype == np.float32 and (kv is None or kv.float64) \
+                    and self._mirror_fits(layer, 2 * (grown.key_buffer.nbytes + grown.value_buffer.nbytes)):
                 grown.float64 = Float64Mirror(np.empty(grown.key_buffer.shape), np.empty(grown.value_buffer.shape),
                                               np.empty(grown.key_buffer.shape[:3]),
                                               np.zeros((*values.shape[:2], values.shape[3])))
@@ -96,6 +98,19 @@ class Cache:
         if kv.float64 is not None:
             kv.float64.views = views
         return views
+
+    def _mirror_fits(self, layer: int, nbytes: int) -> bool:
+        """Whether layer `layer`'s mirror may grow to nbytes (about: its norms aside) within float64_mirror; if not,
+        every layer's mirror is dropped and none is made again."""
+        held = sum(2 * (kv.key_buffer.nbytes + kv.value_buffer.nbytes) for i, kv in enumerate(self.layers)
+                   if i != layer and isinstance(kv, KVCache) and kv.float64 is not None)
+        if held + nbytes <= self.float64_mirror:
+            return True
+        self.float64_mirror = 0
+        for kv in self.layers:
+            if isinstance(kv, KVCache):
+                kv.float64 = None
+        return False
 
     def operands(self, layer: int, keys: np.ndarray, values: np.ndarray):
         """The operands of attention's two products over layer `layer`'s cache: keys^T [B, Hkv, 1, D, P] and values

@@ -140,8 +140,8 @@ class Model:
     def new_cache(self, batch_size: int = 1) -> Cache:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
-        mirror = not self.precision.fast and self.weights.float64_copies_planned()   # (Cache.operands)
-        return Cache(self.config.num_hidden_layers, batch_size, float64_mirror=mirror)
+        room = 0 if self.precision.fast else max(0, self.weights.float64_room())   # (Cache.operands)
+        return Cache(self.config.num_hidden_layers, batch_size, float64_mirror=room)
 
     def forward(self, input_ids, *, cache: Cache | None = None, attention_mask=None, position_ids=None,
                 logits_to_keep: int = 0) -> np.ndarray:

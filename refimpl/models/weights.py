@@ -211,11 +211,16 @@ class Weights:
     def float64_copies_planned(self) -> bool:
         """Whether the matrices' float64 copies are kept: `float64_copies` is on, the model is resident, and the
         converted model plus the copies fit the budget (the default budget: half of the machine's memory)."""
+        return self.float64_room() >= 0
+
+    def float64_room(self) -> float:
+        """Bytes of the budget left beside the converted model and the matrices' float64 copies (negative, -1 when
+        the copies are not kept): what a KV cache's float64 copies may take (Model.new_cache)."""
         if not self.float64_copies or self.dtype != np.float32 or not self.resident:
-            return False
+            return -1
         budget, reserve, _ = self.plan()
         limit = machine_memory() / 2 if budget == math.inf else budget - reserve
-        return self.compute_nbytes() + self.float64_copies_nbytes() <= limit
+        return limit - self.compute_nbytes() - self.float64_copies_nbytes()
 
     def compute_nbytes(self) -> int:
         """Bytes of the whole model in the compute dtype (converted, or used in place)."""

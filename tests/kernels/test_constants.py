@@ -2,6 +2,8 @@
 threads give the same bits as the product of the bare array, block by block in one thread, and as the exact
 product rounded once (tests/exact.py, an oracle the kernel does not use)."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -139,3 +141,33 @@ def test_few_rows_over_kept_copies_take_the_short_path_or_the_general_one(M, row
     w[3, 4] = 0                                                           # a zero column of b = w^T: not positive
     w[3] = 0
     assert not products.constant(w.T, keep_float64=True).positive
+
+
+@pytest.mark.parametrize("terms", [
+    [1 + 2.0 ** -23, 2.0 ** -24, -(2.0 ** -52), 2.0 ** -60],   # RN64 one float64 step below a float32 midpoint
+    [1 + 2.0 ** -23, 2.0 ** -24, 2.0 ** -52],                  # ... above it
+    [1.0, 2.0 ** -24, 2.0 ** -70], [1.0, 2.0 ** -24, -(2.0 ** -70)], [1.0, 2.0 ** -24],   # on it: the residual, a tie
+    [float(np.finfo(F32).max), 2.0 ** 103, -(2.0 ** 60)], [float(np.finfo(F32).max), 2.0 ** 103],   # the overflow edge
+    [2.0 ** -149, 2.0 ** -150, -(2.0 ** -200)],               # the subnormal spacing
+])
+def test_exact_fallback_rounds_sums_near_a_midpoint(terms):
+    """The last step of the fallback: RNE32 of an exact sum whose float64 rounding is on, or one step off, a float32
+    rounding midpoint (found by an adversarial review: one step off was taken for on, and the residual's sign then
+    picked the neighbour across it)."""
+    from fractions import Fraction
+    with np.errstate(over="ignore"):
+        want = exact.to_float32(sum((Fraction(t) for t in terms), Fraction(0)))
+        assert bits(products._exact_sum_rounded(list(terms))) == bits(want)
+
+
+
+def test_few_rows_over_kept_copies_overflow_quietly_and_check_out():
+    """The short path overflows to inf as IEEE does, without a warning (as the general path), and checks `out`."""
+    w, a = np.full((4, 3), 3e38, F32), np.full((1, 3), 2, F32)
+    c = products.constant(w.T, keep_float64=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.all(products.matmul(a, c) == np.inf)
+    for out in (np.empty((1, 4)), np.empty(4, F32), np.empty((2, 1, 4), F32)):
+        with pytest.raises(ValueError, match="out is"):
+            products.matmul(a, c, out=out)

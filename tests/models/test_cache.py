@@ -151,3 +151,17 @@ def test_float64_mirror_gives_the_same_bits_and_tracks_the_cache(monkeypatch):
     for k, v in ((changed, m.views[1]), (kv.keys, kv.values)):             # a changed copy; other views alike
         got_k, got_v = mirrored.operands(0, k, v)
         assert got_k is k and got_v is v
+
+
+def test_float64_mirror_dropped_beyond_its_room():
+    """Mirrors that would outgrow the room they are given are dropped (every layer's), and decoding goes on with
+    the same bits; Model.new_cache gives the budget's room beside the weights and their float64 copies."""
+    from refimpl.models.cache import Cache
+    model = small_model()
+    assert model.new_cache().float64_mirror == model.weights.float64_room() > 0
+    ids = np.random.default_rng(5).integers(0, 101, size=(2, 12))
+    plain, tight = Cache(3, 2), Cache(3, 2, float64_mirror=2**19)           # a layer's mirror: 256 KiB
+    for a, b in [(0, 10), (10, 11), (11, 12)]:
+        want, got = (model.forward(ids[:, a:b], cache=c) for c in (plain, tight))
+        assert np.array_equal(want.view(np.int32), got.view(np.int32))
+    assert tight.float64_mirror == 0 and all(kv.float64 is None for kv in tight.layers)
