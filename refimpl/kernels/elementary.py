@@ -69,15 +69,15 @@ def correctly_rounded(x, float64_fn, mp_fn, *, trig: bool = False, float32_resul
     if x.dtype != np.float64:
         x = x.astype(np.float32, copy=False)
     flat = x.reshape(-1)
-    out, undecided = np.empty(flat.shape, np.float32), np.empty(flat.shape, bool)
-
-    def chunk(i: int) -> None:                  # a cache-sized chunk: its float64 temporaries stay in cache
-        s = slice(i * _CHUNK, (i + 1) * _CHUNK)
-        out[s], undecided[s] = _decided(flat[s], float64_fn, trig)
-
     if flat.size <= _CHUNK:                     # one chunk (a decode step's activations): in this thread
         out, undecided = _decided(flat, float64_fn, trig)
     else:
+        out, undecided = np.empty(flat.shape, np.float32), np.empty(flat.shape, bool)
+
+        def chunk(i: int) -> None:              # a cache-sized chunk: its float64 temporaries stay in cache
+            s = slice(i * _CHUNK, (i + 1) * _CHUNK)
+            out[s], undecided[s] = _decided(flat[s], float64_fn, trig)
+
         products.spread(chunk, -(-flat.size // _CHUNK))  # elementwise: the bits do not depend on the chunks
     if np.count_nonzero(undecided):             # mpmath in this thread alone (its precision is a global)
         with mpmath.workprec(_PREC):

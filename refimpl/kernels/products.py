@@ -256,8 +256,7 @@ def _few_rows_kept(a: np.ndarray, const: Constant) -> np.ndarray | None:
     _vector_product(const.b64.T, a64.T, ct, a.shape[1])                         # one BLAS product, its own threads
     e = const.norms.T * (na * _bound_factor(a.shape[1], 1))                     # bound [N, M], finite and > 0
     with np.errstate(over="ignore"):                                            # (IEEE overflow to +-inf)
-        lo, hi = (ct - e).astype(np.float32), (ct + e).astype(np.float32)       # each end rounded once
-        undecided = lo.view(np.int32) != hi.view(np.int32)
+        lo, undecided = _round_verified(ct, e)
         if np.count_nonzero(undecided):
             cols, rows = np.nonzero(undecided)
             lo[cols, rows] = _exact_sums(a64[rows], const.b64.T[cols])
@@ -451,10 +450,7 @@ def _round_verified(c: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarra
     c, e float64 (broadcasting), e >= 0 finite and large enough to cover the rounding of c -+ e. e = 0 means
     every product is zero: the sum is +0 (c may be -0 then). Each end is computed in float64 and rounded to float32
     once (the ufunc's output cast)."""
-    shape = c.shape if c.shape == e.shape else np.broadcast_shapes(c.shape, e.shape)
-    lo, hi = np.empty(shape, np.float32), np.empty(shape, np.float32)
-    np.subtract(c, e, out=lo, casting="unsafe")
-    np.add(c, e, out=hi, casting="unsafe")
+    lo, hi = (c - e).astype(np.float32), (c + e).astype(np.float32)
     undecided = lo.view(np.int32) != hi.view(np.int32)
     if not e.all():                                                             # (the zeros: one call when none)
         zero = e == 0
@@ -484,9 +480,7 @@ def _exact_sums(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 15) -> np.ndarra
         p -= q                                                                  # r, exactly
         c = q.sum(axis=-1) + p.sum(axis=-1)
         e = (K * _U / (1 - K * _U) * K * _U * (1 + 2.0 ** -20)) * sigma[:, 0] + np.abs(c) * 2.0 ** -51
-        lo, hi = (c - e).astype(np.float32), (c + e).astype(np.float32)        # each end rounded once
-        out[f:f + rows] = lo
-        undecided = lo.view(np.int32) != hi.view(np.int32)
+        out[f:f + rows], undecided = _round_verified(c, e)
         if np.count_nonzero(undecided):
             exact = undecided & ~p.any(axis=-1)                                 # every r 0: c is the exact sum
             out[f:f + rows][exact] = (c[exact] + 0.0).astype(np.float32)       # RNE32(c); an exact zero +0
@@ -542,7 +536,9 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
         return np.sum(a if b is None else a * b, axis=axis, keepdims=keepdims)
     squares = a is b
     if (b is None or squares) and a.ndim and a.size < _SPREAD_SUM and axis in (-1, a.ndim - 1):
-        return _small_sums(a, squares, keepdims)
+        with np.errstate(invalid="ignore", over="ignore"):                    # small, summed where it lies
+            out = _sums_of_terms(a, b)
+        return out[..., None] if keepdims else out
     if b is not None and not squares:
         a, b = np.broadcast_arrays(a, b)
     a = np.moveaxis(a, axis, -1)
@@ -555,14 +551,8 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
 
     def block(i: int) -> None:                                                  # rows r .. r + n
         r = slice(i * rows, (i + 1) * rows)
-        if b is None:
-            p = a[r].astype(np.float64)                                         # [n, K] exact terms
-        else:
-            p = np.multiply(a[r], a[r] if squares else b[r], dtype=np.float64)  # exact products
-        c = p.sum(axis=-1)
-        nonnegative = squares or (b is None and a[r].min(initial=0) >= 0)      # (NaN compares False)
-        out[r] = _sums(p, c, c if nonnegative else np.abs(p).sum(axis=-1), K,
-                       lambda test: test(p).any(axis=-1), lambda idx: p[idx])
+        rows_a = a[r]
+        out[r] = _sums_of_terms(rows_a, None if b is None else rows_a if squares else b[r])
 
     n = -(-a.shape[0] // rows)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -575,17 +565,14 @@ def sumprod(a: np.ndarray, b: np.ndarray | None, axis: int = -1, keepdims: bool 
     return np.expand_dims(out, axis) if keepdims else out
 
 
-def _small_sums(a: np.ndarray, squares: bool, keepdims: bool) -> np.ndarray:
-    """sumprod's sums of a or of its squares over the last axis, for an a small enough to take at once (a decode
-    step's norms and softmax denominators: sumprod's arithmetic without its blocks and moved axes)."""
-    K = a.shape[-1]
-    with np.errstate(invalid="ignore", over="ignore"):
-        p = np.square(a, dtype=np.float64) if squares else a.astype(np.float64)  # exact terms [..., K]
-        c = p.sum(axis=-1)
-        nonnegative = squares or a.min(initial=0) >= 0                         # (NaN compares False)
-        out = _sums(p, c, c if nonnegative else np.abs(p).sum(axis=-1), K,
-                    lambda test: test(p).any(axis=-1), lambda idx: p[idx])
-    return out[..., None] if keepdims else out
+def _sums_of_terms(a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """RNE32 of each sum over the last axis of a's terms (b None) or of the products a b (b a itself: squares),
+    [..., K] -> [...]; the bound from the sums themselves where no term is negative."""
+    p = a.astype(np.float64) if b is None else np.multiply(a, b, dtype=np.float64)  # exact terms [..., K]
+    c = p.sum(axis=-1)
+    nonnegative = b is a or (b is None and a.min(initial=0) >= 0)              # (NaN compares False)
+    return _sums(p, c, c if nonnegative else np.abs(p).sum(axis=-1), a.shape[-1],
+                 lambda test: test(p).any(axis=-1), lambda idx: p[idx])
 
 
 def sum(x: np.ndarray, axis: int = -1, keepdims: bool = False) -> np.ndarray:  # noqa: A001 (the kernel's name)
