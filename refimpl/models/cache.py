@@ -41,7 +41,7 @@ class Float64Mirror:
     values: np.ndarray         # [B, Hkv, capacity, Dv] float64
     key_norms: np.ndarray      # [B, Hkv, capacity]: ||k_p||_2 of each key
     value_squares: np.ndarray  # [B, Hkv, Dv]: sum_p v_pj^2 over the P positions (the value columns' norms squared)
-    views: tuple = ()          # the (keys, values) views the last append_kv returned: what the mirror stands for
+    views: tuple = (None, None)   # the (keys, values) views the last append_kv returned: what it stands for
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ class Cache:
             grown = KVCache(np.empty((*keys.shape[:2], capacity, keys.shape[3]), keys.dtype),
                             np.empty((*values.shape[:2], capacity, values.shape[3]), values.dtype), P)
             if self.float64_mirror and keys.dtype == values.dtype == np.float32 and (kv is None or kv.float64) \
-                    and self._mirror_fits(layer, 2 * (grown.key_buffer.nbytes + grown.value_buffer.nbytes)):
+                    and self._mirror_fits(layer, grown):
                 grown.float64 = Float64Mirror(np.empty(grown.key_buffer.shape), np.empty(grown.value_buffer.shape),
                                               np.empty(grown.key_buffer.shape[:3]),
                                               np.zeros((*values.shape[:2], values.shape[3])))
@@ -99,12 +99,11 @@ class Cache:
             kv.float64.views = views
         return views
 
-    def _mirror_fits(self, layer: int, nbytes: int) -> bool:
-        """Whether layer `layer`'s mirror may grow to nbytes (about: its norms aside) within float64_mirror; if not,
-        every layer's mirror is dropped and none is made again."""
-        held = sum(2 * (kv.key_buffer.nbytes + kv.value_buffer.nbytes) for i, kv in enumerate(self.layers)
-                   if i != layer and isinstance(kv, KVCache) and kv.float64 is not None)
-        if held + nbytes <= self.float64_mirror:
+    def _mirror_fits(self, layer: int, grown: KVCache) -> bool:
+        """Whether layer `layer`'s mirror may grow to the buffers of `grown` within float64_mirror (a mirror: twice
+        its buffers' bytes, its norms aside); if not, every layer's mirror is dropped and none is made again."""
+        mirrors = [kv for i, kv in enumerate(self.layers) if i != layer and isinstance(kv, KVCache) and kv.float64]
+        if sum(2 * (kv.key_buffer.nbytes + kv.value_buffer.nbytes) for kv in [*mirrors, grown]) <= self.float64_mirror:
             return True
         self.float64_mirror = 0
         for kv in self.layers:
@@ -118,7 +117,7 @@ class Cache:
         are the very views append_kv returned (attention reads the cache as it is), else the arrays as they are."""
         kv = self.layers[layer]
         m = kv.float64 if isinstance(kv, KVCache) else None
-        if m is None or len(m.views) != 2 or keys is not m.views[0] or values is not m.views[1]:
+        if m is None or keys is not m.views[0] or values is not m.views[1]:
             return keys, values
         P = kv.length
         keys_t = products.Constant(keys[:, :, None].swapaxes(-1, -2), m.key_norms[:, :, None, None, :P],
@@ -142,4 +141,3 @@ class Cache:
         self.mask = self.mask[rows]
         self.batch_size = len(rows)
         return self
-
