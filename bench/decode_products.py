@@ -1,7 +1,8 @@
 """The weight products of one decode step, back to back, against the memory-bandwidth bound measured before each
 round: NumPy's sgemv over the float32 weights, its dgemv over float64 copies, refimpl's correctly rounded products
-over those copies (the resident path) and refimpl's plain path. What a decode step's products cost before anything
-else runs (docs/benchmarks.md, "The decode's parts"; issue 30's targets are ratios to the same bound).
+over those copies (the resident path) and over the float32 weights converted a block at a time (the converting
+path: no copies), and refimpl's plain path. What a decode step's products cost before anything else runs: each
+path's floor (docs/benchmarks.md, "The decode's parts"; issue 30's targets are ratios to the same bound).
 
     python bench/decode_products.py              # the Qwen3-0.6B shapes: 28 layers + the tied lm_head, ~7 GB
     python bench/decode_products.py --layers 4   # a smoke run
@@ -38,6 +39,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(s, dtype=np.float32) * np.float32(0.03) for s in LAYER * args.layers + [LM_HEAD]]
     consts = [products.constant(w.T, keep_float64=True) for w in weights]      # W^T with its norms and float64 copy
+    converted = [products.constant(w.T) for w in weights]                      # W^T with its norms only
     x = {k: rng.standard_normal((1, k), dtype=np.float32) for k in {s[1] for s in LAYER}}
     x64 = {k: v[0].astype(np.float64) for k, v in x.items()}
     nbytes = sum(w.nbytes for w in weights)
@@ -49,6 +51,7 @@ def main() -> None:
     sides = {"sgemv (float32)": lambda: [np.matmul(w, x[w.shape[1]][0]) for w in weights],
              "dgemv (float64 copies)": lambda: [np.matmul(c.b64.T, x64[c.b.shape[0]]) for c in consts],
              "correctly rounded, resident": lambda: [products.matmul(x[c.b.shape[0]], c) for c in consts],
+             "correctly rounded, converting": lambda: [products.matmul(x[c.b.shape[0]], c) for c in converted],
              "plain": plain}
     for fn in sides.values():
         fn()                                                                       # warm: pages, threads
