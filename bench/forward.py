@@ -183,10 +183,12 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
             t0 = time.perf_counter()
             prefill = forward(prompt, cache)
             t1 = time.perf_counter()
-            logits = [forward(ids, cache) for ids in decode_ids]
-            t2 = time.perf_counter()
+            logits, steps = [], [t1]
+            for ids in decode_ids:
+                logits.append(forward(ids, cache))
+                steps.append(time.perf_counter())
             del cache
-            reply({"prefill": t1 - t0, "decode": t2 - t1})
+            reply({"prefill": t1 - t0, "decode": steps[-1] - t1, "steps": np.diff(steps).tolist()})
         elif command == "profile":   # one more prefill and decode, every kernel stage timed (bench/_profile.py)
             from _profile import kernel_profile
             rows = {}
@@ -267,6 +269,7 @@ class Side:
                                      stdout=subprocess.PIPE, text=True)
         self.info = self.read()
         self.prefill, self.decode, self.bandwidth = [], [], []     # per round: times, the read rate around them
+        self.steps = []                                            # every decode step's time, all rounds
 
     def read(self) -> dict:
         for line in self.proc.stdout:
@@ -287,12 +290,14 @@ class Side:
         r = self.ask("round")
         self.prefill.append(r["prefill"])
         self.decode.append(r["decode"])
+        self.steps += r["steps"]
 
     def finish(self) -> dict:
         self.info.update(self.ask("finish"))
         self.proc.wait()
         self.info.update(prefill_all=self.prefill, decode_all=self.decode, bandwidth_all=self.bandwidth,
-                         prefill=statistics.median(self.prefill), decode=statistics.median(self.decode))
+                         steps=self.steps, prefill=statistics.median(self.prefill),
+                         decode=statistics.median(self.decode))
         return self.info
 
 
@@ -374,6 +379,11 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
           f"of the two around them): best read, in order, {reads}; the least: {rates}")
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"bound per round, {name}: {', '.join(fmt_s(b) for b in bound(x))} per step")
+    for name, x in zip(SIDES, (r, c, f, h)):
+        q = statistics.quantiles(x["steps"], n=10)
+        print(f"decode steps, {name}: min {fmt_s(min(x['steps']))}, p10 {fmt_s(q[0])}, median "
+              f"{fmt_s(statistics.median(x['steps']))}, p90 {fmt_s(q[-1])}, max {fmt_s(max(x['steps']))} over "
+              f"{len(x['steps'])} steps (the rows above: a round's mean; the machine's slow spells last seconds)")
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
