@@ -380,10 +380,11 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"bound per round, {name}: {', '.join(fmt_s(b) for b in bound(x))} per step")
     for name, x in zip(SIDES, (r, c, f, h)):
-        q = statistics.quantiles(x["steps"], n=10)
-        print(f"decode steps, {name}: min {fmt_s(min(x['steps']))}, p10 {fmt_s(q[0])}, median "
-              f"{fmt_s(statistics.median(x['steps']))}, p90 {fmt_s(q[-1])}, max {fmt_s(max(x['steps']))} over "
-              f"{len(x['steps'])} steps (the rows above: a round's mean; the machine's slow spells last seconds)")
+        steps = x["steps"]
+        p10, p90 = (statistics.quantiles(steps, n=10, method="inclusive") if len(steps) > 1 else steps * 9)[::8]
+        print(f"decode steps, {name}: min {fmt_s(min(steps))}, p10 {fmt_s(p10)}, median "
+              f"{fmt_s(statistics.median(steps))}, p90 {fmt_s(p90)}, max {fmt_s(max(steps))} over "
+              f"{len(steps)} steps (the rows above: a round's mean; the machine's slow spells last seconds)")
     for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
