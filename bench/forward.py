@@ -381,7 +381,8 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
         print(f"bound per round, {name}: {', '.join(fmt_s(b) for b in bound(x))} per step")
     for name, x in zip(SIDES, (r, c, f, h)):
         steps = x["steps"]
-        p10, p90 = (statistics.quantiles(steps, n=10, method="inclusive") if len(steps) > 1 else steps * 9)[::8]
+        deciles = statistics.quantiles(steps, n=10, method="inclusive") if len(steps) > 1 else steps
+        p10, p90 = deciles[0], deciles[-1]
         print(f"decode steps, {name}: min {fmt_s(min(steps))}, p10 {fmt_s(p10)}, median "
               f"{fmt_s(statistics.median(steps))}, p90 {fmt_s(p90)}, max {fmt_s(max(steps))} over "
               f"{len(steps)} steps (the rows above: a round's mean; the machine's slow spells last seconds)")
