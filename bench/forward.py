@@ -7,7 +7,9 @@ single-token decode steps with fixed token ids. Every side runs the same seeded 
 (refimpl.presets.random_weights, copied into torch tensors), so the bench also prints how far their logits
 are apart, and how many elements the correctly rounded path had to sum exactly (docs/numerics.md); then a
 profile per kernel stage of the correctly rounded sides (bench/_profile.py: products, conversion, error-bound
-norms, rounding check, exact fallback, sums, elementary functions, attention, MoE) on one more prefill and decode.
+norms, rounding check, exact fallback, sums, elementary functions, attention, MoE) on one more prefill and decode,
+and the resident and plain decode steps once more with every weight product replaced by zeros: what a step costs
+beside the products, against the bound (the products' own floor is bench/decode_products.py's).
 
 Each side runs in its own process, so its peak memory (peak RSS minus the process's RSS before the weights
 are built) is its own. All stay resident while the timed rounds alternate between them (A B C C B A ...), one
@@ -27,6 +29,7 @@ Prints times, ratios and PASS/MISS against the targets; never asserts.
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -66,6 +69,7 @@ TARGETS = {"prefill": 1.0, "decode": 1.0, "bound": 1.2, "memory": 1.2,   # the p
            "exact_prefill": 2.5, "exact_bound": 2.5, "convert_bound": 4.0}  # correctly rounded: vs plain, vs the bound
 SIDES = ("refimpl", "refimpl-convert", "refimpl-fast", "transformers")
 PROFILED = ("refimpl", "refimpl-convert")
+RESTED = ("refimpl", "refimpl-fast")        # sides whose decode step is also timed without its weight products
 
 
 def model_config(layers: int) -> dict:
@@ -97,7 +101,17 @@ def build_refimpl(d: dict, fast: bool = False, float64_copies: bool = True):
     def forward(ids, cache):
         return model.forward(ids, cache=cache)
 
-    return model.new_cache, forward, np.asarray, weight_bytes, lambda: weights.float64_nbytes
+    @contextlib.contextmanager
+    def without_weight_products():
+        """Every projection (Weights.linear: the 197 weight products of a 0.6B step) returns zeros of its shape:
+        what a step costs beside them (norms, RoPE, attention's products over the cache, activations, Python)."""
+        weights.linear = lambda x, name, bias=None: np.zeros((*x.shape[:-1], weights.shape(name)[0]), x.dtype)
+        try:
+            yield
+        finally:
+            del weights.linear
+
+    return model.new_cache, forward, np.asarray, weight_bytes, lambda: weights.float64_nbytes, without_weight_products
 
 
 def build_transformers(d: dict):
@@ -136,7 +150,7 @@ def build_transformers(d: dict):
     def to_numpy(t):
         return t.detach().numpy()
 
-    return new_cache, forward, to_numpy, weight_bytes, lambda: 0
+    return new_cache, forward, to_numpy, weight_bytes, lambda: 0, None
 
 
 def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str) -> None:
@@ -159,7 +173,7 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
     builders = {"refimpl": build_refimpl, "refimpl-fast": lambda d: build_refimpl(d, fast=True),
                 "refimpl-convert": lambda d: build_refimpl(d, float64_copies=False),
                 "transformers": build_transformers}
-    new_cache, forward, to_numpy, weight_bytes, float64_bytes = builders[side](d)
+    new_cache, forward, to_numpy, weight_bytes, float64_bytes, without_weight_products = builders[side](d)
     counts = count_fallbacks() if side in PROFILED else {}
     build_time = time.perf_counter() - t0
     gc.collect()
@@ -189,6 +203,17 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
                 steps.append(time.perf_counter())
             del cache
             reply({"prefill": t1 - t0, "decode": steps[-1] - t1, "steps": np.diff(steps).tolist()})
+        elif command == "rest":      # the decode steps again, every weight product replaced by zeros
+            cache = new_cache()
+            forward(prompt, cache)
+            steps = []
+            with without_weight_products():
+                for ids in decode_ids:
+                    t0 = time.perf_counter()
+                    forward(ids, cache)
+                    steps.append(time.perf_counter() - t0)
+            del cache
+            reply({"rest": steps})
         elif command == "profile":   # one more prefill and decode, every kernel stage timed (bench/_profile.py)
             from _profile import kernel_profile
             rows = {}
@@ -387,6 +412,13 @@ def report(args, r: dict, c: dict, f: dict, h: dict, bws: list, out_dir: str, co
               f"{fmt_s(statistics.median(steps))}, p90 {fmt_s(p90)}, max {fmt_s(max(steps))} over "
               f"{len(steps)} steps (the rows above: a round's mean; the machine's slow spells last seconds)")
     for name, x in zip(SIDES, (r, c, f, h)):
+        if "rest" in x:
+            rest, b = statistics.median(x["rest"]), step_bytes / x["rest_read"]
+            print(f"decode steps without their weight products (each replaced by zeros), {name}: min "
+                  f"{fmt_s(min(x['rest']))}, median {fmt_s(rest)} = {rest / b:.2f}x the bound around them "
+                  f"({fmt_s(b)}): what a step costs beside the products (whose own floor bench/decode_products.py "
+                  f"measures)")
+    for name, x in zip(SIDES, (r, c, f, h)):
         print(f"runs (s), {name}: prefill {fmt_list(x['prefill_all'])} decode {fmt_list(x['decode_all'])}; "
               f"build {x['build_time']:.1f} s")
     for name, (p, q) in (("correctly rounded", (rp, rd)), ("plain", (fp, fd))):
@@ -481,6 +513,12 @@ def main(argv=None):
                 s.bandwidth.append((before["read"] + after["read"]) / 2)
                 before = after
         loads = (loads, loadavg())
+        for s in sides:
+            if s.name in RESTED:                                  # its bound: the read rate around it, as a round's
+                print(f"timing {s.name} without its weight products ...", file=sys.stderr, flush=True)
+                before = memory_bandwidth(repeats=3)
+                s.info["rest"] = s.ask("rest")["rest"]
+                s.info["rest_read"] = (before["read"] + memory_bandwidth(repeats=3)["read"]) / 2
         for s in sides:
             if s.name in PROFILED:
                 print(f"profiling {s.name} ...", file=sys.stderr, flush=True)
