@@ -103,7 +103,7 @@ def build_refimpl(d: dict, fast: bool = False, float64_copies: bool = True):
 
     @contextlib.contextmanager
     def without_weight_products():
-        """Every projection (Weights.linear: the 197 weight products of a 0.6B step) returns zeros of its shape:
+        """Every projection (Weights.linear: a step's weight products, lm_head included) returns zeros of its shape:
         what a step costs beside them (norms, RoPE, attention's products over the cache, activations, Python)."""
         weights.linear = lambda x, name, bias=None: np.zeros((*x.shape[:-1], weights.shape(name)[0]), x.dtype)
         try:
