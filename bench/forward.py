@@ -181,6 +181,14 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
     phases_separate = reset_peak_rss()
     reply({"weight_bytes": weight_bytes, "build_time": build_time, "build_peak": build_peak})
 
+    def decode(cache) -> tuple[list, list]:
+        """The decode steps over `cache`: their logits, and each step's time."""
+        logits, stamps = [], [time.perf_counter()]
+        for ids in decode_ids:
+            logits.append(forward(ids, cache))
+            stamps.append(time.perf_counter())
+        return logits, np.diff(stamps).tolist()
+
     prefill = logits = None
     for command in sys.stdin:
         command = command.strip()
@@ -197,21 +205,14 @@ def serve_side(side: str, layers: int, prompt_len: int, steps: int, out_dir: str
             t0 = time.perf_counter()
             prefill = forward(prompt, cache)
             t1 = time.perf_counter()
-            logits, steps = [], [t1]
-            for ids in decode_ids:
-                logits.append(forward(ids, cache))
-                steps.append(time.perf_counter())
+            logits, steps = decode(cache)
             del cache
-            reply({"prefill": t1 - t0, "decode": steps[-1] - t1, "steps": np.diff(steps).tolist()})
+            reply({"prefill": t1 - t0, "decode": sum(steps), "steps": steps})
         elif command == "rest":      # the decode steps again, every weight product replaced by zeros
             cache = new_cache()
             forward(prompt, cache)
-            steps = []
             with without_weight_products():
-                for ids in decode_ids:
-                    t0 = time.perf_counter()
-                    forward(ids, cache)
-                    steps.append(time.perf_counter() - t0)
+                steps = decode(cache)[1]
             del cache
             reply({"rest": steps})
         elif command == "profile":   # one more prefill and decode, every kernel stage timed (bench/_profile.py)
